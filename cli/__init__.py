@@ -1,0 +1,1 @@
+"""The ``ipuft`` command line (click)."""

@@ -1,0 +1,135 @@
+"""``ipuft``: train, plan, bench, config show, plugins, and whatever subcommands plugins add.
+
+Every error a user can cause is printed as one line on stderr with exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+
+import click
+
+from ipuft.config import load_config, preset_names, to_yaml
+from ipuft.errors import IpuftError
+from ipuft.plugins import PluginHooks, create_plugin_manager
+
+DEFAULT_PRESET = "small-cpu"
+
+
+def fail(message: str, code: int = 2) -> None:
+    """Print one line naming what is wrong, and exit."""
+    click.echo(f"ipuft: error: {message}", err=True)
+    sys.exit(code)
+
+
+def config_arguments(command: Callable) -> Callable:
+    """``--config PRESET`` and ``KEY=VALUE ...`` overrides, resolved into ``cfg`` for the command."""
+
+    @click.option("--config", "preset", default=DEFAULT_PRESET, show_default=True, metavar="PRESET",
+                  help=f"A shipped preset ({', '.join(preset_names())}) or a path to a .yaml file.")
+    @click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
+    @click.pass_obj
+    @functools.wraps(command)
+    def wrapper(hooks: PluginHooks, preset: str, overrides: tuple[str, ...], **kwargs):
+        cfg = load_config(preset, overrides, hooks.registrations.config_sections)
+        hooks.registrations.check(cfg)
+        return command(hooks, cfg, **kwargs)
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="ipuft")
+def cli() -> None:
+    """Fine-tune GPT-J-family models larger than the accelerator's memory."""
+
+
+@cli.command()
+@config_arguments
+def train(hooks: PluginHooks, cfg) -> None:
+    """Fine-tune a model: the phased, offloaded training loop."""
+    from ipuft.train import train as run_training
+
+    run_training(cfg, hooks)
+
+
+@cli.command()
+@config_arguments
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def plan(hooks: PluginHooks, cfg, as_json: bool) -> None:
+    """Print the step program and its memory and traffic estimate, without allocating the model."""
+    from ipuft.model import build_model
+    from ipuft.plan import estimate, format_plan
+
+    parts = build_model(cfg, hooks)
+    result = estimate(cfg, parts, hooks)
+    click.echo(json.dumps(result, indent=2) if as_json else format_plan(result))
+
+
+@cli.command()
+@config_arguments
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def bench(hooks: PluginHooks, cfg, as_json: bool) -> None:
+    """Build the program, run one untimed step, then five timed steps; print the throughput."""
+    from ipuft.train import benchmark
+
+    result = benchmark(cfg, hooks)
+    if as_json:
+        click.echo(json.dumps(result))
+    else:
+        click.echo(f"Duration: {result['duration_s']:.4f} s  Throughput: {result['samples_per_s']:.1f} samples/s "
+                   f"{result['tokens_per_s']:.1f} tokens/s")
+
+
+@cli.group("config")
+def config_group() -> None:
+    """Inspect the resolved config."""
+
+
+@config_group.command("show")
+@config_arguments
+def config_show(hooks: PluginHooks, cfg) -> None:
+    """Print the resolved config (schema ← preset ← overrides) as YAML."""
+    click.echo(to_yaml(cfg), nl=False)
+
+
+@cli.command("plugins")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list.")
+@click.pass_obj
+def plugins_command(hooks: PluginHooks, as_json: bool) -> None:
+    """List the installed plugins: name, distribution, version and what each registers."""
+    described = hooks.describe()
+    if as_json:
+        click.echo(json.dumps(described, indent=2))
+        return
+    for p in described:
+        click.echo(f"{p['name']}  ({p['distribution']} {p['version']})")
+        for kind in ("components", "optimizers", "config_sections"):
+            if p[kind]:
+                click.echo(f"    {kind.replace('_', ' ')}: {', '.join(p[kind])}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``ipuft`` console script."""
+    try:
+        hooks = create_plugin_manager()
+        hooks.registrations  # noqa: B018 - surface registration errors before any command runs
+        hooks.register_commands(cli)
+        cli.main(args=argv, prog_name="ipuft", obj=hooks, standalone_mode=False)
+    except IpuftError as exc:
+        fail(str(exc), exc.exit_code)
+    except click.exceptions.Abort:
+        fail("aborted", 130)
+    except click.ClickException as exc:
+        fail(exc.format_message(), exc.exit_code)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        fail("interrupted", 130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""The batch-serialisation buffers ``x[L+1][GA]`` and ``dx[L+1][GA]``, and working-set accounting.
+
+Row ``n`` of ``x`` holds the input of decoder layer ``n`` for each micro-batch (row ``L`` is the head's
+input); ``dx`` holds the gradients flowing back through the same boundaries. Only these layer inputs
+survive between phases; everything else is recomputed. The buffers sit on the compute device, or in
+host memory with ``execution.activation_offload=true``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from ipuft.store import VariableStore
+
+KINDS = ("x", "dx")
+
+
+class ActivationBuffers:
+    """``x`` and ``dx`` rows of ``GA`` micro-batches each, on the device or offloaded to the host."""
+
+    def __init__(self, store: VariableStore, offload: bool) -> None:
+        self.store = store
+        self.offload = offload
+        self._slots: dict[tuple[str, int, int], torch.Tensor] = {}
+
+    def write(self, kind: str, row: int, mb: int, tensor: torch.Tensor) -> None:
+        """Keep ``tensor`` (on the compute device) as ``kind[row][mb]``."""
+        size = tensor.numel() * tensor.element_size()
+        if self.offload:
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.store.pin)
+            host.copy_(tensor, non_blocking=self.store.pin)
+            self.store.traffic.d2h["activation"] += size
+            tensor = host
+        else:
+            self.store.ledger.acquire(size)
+        self._slots[(kind, row, mb)] = tensor.detach()
+
+    @contextmanager
+    def read(self, kind: str, row: int, mb: int, consume: bool = False) -> Iterator[torch.Tensor]:
+        """``kind[row][mb]`` on the compute device for the duration of the block; ``consume`` frees it."""
+        key = (kind, row, mb)
+        stored = self._slots.pop(key) if consume else self._slots[key]
+        size = stored.numel() * stored.element_size()
+        if self.offload:
+            tensor = stored.to(self.store.compute, non_blocking=self.store.pin, copy=True)
+            self.store.traffic.h2d["activation"] += size
+            self.store.ledger.acquire(size)
+        else:
+            tensor = stored
+        try:
+            yield tensor
+        finally:
+            if self.offload or consume:
+                self.store.ledger.release(size)
+
+    def clear(self) -> None:
+        """Drop every buffered activation (the end of a step)."""
+        if not self.offload:
+            self.store.ledger.release(sum(t.numel() * t.element_size() for t in self._slots.values()))
+        self._slots.clear()
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+
+@contextmanager
+def working_set(store: VariableStore, exclude: list[torch.Tensor]) -> Iterator[None]:
+    """Count the tensors autograd saves for the backward as resident device bytes while the block runs
+    and until the caller's backward is done (they are released on exit).
+
+    Tensors already counted elsewhere (the loaded variables, the layer input) are excluded by storage.
+    """
+    seen = {t.untyped_storage().data_ptr() for t in exclude}
+    counted = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal counted
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in seen and t.device.type != "meta":
+            seen.add(ptr)
+            size = t.untyped_storage().nbytes()
+            counted += size
+            store.ledger.acquire(size)
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+    finally:
+        store.ledger.release(counted)

@@ -1,0 +1,159 @@
+"""The component contract: what an embeddings, decoder or head plugin provides to the engine.
+
+A component is a plain ``torch.nn.Module`` that knows nothing of distribution or of where its
+variables live. It *describes* its variables (:class:`VariableSpec`) so that the engine can own them:
+the engine allocates them in the variable store and runs the module with
+``torch.func.functional_call``. One module instance of the decoder serves every layer, as one
+compiled graph served every layer in the reference.
+
+Module call conventions, by role:
+
+- ``embeddings``: ``forward(input_ids: Long[B, T]) -> Float[B, T, H]``
+- ``decoder``: ``forward(hidden: Float[B, T, H]) -> Float[B, T, H]`` (one layer)
+- ``head``: ``forward(hidden) -> logits``, and ``forward(hidden, labels) -> loss``: the mean cross-entropy
+  over the micro-batch's tokens whose label is not ``IGNORE_INDEX`` (labels are already shifted: the
+  label at position t is the token at t + 1)
+
+Every component also implements ``variable_specs()`` and ``hf_mapping(layer)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
+
+from ipuft.errors import PluginError, choices
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+ROLES = ("embeddings", "decoder", "head")
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class Init:
+    """How a variable is initialised: ``normal`` (mean 0, ``std``), ``zeros`` or ``ones``."""
+
+    kind: str = "normal"
+    std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("normal", "zeros", "ones"):
+            raise ValueError(f"unknown init kind {self.kind!r}")
+
+    def fill_(self, tensor: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Initialise ``tensor`` in place, drawing from ``generator`` when random."""
+        with torch.no_grad():
+            if self.kind == "zeros":
+                return tensor.zero_()
+            if self.kind == "ones":
+                return tensor.fill_(1.0)
+            return tensor.normal_(0.0, self.std, generator=generator)
+
+
+@dataclass(frozen=True)
+class VariableSpec:
+    """One variable of a component: its local name, shape, dtype and initialisation."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype = torch.float32
+    init: Init = field(default_factory=Init)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+@runtime_checkable
+class Component(Protocol):
+    """What the engine needs from a component module besides ``forward``."""
+
+    def variable_specs(self) -> list[VariableSpec]:
+        """Every variable the module's forward uses, by the name ``functional_call`` expects."""
+        ...
+
+    def hf_mapping(self, layer: int | None) -> dict[str, str]:
+        """Map each local variable name to its Hugging Face GPT-J parameter name (``layer`` for decoders)."""
+        ...
+
+
+def specs_from_module(module: torch.nn.Module, inits: dict[str, Init]) -> list[VariableSpec]:
+    """Describe a module's parameters as variable specs, taking each init from ``inits`` by name."""
+    return [
+        VariableSpec(name, tuple(p.shape), p.dtype, inits[name]) for name, p in module.named_parameters()
+    ]
+
+
+ComponentFactory = Callable[["DictConfig"], torch.nn.Module]
+
+
+@dataclass(frozen=True)
+class ComponentBuilder:
+    """A named way to build the component of one role from the resolved config."""
+
+    role: str
+    name: str
+    build: ComponentFactory
+    description: str = ""
+    plugin: str = ""
+
+
+class ComponentRegistry:
+    """Every component builder the installed plugins registered, keyed by role and name.
+
+    Core owns the registry, so it can list every name and refuse a duplicate.
+    """
+
+    def __init__(self) -> None:
+        self._builders: dict[tuple[str, str], ComponentBuilder] = {}
+        self._plugin = ""
+
+    def bind_plugin(self, plugin: str) -> None:
+        """Attribute the next registrations to ``plugin`` (done by the hook wrapper, plugin by plugin)."""
+        self._plugin = plugin
+
+    def add(self, role: str, name: str, build: ComponentFactory, description: str = "") -> None:
+        """Register ``build`` as component ``name`` for ``role`` (one of :data:`ROLES`)."""
+        if role not in ROLES:
+            raise PluginError(
+                f"plugin {self._plugin!r} registers component {name!r} for unknown role {role!r}; "
+                f"roles: {', '.join(ROLES)}"
+            )
+        key = (role, name)
+        if key in self._builders:
+            raise PluginError(
+                f"{role} component {name!r} is registered twice: by plugin "
+                f"{self._builders[key].plugin!r} and by plugin {self._plugin!r}; "
+                f"disable one with IPUFT_DISABLE_PLUGINS"
+            )
+        self._builders[key] = ComponentBuilder(role, name, build, description, self._plugin)
+
+    def get(self, role: str, name: str) -> ComponentBuilder:
+        """The builder for ``role`` named ``name``; a :class:`PluginError` naming the choices if none."""
+        try:
+            return self._builders[(role, name)]
+        except KeyError:
+            raise PluginError(
+                f"model.{role}: unknown {role} component {name!r}; available: {choices(self.names(role))}"
+            ) from None
+
+    def names(self, role: str) -> list[str]:
+        return sorted(n for r, n in self._builders if r == role)
+
+    def __iter__(self) -> Iterator[ComponentBuilder]:
+        return iter(self._builders.values())
+
+
+def describe(builder: ComponentBuilder) -> dict[str, Any]:
+    """A JSON-ready description of a builder, for ``ipuft plugins``."""
+    return {"role": builder.role, "name": builder.name, "description": builder.description}

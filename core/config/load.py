@@ -1,0 +1,130 @@
+"""Build the resolved config: schema ← preset ← ``key=value`` overrides, then derived values and checks.
+
+Every mistake becomes a :class:`ConfigError` whose message names the key and what would be right.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from ipuft.config.schema import Config
+from ipuft.config.sections import ConfigSectionRegistry
+from ipuft.config.validate import derive_and_validate
+from ipuft.errors import ConfigError, choices
+
+
+def preset_names() -> list[str]:
+    """The presets shipped with ipuft."""
+    root = resources.files("ipuft.presets")
+    return sorted(p.name[: -len(".yaml")] for p in root.iterdir() if p.name.endswith(".yaml"))
+
+
+def _read_preset(preset: str) -> tuple[str, Any]:
+    """The YAML text of a shipped preset, or of a ``.yaml`` file the user names by path."""
+    if preset.endswith((".yaml", ".yml")):
+        path = Path(preset)
+        if not path.is_file():
+            raise ConfigError(f"--config: preset file {preset} does not exist")
+        text = path.read_text()
+    else:
+        resource = resources.files("ipuft.presets") / f"{preset}.yaml"
+        if not resource.is_file():
+            raise ConfigError(f"--config: unknown preset {preset!r}; presets: {choices(preset_names())} "
+                              f"(or a path to a .yaml file)")
+        text = resource.read_text()
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--config: preset {preset} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config: preset {preset} must be a YAML mapping of config keys")
+    return preset, data
+
+
+def _schema(sections: ConfigSectionRegistry | None) -> DictConfig:
+    plugin_sections = (sections or ConfigSectionRegistry()).schema_type()
+    resolved = dataclasses.make_dataclass(
+        "ResolvedConfig",
+        [("plugins", plugin_sections, dataclasses.field(default_factory=plugin_sections))],
+        bases=(Config,),
+    )
+    return OmegaConf.structured(resolved)
+
+
+def _valid_keys(schema: DictConfig, parent: str) -> list[str]:
+    node = OmegaConf.select(schema, parent) if parent else schema
+    return list(node.keys()) if isinstance(node, DictConfig) else []
+
+
+def _explain(exc: OmegaConfBaseException, schema: DictConfig, source: str) -> ConfigError:
+    """Turn an OmegaConf error into one line naming the key and what would be right."""
+    key = getattr(exc, "full_key", "") or ""
+    if isinstance(exc, ConfigKeyError) or "not in struct" in str(exc):
+        parent = key.rpartition(".")[0]
+        where = f"in {parent}" if parent else "at the top level"
+        return ConfigError(f"{source}: unknown config key {key}; valid keys {where}: "
+                           f"{', '.join(_valid_keys(schema, parent))}")
+    msg = str(getattr(exc, "msg", exc)).splitlines()[0]
+    if isinstance(exc, ValidationError):
+        return ConfigError(f"{source}: {key}: {msg}")
+    return ConfigError(f"{source}: {key or 'config'}: {msg}")
+
+
+def _parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
+    parsed = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key or any(c.isspace() for c in key):
+            raise ConfigError(f"argument {item!r} is not KEY=VALUE (for example training.steps=10)")
+        try:
+            parsed.append((key, yaml.safe_load(value) if value else None))
+        except yaml.YAMLError:
+            parsed.append((key, value))
+    return parsed
+
+
+def load_config(
+    preset: str | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    sections: ConfigSectionRegistry | None = None,
+) -> DictConfig:
+    """The resolved, validated, read-only config: schema ← preset ← ``key=value`` overrides."""
+    schema = _schema(sections)
+    cfg = schema.copy()
+    if preset is not None:
+        name, data = _read_preset(preset)
+        try:
+            cfg = OmegaConf.merge(cfg, data)
+        except OmegaConfBaseException as exc:
+            raise _explain(exc, schema, f"preset {name}") from None
+    for key, value in _parse_overrides(list(overrides)):
+        try:
+            if OmegaConf.select(cfg, key, default=_MISSING) is _MISSING:
+                raise ConfigKeyError(f"Key '{key}' is not in struct")
+            OmegaConf.update(cfg, key, value, merge=True)
+        except OmegaConfBaseException as exc:
+            if not getattr(exc, "full_key", None):
+                exc.full_key = key  # type: ignore[attr-defined]
+            raise _explain(exc, schema, "override") from None
+    try:
+        OmegaConf.resolve(cfg)
+    except OmegaConfBaseException as exc:
+        raise _explain(exc, schema, "config") from None
+    derive_and_validate(cfg)
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
+_MISSING = object()
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    """The resolved config as YAML, as ``ipuft config show`` prints and run directories keep it."""
+    return OmegaConf.to_yaml(cfg)

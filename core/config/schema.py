@@ -1,0 +1,134 @@
+"""The config schema: the reference's ``model``, ``training``, ``execution`` and ``checkpoint`` sections
+(same key names), plus ``data``, ``output_dir`` and the plugins' own sections under ``plugins``.
+
+Defaults are the reference's where they exist; where ipuft differs, the field's comment says why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Optional
+
+
+class Precision(str, Enum):
+    float32 = "float32"
+    float16 = "float16"
+    bfloat16 = "bfloat16"
+
+
+class Device(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Schedule(str, Enum):
+    constant = "constant"  # the reference's: warm-up, then constant
+    linear = "linear"  # warm-up, then linear decay to zero at the last step
+    cosine = "cosine"  # warm-up, then cosine decay to zero at the last step
+
+
+@dataclass
+class EmbeddingConfig:
+    vocab_size: int = 50400
+
+
+@dataclass
+class AttentionConfig:
+    heads: int = 16
+    rotary_positional_embeddings_base: int = 10000
+    rotary_dim: int = 64
+
+
+@dataclass
+class ModelConfig:
+    layers: int = 28
+    hidden_size: int = 4096
+    # GPT-J's MLP width; null means 4 × hidden_size, as Hugging Face's n_inner=None does.
+    intermediate_size: Optional[int] = None
+    sequence_length: int = 2048
+    eval: bool = False
+    dropout_prob: float = 0.0
+    # The reference defaults to float16; ipuft computes in float32 until mixed precision lands.
+    precision: Precision = Precision.float32
+    seed: int = 42
+    layer_norm_epsilon: float = 1e-5
+    embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    # Which registered component builds each role (see `ipuft plugins`).
+    embeddings: str = "gptj"
+    decoder: str = "gptj"
+    head: str = "gptj"
+
+
+@dataclass
+class LearningRateConfig:
+    maximum: float = 0.01
+    warmup_proportion: float = 0.0
+    schedule: Schedule = Schedule.constant
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adamw"
+    learning_rate: LearningRateConfig = field(default_factory=LearningRateConfig)
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-6  # hard-coded 1e-6 in the reference
+    weight_decay: float = 0.01
+    gradient_clipping: float = 1.0
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 1
+    global_batch_size: int = 32
+    stochastic_rounding: bool = True
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+
+
+@dataclass
+class ExecutionConfig:
+    micro_batch_size: int = 1
+    data_parallel: int = 1
+    tensor_parallel: int = 1
+    device_iterations: int = 1
+    loss_scaling: float = 1.0
+    attention_serialisation: int = 1
+    device: Device = Device.auto
+    # Keep weights, optimizer state and gradients in host memory and stream them per phase.
+    offload: bool = True
+    # Keep the x/dx activation buffers in host memory too.
+    activation_offload: bool = False
+    # Replicated tensor sharding over the data-parallel ranks; null means "on when data_parallel > 1".
+    rts: Optional[bool] = None
+
+
+@dataclass
+class CheckpointConfig:
+    load: Optional[str] = None
+    save: Optional[str] = None
+    steps: int = 0
+    to_keep: int = 4
+    optim_state: bool = True
+
+
+@dataclass
+class DataConfig:
+    # null: the built-in deterministic sample data. Real datasets come with the data issue.
+    path: Optional[str] = None
+    seed: int = 0
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    execution: ExecutionConfig = field(default_factory=ExecutionConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    # Run directory; null means runs/<timestamp>.
+    output_dir: Optional[str] = None
+    # Derived: global_batch_size / (data_parallel × micro_batch_size). Setting it is an error.
+    gradient_accumulation: Optional[int] = None

@@ -1,0 +1,80 @@
+"""Derived values (as the reference derives them) and the checks that no single key's type can express."""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from ipuft.config.schema import Precision
+from ipuft.errors import ConfigError
+
+_POSITIVE = (
+    "model.layers", "model.hidden_size", "model.sequence_length", "model.embedding.vocab_size",
+    "model.attention.heads", "model.attention.rotary_dim", "training.global_batch_size",
+    "execution.micro_batch_size", "execution.data_parallel", "execution.tensor_parallel",
+    "execution.device_iterations", "execution.attention_serialisation", "checkpoint.to_keep",
+)  # fmt: skip
+_NON_NEGATIVE = (
+    "training.steps", "training.optimizer.learning_rate.maximum", "training.optimizer.weight_decay",
+    "checkpoint.steps",
+)  # fmt: skip
+
+
+def _get(cfg: DictConfig, key: str):
+    node = cfg
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
+def _require(condition: bool, key: str, message: str) -> None:
+    if not condition:
+        raise ConfigError(f"{key}: {message}")
+
+
+def derive_and_validate(cfg: DictConfig) -> None:
+    """Fill the derived values of ``cfg`` in place and check its cross-key constraints."""
+    for key in _POSITIVE:
+        _require(_get(cfg, key) > 0, key, f"must be > 0, got {_get(cfg, key)}")
+    for key in _NON_NEGATIVE:
+        _require(_get(cfg, key) >= 0, key, f"must be >= 0, got {_get(cfg, key)}")
+
+    model, execution, optim = cfg.model, cfg.execution, cfg.training.optimizer
+    _require(0.0 <= model.dropout_prob < 1.0, "model.dropout_prob", f"must be in [0, 1), got {model.dropout_prob}")
+    _require(model.precision == Precision.float32, "model.precision",
+             f"only float32 is implemented so far (mixed precision is planned), got {model.precision.value}")
+    _require(execution.loss_scaling > 0, "execution.loss_scaling", f"must be > 0, got {execution.loss_scaling}")
+    _require(0.0 <= optim.learning_rate.warmup_proportion <= 1.0, "training.optimizer.learning_rate.warmup_proportion",
+             f"must be in [0, 1], got {optim.learning_rate.warmup_proportion}")
+    for beta in ("beta1", "beta2"):
+        _require(0.0 <= optim[beta] < 1.0, f"training.optimizer.{beta}", f"must be in [0, 1), got {optim[beta]}")
+    _require(optim.eps > 0, "training.optimizer.eps", f"must be > 0, got {optim.eps}")
+    _require(optim.gradient_clipping > 0, "training.optimizer.gradient_clipping",
+             f"must be > 0, got {optim.gradient_clipping}")
+
+    if model.intermediate_size is None:
+        model.intermediate_size = 4 * model.hidden_size
+    _require(model.intermediate_size > 0, "model.intermediate_size", f"must be > 0, got {model.intermediate_size}")
+    heads = model.attention.heads
+    _require(model.hidden_size % heads == 0, "model.hidden_size",
+             f"{model.hidden_size} is not divisible by model.attention.heads={heads}")
+    head_dim = model.hidden_size // heads
+    rotary = model.attention.rotary_dim
+    _require(rotary <= head_dim and rotary % 2 == 0, "model.attention.rotary_dim",
+             f"must be even and at most the head size {head_dim}, got {rotary}")
+
+    tp = execution.tensor_parallel
+    for key, value in (("model.attention.heads", heads), ("model.hidden_size", model.hidden_size),
+                       ("model.intermediate_size", model.intermediate_size)):
+        _require(value % tp == 0, key, f"{value} is not divisible by execution.tensor_parallel={tp}")
+
+    replicas_batch = execution.data_parallel * execution.micro_batch_size
+    gbs = cfg.training.global_batch_size
+    _require(cfg.gradient_accumulation is None, "gradient_accumulation",
+             "is derived as training.global_batch_size / (execution.data_parallel × execution.micro_batch_size); "
+             "set those instead")
+    _require(gbs % replicas_batch == 0, "training.global_batch_size",
+             f"{gbs} is not divisible by execution.data_parallel × execution.micro_batch_size = "
+             f"{execution.data_parallel} × {execution.micro_batch_size} = {replicas_batch}")
+    cfg.gradient_accumulation = gbs // replicas_batch
+    if execution.rts is None:
+        execution.rts = execution.data_parallel > 1

@@ -1,0 +1,25 @@
+"""Errors a user can cause. The CLI prints each as one line and exits with code 2, never a traceback."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class IpuftError(Exception):
+    """Base class for every error caused by user input: config, data, checkpoints, plugins."""
+
+    exit_code = 2
+
+
+class ConfigError(IpuftError):
+    """A config key, value, override or preset is wrong."""
+
+
+class PluginError(IpuftError):
+    """A plugin failed to load, registered a duplicate, or a requested plugin name is unknown."""
+
+
+def choices(values: Iterable[str]) -> str:
+    """Format a list of valid choices for an error message."""
+    values = sorted(values)
+    return ", ".join(values) if values else "(none installed)"

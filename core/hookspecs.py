@@ -1,0 +1,88 @@
+"""Every hook ipuft defines. Plugins implement them with ``@ipuft.hookimpl`` and are found through the
+``ipuft`` entry-point group. Core calls them only through :class:`ipuft.plugins.PluginHooks`.
+
+Grouped by when they run: registration (at start-up), then model construction (per run).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:
+    import click
+
+    from ipuft.components import ComponentRegistry, VariableSpec
+    from ipuft.config.sections import ConfigSectionRegistry
+    from ipuft.optim import OptimizerRegistry
+    from ipuft.program import StepProgram
+    from ipuft.sharding import ShardSpec
+
+PROJECT = "ipuft"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+# ---- registration ---------------------------------------------------------------------------------
+
+
+@hookspec
+def ipuft_register_components(registry: ComponentRegistry) -> None:
+    """Register component builders ("graph creation") with ``registry.add(role, name, build)``.
+
+    :param registry: core's registry; ``role`` is ``embeddings``, ``decoder`` or ``head``, and ``build``
+        takes the resolved config and returns a plain ``nn.Module`` following
+        :mod:`ipuft.components`. A name registered twice for one role is an error.
+    """
+
+
+@hookspec
+def ipuft_register_optimizers(registry: OptimizerRegistry) -> None:
+    """Register optimizers with ``registry.add(name, build)``; ``training.optimizer.name`` picks one.
+
+    :param registry: core's registry; ``build`` takes the resolved config and returns an
+        :class:`ipuft.optim.Optimizer`. A name registered twice is an error.
+    """
+
+
+@hookspec
+def ipuft_register_config_sections(registry: ConfigSectionRegistry) -> None:
+    """Contribute typed config sections with ``registry.add(name, dataclass_type)``.
+
+    Each section appears at ``plugins.<name>`` in the config, typed by the dataclass, so an unknown key or
+    a wrong type inside it is an error like any other.
+    """
+
+
+@hookspec
+def ipuft_register_commands(cli: click.Group) -> None:
+    """Add subcommands to the ``ipuft`` command line with ``cli.add_command(command)``."""
+
+
+# ---- model construction ---------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def ipuft_shard_spec(
+    role: str, name: str, variables: list[VariableSpec], tensor_parallel: int
+) -> dict[str, ShardSpec] | None:
+    """Say how the variables of component ``name`` (of ``role``) split over the tensor-parallel ranks.
+
+    Answer only for your own components, with one :class:`ipuft.sharding.ShardSpec` per variable name;
+    return ``None`` otherwise. A component nobody answers for is fully replicated (``tensor_parallel``
+    must then be 1).
+
+    Stops at the first non-None result.
+    """
+
+
+@hookspec(firstresult=True)
+def ipuft_emit_phases(program: StepProgram, role: str, name: str) -> bool | None:
+    """Emit the phases of component ``name`` (of ``role``) into ``program`` with ``program.emit``.
+
+    Answer only for your own components and return ``True``; return ``None`` otherwise. Core validates
+    the finished program's dataflow (see :meth:`ipuft.program.StepProgram.validate`).
+
+    Stops at the first non-None result.
+    """

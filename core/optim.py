@@ -1,0 +1,103 @@
+"""The optimizer contract. Optimizers are plugins, chosen with ``training.optimizer.name``.
+
+The engine calls :meth:`Optimizer.step` once per variable per optimizer step, on the device, with the
+variable's accumulated gradient (still multiplied by the loss scale) and its optimizer state. The global
+gradient norm arrives finished, so clipping is the optimizer's to apply, as in the reference's
+``AdamOptimizerStep(loss_scaling, global_norm, global_norm_max)``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ipuft.components import VariableSpec
+from ipuft.errors import PluginError, choices
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What every variable's update of one optimizer step shares.
+
+    ``global_norm`` is the norm of the *unscaled* gradient over every variable of the model;
+    ``loss_scaling`` is the factor the gradients still carry; ``step`` counts updates from 1.
+    """
+
+    lr: float
+    global_norm: float
+    loss_scaling: float
+    step: int
+
+
+class Optimizer(ABC):
+    """An update rule applied variable by variable, in place."""
+
+    @abstractmethod
+    def state_specs(self, variable: VariableSpec) -> list[VariableSpec]:
+        """The optimizer-state variables kept for ``variable`` (names local to it, e.g. ``m``, ``v``)."""
+
+    @abstractmethod
+    def step(
+        self,
+        name: str,
+        weight: torch.Tensor,
+        grad: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        ctx: StepContext,
+    ) -> None:
+        """Update ``weight`` and ``state`` in place from ``grad``; ``name`` is the variable's full name."""
+
+
+OptimizerFactory = Callable[["DictConfig"], Optimizer]
+
+
+@dataclass(frozen=True)
+class OptimizerBuilder:
+    """A named optimizer; ``build`` receives the whole resolved config."""
+
+    name: str
+    build: OptimizerFactory
+    description: str = ""
+    plugin: str = ""
+
+
+class OptimizerRegistry:
+    """Every optimizer the installed plugins registered; refuses duplicates."""
+
+    def __init__(self) -> None:
+        self._builders: dict[str, OptimizerBuilder] = {}
+        self._plugin = ""
+
+    def bind_plugin(self, plugin: str) -> None:
+        """Attribute the next registrations to ``plugin`` (done by the hook wrapper, plugin by plugin)."""
+        self._plugin = plugin
+
+    def add(self, name: str, build: OptimizerFactory, description: str = "") -> None:
+        """Register optimizer ``name``; ``training.optimizer.name=<name>`` selects it."""
+        if name in self._builders:
+            raise PluginError(
+                f"optimizer {name!r} is registered twice: by plugin {self._builders[name].plugin!r} "
+                f"and by plugin {self._plugin!r}; disable one with IPUFT_DISABLE_PLUGINS"
+            )
+        self._builders[name] = OptimizerBuilder(name, build, description, self._plugin)
+
+    def get(self, name: str) -> OptimizerBuilder:
+        try:
+            return self._builders[name]
+        except KeyError:
+            raise PluginError(
+                f"training.optimizer.name: unknown optimizer {name!r}; available: {choices(self._builders)}"
+            ) from None
+
+    def names(self) -> list[str]:
+        return sorted(self._builders)
+
+    def __iter__(self) -> Iterator[OptimizerBuilder]:
+        return iter(self._builders.values())

@@ -1,0 +1,176 @@
+"""The step program: the fixed sequence of phases that makes one optimizer step.
+
+Plugins emit phases into the program through the ``ipuft_emit_phases`` hook. A phase brings one unit
+(the embeddings, one decoder layer, or the head) to the compute device, runs its ops over every
+gradient-accumulation micro-batch (layer-major batch serialisation), and stores back what it changed.
+The engine interprets the ops; the program only says what runs, in which order, and so what each phase
+loads and stores.
+
+Phases are emitted into :class:`Stage` slots, so the reference's order holds whatever order the plugins'
+hooks are called in. :meth:`StepProgram.validate` checks the dataflow: every activation a phase reads
+was written before it, the global gradient norm is finished exactly once after every gradient and before
+any optimizer step, and every unit is updated exactly once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from enum import Enum, IntEnum
+
+from ipuft.errors import PluginError
+
+
+class Stage(IntEnum):
+    """The reference's seven stages of one optimizer step, in order."""
+
+    EMBEDDINGS_FORWARD = 1
+    DECODER_FORWARD = 2
+    HEAD_FORWARD_BACKWARD = 3
+    DECODER_BACKWARD = 4
+    EMBEDDINGS_BACKWARD_OPTIMIZER = 5
+    DECODER_OPTIMIZER = 6
+    HEAD_OPTIMIZER = 7
+
+
+class Op(str, Enum):
+    """What a phase does with its unit, for every micro-batch where it computes."""
+
+    FORWARD = "forward"  # x[out][mb] = unit(x[in][mb]); no autograd state is kept
+    LOSS_BACKWARD = "loss_backward"  # head: loss of x[L][mb], backward to dx[L][mb], accumulate grads
+    BACKWARD = "backward"  # recompute from x[in][mb], backward with dx[out][mb] to dx[in][mb], accumulate
+    GLOBAL_NORM = "global_norm"  # finish the global gradient norm over every variable
+    OPTIMIZER_STEP = "optimizer_step"  # update weights and optimizer state from the gradient
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_GRADIENT_OPS = (Op.LOSS_BACKWARD, Op.BACKWARD)
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One phase: a unit (``role``, and ``layer`` for the decoder) and the ops run on it, in order."""
+
+    role: str
+    layer: int | None
+    ops: tuple[Op, ...]
+
+    @property
+    def unit(self) -> str:
+        """The variable-store key of the unit: ``embeddings``, ``decoder.3`` or ``head``."""
+        return self.role if self.layer is None else f"{self.role}.{self.layer}"
+
+    @property
+    def name(self) -> str:
+        return f"{self.unit}:{'+'.join(op.value for op in self.ops)}"
+
+    @property
+    def computes_gradient(self) -> bool:
+        return any(op in _GRADIENT_OPS for op in self.ops)
+
+    @property
+    def loads(self) -> tuple[str, ...]:
+        """The variable groups brought to the device: ``fwd``, ``optim``, ``grad``."""
+        groups = ["fwd"] if self.ops != (Op.GLOBAL_NORM,) else []
+        if Op.OPTIMIZER_STEP in self.ops:
+            groups.append("optim")
+            if not self.computes_gradient:
+                groups.append("grad")
+        return tuple(groups)
+
+    @property
+    def stores(self) -> tuple[str, ...]:
+        """The variable groups written back to host memory."""
+        if Op.OPTIMIZER_STEP in self.ops:
+            return ("fwd", "optim")
+        if self.computes_gradient:
+            return ("grad",)
+        return ()
+
+
+class StepProgram:
+    """The phases of one optimizer step for a model of ``layers`` decoder layers."""
+
+    def __init__(self, layers: int) -> None:
+        self.layers = layers
+        self._emitted: list[tuple[Stage, int, Phase]] = []
+
+    def emit(self, stage: Stage, phase: Phase) -> None:
+        """Append ``phase`` to ``stage``; phases of one stage keep the order they were emitted in."""
+        if phase.layer is not None and not 0 <= phase.layer < self.layers:
+            raise PluginError(f"phase {phase.name} names layer {phase.layer} of a {self.layers}-layer model")
+        self._emitted.append((Stage(stage), len(self._emitted), phase))
+
+    @property
+    def phases(self) -> list[Phase]:
+        return [p for _, _, p in sorted(self._emitted, key=lambda e: (e[0], e[1]))]
+
+    def __iter__(self) -> Iterator[Phase]:
+        return iter(self.phases)
+
+    def __len__(self) -> int:
+        return len(self._emitted)
+
+    def stage_of(self, phase: Phase) -> Stage:
+        return next(s for s, _, p in self._emitted if p is phase)
+
+    def units(self) -> list[str]:
+        """Every unit of the model: the embeddings, each decoder layer, the head."""
+        return ["embeddings", *(f"decoder.{n}" for n in range(self.layers)), "head"]
+
+    def activation_rows(self, phase: Phase) -> tuple[int | None, int | None]:
+        """The rows of ``x``/``dx`` a phase's unit reads and writes: (input row, output row).
+
+        Row ``n`` holds the input of decoder layer ``n``; row ``L`` is the head's input. The embeddings
+        read token ids (input ``None``); the head writes only a loss (output ``None``).
+        """
+        if phase.role == "embeddings":
+            return None, 0
+        if phase.role == "head":
+            return self.layers, None
+        return phase.layer, phase.layer + 1
+
+    def validate(self) -> None:
+        """Check the program's dataflow; raise :class:`PluginError` naming the first faulty phase."""
+        x_ready: set[int] = set()
+        dx_ready: set[int] = set()
+        grads: set[str] = set()
+        updated: set[str] = set()
+        norm_done = False
+        for phase in self.phases:
+            x_in, x_out = self.activation_rows(phase)
+            for op in phase.ops:
+                if op is Op.FORWARD:
+                    _need(x_in is None or x_in in x_ready, phase, f"x[{x_in}] has not been computed")
+                    x_ready.add(x_out)
+                elif op is Op.LOSS_BACKWARD:
+                    _need(x_in in x_ready, phase, f"x[{x_in}] has not been computed")
+                    dx_ready.add(x_in)
+                    grads.add(phase.unit)
+                elif op is Op.BACKWARD:
+                    _need(x_out in dx_ready, phase, f"dx[{x_out}] has not been computed")
+                    _need(not norm_done, phase, "a gradient is computed after the global norm")
+                    if x_in is not None:
+                        dx_ready.add(x_in)
+                    grads.add(phase.unit)
+                elif op is Op.GLOBAL_NORM:
+                    _need(not norm_done, phase, "the global norm is finished twice")
+                    missing = sorted(set(self.units()) - grads)
+                    _need(not missing, phase, f"the global norm misses the gradients of {missing}")
+                    norm_done = True
+                elif op is Op.OPTIMIZER_STEP:
+                    _need(norm_done, phase, "an optimizer step runs before the global norm")
+                    _need(phase.unit not in updated, phase, f"{phase.unit} is updated twice")
+                    updated.add(phase.unit)
+        if not norm_done:
+            raise PluginError("the step program never finishes the global gradient norm")
+        missing = sorted(set(self.units()) - updated)
+        if missing:
+            raise PluginError(f"the step program never updates {', '.join(missing)}")
+
+
+def _need(condition: bool, phase: Phase, why: str) -> None:
+    if not condition:
+        raise PluginError(f"invalid step program at phase {phase.name}: {why}")

@@ -1,0 +1,110 @@
+"""The sharding contract: how each variable of a component splits for tensor parallelism, and whether
+it may be replica-sharded (RTS, ZeRO-style) over the data-parallel ranks.
+
+Component plugins answer the ``ipuft_shard_spec`` hook for their own components; core turns the answer
+into local shapes and shards. A component with no answer is fully replicated, which is only valid at
+``tensor_parallel == 1``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ipuft.components import VariableSpec
+from ipuft.errors import ConfigError, PluginError
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How one variable is laid out over the tensor-parallel and data-parallel ranks.
+
+    ``tp_dim``: the dimension split evenly over the TP group, or ``None`` when every TP rank holds a full
+    replica (layer norms, a row-parallel layer's bias).
+    ``pad_multiple``: when sharded, ``tp_dim`` is padded up to a multiple of ``tensor_parallel *
+    pad_multiple`` first (the vocabulary, as the reference pads it); ``None``: it must divide evenly.
+    ``rts``: whether the variable, its optimizer state and its gradient may be stored sharded over the
+    data-parallel replicas.
+    """
+
+    tp_dim: int | None = None
+    pad_multiple: int | None = None
+    rts: bool = True
+
+    @property
+    def replicated_over_tp(self) -> bool:
+        return self.tp_dim is None
+
+    def padded_size(self, size: int, tensor_parallel: int) -> int:
+        """The full size of ``tp_dim`` after padding for ``tensor_parallel`` shards."""
+        if self.tp_dim is None or tensor_parallel == 1 or self.pad_multiple is None:
+            return size
+        multiple = tensor_parallel * self.pad_multiple
+        return math.ceil(size / multiple) * multiple
+
+    def local_shape(self, shape: tuple[int, ...], tensor_parallel: int) -> tuple[int, ...]:
+        """The shape one TP rank holds."""
+        if self.tp_dim is None or tensor_parallel == 1:
+            return tuple(shape)
+        padded = self.padded_size(shape[self.tp_dim], tensor_parallel)
+        if padded % tensor_parallel:
+            raise ConfigError(
+                f"dimension {self.tp_dim} of size {shape[self.tp_dim]} does not split over "
+                f"execution.tensor_parallel={tensor_parallel}"
+            )
+        local = list(shape)
+        local[self.tp_dim] = padded // tensor_parallel
+        return tuple(local)
+
+    def shard(self, full: torch.Tensor, tp_rank: int, tensor_parallel: int) -> torch.Tensor:
+        """The slice of ``full`` that TP rank ``tp_rank`` holds (padding with zeros where needed)."""
+        if self.tp_dim is None or tensor_parallel == 1:
+            return full
+        size = full.shape[self.tp_dim]
+        padded = self.padded_size(size, tensor_parallel)
+        if padded != size:
+            pad_shape = list(full.shape)
+            pad_shape[self.tp_dim] = padded - size
+            full = torch.cat([full, full.new_zeros(pad_shape)], dim=self.tp_dim)
+        return full.chunk(tensor_parallel, dim=self.tp_dim)[tp_rank]
+
+    def unshard(self, shards: list[torch.Tensor], full_size: int | None = None) -> torch.Tensor:
+        """Reassemble the full variable from every TP rank's shard, dropping padding."""
+        if self.tp_dim is None or len(shards) == 1:
+            return shards[0]
+        full = torch.cat(shards, dim=self.tp_dim)
+        if full_size is not None:
+            full = full.narrow(self.tp_dim, 0, full_size)
+        return full
+
+
+def resolve_shard_specs(
+    component: str, variables: list[VariableSpec], answer: dict[str, ShardSpec] | None, tensor_parallel: int
+) -> dict[str, ShardSpec]:
+    """Check a plugin's answer to ``ipuft_shard_spec`` against the component's variables.
+
+    Every variable needs a spec; with no answer at all, everything is replicated, which needs TP=1.
+    """
+    names = [v.name for v in variables]
+    if answer is None:
+        if tensor_parallel > 1:
+            raise ConfigError(
+                f"{component} declares no tensor-parallel sharding; set execution.tensor_parallel=1 "
+                f"or use a component that answers ipuft_shard_spec"
+            )
+        return {n: ShardSpec() for n in names}
+    missing = sorted(set(names) - set(answer))
+    extra = sorted(set(answer) - set(names))
+    if missing or extra:
+        raise PluginError(
+            f"{component}: shard spec does not match its variables (missing: {missing or 'none'}, "
+            f"unknown: {extra or 'none'})"
+        )
+    for var in variables:
+        spec = answer[var.name]
+        if spec.tp_dim is not None and not 0 <= spec.tp_dim < len(var.shape):
+            raise PluginError(f"{component}: shard spec of {var.name} splits dim {spec.tp_dim} of {var.shape}")
+        spec.local_shape(var.shape, tensor_parallel)  # raises when it does not divide
+    return {n: answer[n] for n in names}

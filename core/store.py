@@ -1,0 +1,198 @@
+"""The variable store: every variable of the model in host memory (the reference's remote buffers).
+
+Variables are kept per unit (``embeddings``, ``decoder.<n>``, ``head``) and per group:
+
+- ``fwd``: the weights;
+- ``optim``: the optimizer state;
+- ``grad``: the accumulated gradients, between the backward and the optimizer phases.
+
+A phase :meth:`~VariableStore.load`\\ s what it needs onto the compute device and
+:meth:`~VariableStore.save`\\ s back what it changed. :class:`Traffic` counts the bytes moved in each
+direction, and :class:`DeviceLedger` the bytes resident on the compute device and their peak.
+
+With ``offload=False`` the variables live on the compute device: loads hand out the stored tensors
+themselves and saves are no-ops, so the same program runs with no traffic. On a CPU compute device with
+offload on, loads and saves are real copies, so the counters are honest there too.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from ipuft.components import VariableSpec
+
+GROUPS = ("fwd", "optim", "grad")
+Tensors = dict[str, torch.Tensor]
+
+
+def nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass
+class Traffic:
+    """Bytes moved between host and compute device, per category (a variable group, ``activation``,
+    ``data``), in each direction."""
+
+    h2d: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    d2h: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    @property
+    def h2d_bytes(self) -> int:
+        return sum(self.h2d.values())
+
+    @property
+    def d2h_bytes(self) -> int:
+        return sum(self.d2h.values())
+
+    def weight_bytes(self) -> int:
+        """Bytes of variables (every group) moved in either direction."""
+        return sum(self.h2d[g] + self.d2h[g] for g in GROUPS)
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        return {"h2d": dict(self.h2d), "d2h": dict(self.d2h)}
+
+
+class DeviceLedger:
+    """Bytes the engine holds on the compute device, and their peak since the last reset."""
+
+    def __init__(self) -> None:
+        self.resident = 0
+        self.peak = 0
+
+    def acquire(self, n: int) -> None:
+        self.resident += n
+        self.peak = max(self.peak, self.resident)
+
+    def release(self, n: int) -> None:
+        self.resident -= n
+
+    def reset_peak(self) -> None:
+        self.peak = self.resident
+
+
+class VariableStore:
+    """Host-resident variables, loaded to and saved from the compute device phase by phase."""
+
+    def __init__(self, compute: torch.device, offload: bool = True) -> None:
+        self.compute = torch.device(compute)
+        self.offload = offload
+        self.home = torch.device("cpu") if offload else self.compute
+        # Pinned host memory makes host↔device copies asynchronous on CUDA.
+        self.pin = offload and self.compute.type == "cuda"
+        self.entries: dict[str, dict[str, Tensors]] = defaultdict(dict)
+        self.traffic = Traffic()
+        self.ledger = DeviceLedger()
+        self.copy_stream = torch.cuda.Stream(self.compute) if self.pin else None
+        self._prefetched: dict[tuple[str, str], tuple[Tensors, torch.cuda.Event]] = {}
+
+    # ---- allocation ----
+
+    def allocate(self, unit: str, group: str, specs: list[VariableSpec], seed: int | None = None) -> None:
+        """Create ``unit``'s ``group`` variables in their home memory, initialised from their specs.
+
+        Random inits draw from a generator seeded by ``seed`` and the unit's name, so a unit's initial
+        values do not depend on how many other units exist or on the device.
+        """
+        generator = None
+        if seed is not None:
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(unit.encode()))
+        tensors = {}
+        for spec in specs:
+            t = torch.empty(spec.shape, dtype=spec.dtype)
+            spec.init.fill_(t, generator)
+            if self.pin:
+                t = t.pin_memory()
+            tensors[spec.name] = t.to(self.home)
+        self.entries[unit][group] = tensors
+        if not self.offload:
+            self.ledger.acquire(nbytes(tensors.values()))
+
+    def host_bytes(self) -> int:
+        """Bytes of every variable held in host memory (0 with offload off)."""
+        if not self.offload:
+            return 0
+        return sum(nbytes(t.values()) for groups in self.entries.values() for t in groups.values())
+
+    # ---- phase I/O ----
+
+    def load(self, unit: str, group: str) -> Tensors:
+        """``unit``'s ``group`` on the compute device: a copy when offloaded, the variables otherwise."""
+        stored = self.entries[unit][group]
+        if not self.offload:
+            return stored
+        if (unit, group) in self._prefetched:
+            out, ready = self._prefetched.pop((unit, group))
+            current = torch.cuda.current_stream(self.compute)
+            current.wait_event(ready)
+            for t in out.values():
+                t.record_stream(current)  # allocated on the copy stream, used on this one
+            return out
+        out = {name: t.to(self.compute, non_blocking=self.pin, copy=True) for name, t in stored.items()}
+        self._count_load(group, out)
+        return out
+
+    def prefetch(self, unit: str, group: str) -> None:
+        """On CUDA, start copying ``unit``'s ``group`` to the device on a side stream (the analogue of
+        the reference's IO tiles); the next :meth:`load` of it waits for the copy. A no-op elsewhere."""
+        if self.copy_stream is None or (unit, group) in self._prefetched or group not in self.entries[unit]:
+            return
+        # Everything enqueued so far, including earlier phases' stores into host memory, comes first.
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.compute))
+        with torch.cuda.stream(self.copy_stream):
+            out = {n: t.to(self.compute, non_blocking=True, copy=True) for n, t in self.entries[unit][group].items()}
+            ready = torch.cuda.Event()
+            ready.record(self.copy_stream)
+        self._count_load(group, out)
+        self._prefetched[(unit, group)] = (out, ready)
+
+    def _count_load(self, group: str, tensors: Tensors) -> None:
+        size = nbytes(tensors.values())
+        self.traffic.h2d[group] += size
+        self.ledger.acquire(size)
+
+    def zeros(self, unit: str, group: str, like: Tensors) -> Tensors:
+        """Zeroed device accumulators for ``unit``'s ``group`` (gradients), shaped like ``like``.
+
+        With offload off and the group allocated, these are the stored variables, zeroed in place.
+        """
+        stored = self.entries[unit].get(group)
+        if not self.offload and stored is not None:
+            for t in stored.values():
+                t.zero_()
+            return stored
+        out = {name: torch.zeros(t.shape, dtype=t.dtype, device=self.compute) for name, t in like.items()}
+        self.ledger.acquire(nbytes(out.values()))
+        return out
+
+    def save(self, unit: str, group: str, tensors: Tensors) -> None:
+        """Write ``tensors`` (on the compute device) back as ``unit``'s ``group``."""
+        stored = self.entries[unit][group]
+        if stored is tensors:
+            return
+        for name, t in tensors.items():
+            stored[name].copy_(t, non_blocking=self.pin)
+        if self.offload:
+            self.traffic.d2h[group] += nbytes(tensors.values())
+
+    def release(self, unit: str, group: str, tensors: Tensors) -> None:
+        """The phase is done with ``tensors``, which it loaded or created on the device."""
+        if self.entries[unit].get(group) is not tensors:
+            self.ledger.release(nbytes(tensors.values()))
+
+    def synchronize(self) -> None:
+        """Wait for outstanding asynchronous copies (CUDA), so host values are final."""
+        if self.compute.type == "cuda":
+            torch.cuda.synchronize(self.compute)
+
+    # ---- whole-model views ----
+
+    def state(self, group: str = "fwd") -> dict[str, Tensors]:
+        """Every unit's ``group`` tensors, as stored (host tensors when offloaded)."""
+        self.synchronize()
+        return {unit: groups[group] for unit, groups in self.entries.items() if group in groups}

@@ -1,0 +1,109 @@
+"""One GPT-J decoder layer in plain PyTorch.
+
+``x + attention(ln(x)) + mlp(ln(x))``: a single layer norm feeds attention and MLP in parallel.
+Attention applies interleaved rotary embeddings to the first ``rotary_dim`` dimensions of each head of
+q and k, with a causal mask; q/k/v/out have no bias. The MLP is fc_in → gelu_new → fc_out, with biases.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ipuft.components import Init, VariableSpec, specs_from_module
+
+
+def rotary_tables(positions: int, rotary_dim: int, base: float, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """``cos`` and ``sin`` of shape ``[positions, rotary_dim // 2]``, one frequency per pair of dims."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device).float() / rotary_dim
+    inv_freq = 1.0 / (base**exponents)
+    angles = torch.outer(torch.arange(positions, device=device).float(), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_interleaved_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each adjacent pair ``(x[2i], x[2i+1])`` of ``x[B, T, heads, rotary_dim]`` by its angle."""
+    pairs = x.unflatten(-1, (-1, 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
+    return rotated.flatten(-2)
+
+
+class GPTJAttention(nn.Module):
+    def __init__(self, hidden_size: int, heads: int, head_dim: int, rotary_dim: int, rotary_base: float,
+                 dropout_prob: float, kernel: str) -> None:
+        super().__init__()
+        inner = heads * head_dim
+        self.q_proj = nn.Linear(hidden_size, inner, bias=False)
+        self.k_proj = nn.Linear(hidden_size, inner, bias=False)
+        self.v_proj = nn.Linear(hidden_size, inner, bias=False)
+        self.out_proj = nn.Linear(inner, hidden_size, bias=False)
+        self.heads, self.head_dim = heads, head_dim
+        self.rotary_dim, self.rotary_base = rotary_dim, rotary_base
+        self.dropout_prob = dropout_prob
+        self.kernel = kernel
+
+    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
+        cos, sin = rotary_tables(x.shape[1], self.rotary_dim, self.rotary_base, x.device)
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        return torch.cat((apply_interleaved_rotary(rot, cos.to(x.dtype), sin.to(x.dtype)), rest), dim=-1)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        split = (self.heads, self.head_dim)
+        q = self._rotate(self.q_proj(h).unflatten(-1, split)).transpose(1, 2)
+        k = self._rotate(self.k_proj(h).unflatten(-1, split)).transpose(1, 2)
+        v = self.v_proj(h).unflatten(-1, split).transpose(1, 2)
+        if self.kernel == "sdpa":
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            scores = (q @ k.transpose(-1, -2)) / math.sqrt(self.head_dim)
+            t = scores.shape[-1]
+            causal = torch.ones(t, t, dtype=torch.bool, device=h.device).tril()
+            out = scores.masked_fill(~causal, torch.finfo(scores.dtype).min).softmax(-1) @ v
+        out = self.out_proj(out.transpose(1, 2).flatten(-2))
+        return F.dropout(out, self.dropout_prob, self.training)
+
+
+class GPTJMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, dropout_prob: float) -> None:
+        super().__init__()
+        self.fc_in = nn.Linear(hidden_size, intermediate_size)
+        self.fc_out = nn.Linear(intermediate_size, hidden_size)
+        self.dropout_prob = dropout_prob
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        out = self.fc_out(F.gelu(self.fc_in(h), approximate="tanh"))  # gelu_new
+        return F.dropout(out, self.dropout_prob, self.training)
+
+
+class GPTJDecoderBlock(nn.Module):
+    """``hidden[B, T, H] -> hidden[B, T, H]`` for one layer."""
+
+    def __init__(self, hidden_size: int, heads: int, head_dim: int, intermediate_size: int, rotary_dim: int,
+                 rotary_base: float = 10000.0, layer_norm_epsilon: float = 1e-5, dropout_prob: float = 0.0,
+                 attention_kernel: str = "sdpa") -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden_size, eps=layer_norm_epsilon)
+        self.attn = GPTJAttention(hidden_size, heads, head_dim, rotary_dim, rotary_base, dropout_prob,
+                                  attention_kernel)
+        self.mlp = GPTJMLP(hidden_size, intermediate_size, dropout_prob)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return x + self.attn(h) + self.mlp(h)
+
+    def variable_specs(self) -> list[VariableSpec]:
+        normal = Init("normal", 0.02)
+        inits = {name: normal for name, _ in self.named_parameters()}
+        inits.update({"norm.weight": Init("ones"), "norm.bias": Init("zeros"),
+                      "mlp.fc_in.bias": Init("zeros"), "mlp.fc_out.bias": Init("zeros")})
+        return specs_from_module(self, inits)
+
+    def hf_mapping(self, layer: int | None) -> dict[str, str]:
+        prefix = f"transformer.h.{layer}."
+        local = {"norm.weight": "ln_1.weight", "norm.bias": "ln_1.bias"}
+        return {name: prefix + local.get(name, name) for name, _ in self.named_parameters()}

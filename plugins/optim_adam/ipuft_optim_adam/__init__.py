@@ -1,0 +1,65 @@
+"""``adamw``: the reference's AdamOptimizerStep (popxl-addons), variable by variable.
+
+With S the loss scale, N the global norm of the unscaled gradient and C ``gradient_clipping``:
+
+    g  = grad · (1/S) · C / max(N, C)
+    m  = β1·m + (1-β1)·g            v = β2·v + (1-β2)·g²          (float32, bias-corrected)
+    u  = m̂ / (√v̂ + eps) + wd·w      wd = 0 where the name contains "norm" or "bias"
+    w -= lr · u
+"""
+
+from __future__ import annotations
+
+import torch
+from omegaconf import DictConfig
+
+from ipuft import hookimpl
+from ipuft.components import Init, VariableSpec
+from ipuft.optim import Optimizer, OptimizerRegistry, StepContext
+
+NO_DECAY = ("norm", "bias")
+
+
+def requires_weight_decay(name: str) -> bool:
+    """The reference's rule: no weight decay for layer norms and biases."""
+    return not any(word in name for word in NO_DECAY)
+
+
+def clip_scale(ctx: StepContext, gradient_clipping: float) -> float:
+    """The factor that removes the loss scale and applies global-norm clipping."""
+    return (1.0 / ctx.loss_scaling) * gradient_clipping / max(ctx.global_norm, gradient_clipping)
+
+
+class AdamW(Optimizer):
+    def __init__(self, beta1: float, beta2: float, eps: float, weight_decay: float, gradient_clipping: float):
+        self.beta1, self.beta2, self.eps = beta1, beta2, eps
+        self.weight_decay, self.gradient_clipping = weight_decay, gradient_clipping
+
+    def state_specs(self, variable: VariableSpec) -> list[VariableSpec]:
+        zeros = Init("zeros")
+        return [VariableSpec("m", variable.shape, torch.float32, zeros),
+                VariableSpec("v", variable.shape, torch.float32, zeros)]
+
+    @torch.no_grad()
+    def step(self, name: str, weight: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor],
+             ctx: StepContext) -> None:
+        m, v = state["m"], state["v"]
+        g = grad.float() * clip_scale(ctx, self.gradient_clipping)
+        m.mul_(self.beta1).add_(g, alpha=1.0 - self.beta1)
+        v.mul_(self.beta2).addcmul_(g, g, value=1.0 - self.beta2)
+        m_hat = m / (1.0 - self.beta1**ctx.step)
+        v_hat = v / (1.0 - self.beta2**ctx.step)
+        update = m_hat / (v_hat.sqrt() + self.eps)
+        if self.weight_decay and requires_weight_decay(name):
+            update.add_(weight.float(), alpha=self.weight_decay)
+        weight.sub_((ctx.lr * update).to(weight.dtype))
+
+
+def build(cfg: DictConfig) -> AdamW:
+    o = cfg.training.optimizer
+    return AdamW(o.beta1, o.beta2, o.eps, o.weight_decay, o.gradient_clipping)
+
+
+@hookimpl
+def ipuft_register_optimizers(registry: OptimizerRegistry) -> None:
+    registry.add("adamw", build, "Adam with decoupled weight decay, global-norm clipping, loss-scale removal")

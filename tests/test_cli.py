@@ -1,0 +1,97 @@
+"""The command line: every subcommand answers --help, and every user error is one line, exit code 2."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ipuft.cli.main import main
+
+
+def run_cli(capsys, *args):
+    with pytest.raises(SystemExit) as info:
+        main(list(args))
+        raise SystemExit(0)
+    out, err = capsys.readouterr()
+    return info.value.code or 0, out, err
+
+
+@pytest.mark.parametrize("command", [[], ["train"], ["plan"], ["bench"], ["config"], ["config", "show"], ["plugins"]])
+def test_every_subcommand_answers_help(capsys, command):
+    code, out, err = run_cli(capsys, *command, "--help")
+    assert code == 0, err
+    assert out.startswith("Usage: ipuft")
+
+
+def test_plugins_json_lists_four_distributions(capsys):
+    code, out, _ = run_cli(capsys, "plugins", "--json")
+    assert code == 0
+    assert sorted(p["distribution"] for p in json.loads(out)) == [
+        "ipuft-decoder", "ipuft-embeddings", "ipuft-lm-head", "ipuft-optim-adam"]
+
+
+def test_config_show_prints_the_6b_config(capsys):
+    code, out, _ = run_cli(capsys, "config", "show", "--config", "gptj-6b")
+    assert code == 0
+    for line in ("  layers: 28", "  hidden_size: 4096", "  sequence_length: 1024", "    vocab_size: 50400",
+                 "    heads: 16", "    rotary_dim: 64", "  global_batch_size: 128", "      maximum: 5.0e-06",
+                 "gradient_accumulation: 128"):
+        assert line in out.splitlines(), line
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["config", "show", "layers"], "argument 'layers' is not KEY=VALUE (for example training.steps=10)"),
+        (["config", "show", "model.layerz=2"], "unknown config key model.layerz; valid keys in model: layers,"),
+        (["config", "show", "model.layers=x"], "model.layers: Value 'x' of type 'str' could not be converted to Integer"),
+        (["config", "show", "--config", "huge"], "unknown preset 'huge'; presets: gptj-6b, small-cpu, tiny"),
+        (["config", "show", "model.decoder=llama"], "model.decoder: unknown decoder component 'llama'; available: gptj"),
+        (["config", "show", "training.optimizer.name=lion"], "training.optimizer.name: unknown optimizer 'lion'; available: adamw"),
+        (["train", "--config", "tiny", "model.head=mlp"], "model.head: unknown head component 'mlp'; available: gptj"),
+        (["plan", "execution.micro_batch_size=3"], "training.global_batch_size: 16 is not divisible"),
+        (["train", "--no-such-flag"], "No such option '--no-such-flag'"),
+    ],
+)
+def test_user_errors_are_one_line_with_exit_code_2(capsys, args, message):
+    code, out, err = run_cli(capsys, *args)
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("ipuft: error: "), err
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_broken_plugin_through_the_console_script(tmp_path):
+    """The real console script, with a plugin that raises on import: one line, exit 2, no traceback."""
+    info = tmp_path / "ipuft_broken-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: ipuft-broken\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text("[ipuft]\nbroken = ipuft_broken_mod\n")
+    (tmp_path / "ipuft_broken_mod.py").write_text("import no_such_module\n")
+    env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "ipuft.cli.main", "plugins"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 2
+    assert proc.stderr == ("ipuft: error: plugin 'broken' (distribution ipuft-broken 0.1.0) failed to import: "
+                           "ModuleNotFoundError: No module named 'no_such_module'; fix or uninstall it, "
+                           "or set IPUFT_DISABLE_PLUGINS=broken\n")
+    env["IPUFT_DISABLE_PLUGINS"] = "broken"
+    proc = subprocess.run([sys.executable, "-m", "ipuft.cli.main", "plugins"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0 and "gptj_decoder" in proc.stdout
+
+
+def test_a_plugin_can_add_a_subcommand(fake_dist, capsys):
+    fake_dist("ipuft-hello", {"hello": "hello_plugin"}, {"hello_plugin": """
+        import click
+        from ipuft import hookimpl
+
+        @click.command()
+        def hello():
+            click.echo("hello from a plugin")
+
+        @hookimpl
+        def ipuft_register_commands(cli):
+            cli.add_command(hello)
+    """})
+    code, out, _ = run_cli(capsys, "hello")
+    assert (code, out) == (0, "hello from a plugin\n")

@@ -1,0 +1,100 @@
+"""Config: presets, merge order, derived values and the one-line errors of bad input."""
+
+import pytest
+
+from ipuft.config import load_config, preset_names
+from ipuft.errors import ConfigError
+
+
+@pytest.mark.parametrize("preset", preset_names())
+def test_every_preset_validates(hooks, preset):
+    cfg = load_config(preset, [], hooks.registrations.config_sections)
+    hooks.registrations.check(cfg)
+    assert cfg.gradient_accumulation * cfg.execution.data_parallel * cfg.execution.micro_batch_size == \
+        cfg.training.global_batch_size
+
+
+def test_presets_shipped():
+    assert {"tiny", "small-cpu", "gptj-6b"} <= set(preset_names())
+
+
+def test_tiny_is_the_references(make_config):
+    m = make_config().model
+    assert (m.sequence_length, m.embedding.vocab_size, m.hidden_size, m.layers, m.attention.heads,
+            m.attention.rotary_dim) == (8, 128, 64, 2, 4, 16)
+
+
+def test_gptj_6b_preset(make_config):
+    cfg = make_config(preset="gptj-6b")
+    m, t, e = cfg.model, cfg.training, cfg.execution
+    assert (m.layers, m.hidden_size, m.attention.heads, m.attention.rotary_dim, m.embedding.vocab_size,
+            m.sequence_length, m.intermediate_size) == (28, 4096, 16, 64, 50400, 1024, 16384)
+    assert (t.global_batch_size, t.steps, t.optimizer.learning_rate.maximum,
+            t.optimizer.learning_rate.warmup_proportion, t.optimizer.weight_decay) == (128, 500, 5e-6, 0.005995, 0.0)
+    assert (e.loss_scaling, e.micro_batch_size, e.attention_serialisation) == (4096, 1, 2)
+    assert cfg.gradient_accumulation == 128
+
+
+def test_merge_order_schema_then_preset_then_overrides(make_config):
+    assert make_config().training.optimizer.beta1 == 0.9  # schema default survives the preset
+    assert make_config().model.hidden_size == 64  # preset beats schema
+    assert make_config("model.hidden_size=128").model.hidden_size == 128  # override beats preset
+
+
+def test_derived_values(make_config):
+    cfg = make_config("training.global_batch_size=24", "execution.micro_batch_size=3")
+    assert cfg.gradient_accumulation == 8
+    assert cfg.model.intermediate_size == 4 * cfg.model.hidden_size
+    assert cfg.execution.rts is False
+
+
+def test_resolved_config_is_read_only(make_config):
+    cfg = make_config()
+    with pytest.raises(Exception):
+        cfg.model.layers = 3
+
+
+def test_plugin_section_is_typed(make_config):
+    assert make_config("plugins.gptj_decoder.attention_kernel=eager").plugins.gptj_decoder.attention_kernel.value == "eager"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        (["model.layer=3"], "unknown config key model.layer; valid keys in model: layers"),
+        (["nonsense=1"], "unknown config key nonsense; valid keys at the top level: model"),
+        (["plugins.gptj_decoder.kernel=sdpa"], "unknown config key plugins.gptj_decoder.kernel; valid keys in plugins.gptj_decoder: attention_kernel"),
+        (["plugins.gptj_decoder.attention_kernel=flash"], "plugins.gptj_decoder.attention_kernel: Invalid value 'flash', expected one of [sdpa, eager]"),
+        (["model.layers=two"], "model.layers: Value 'two' of type 'str' could not be converted to Integer"),
+        (["execution.offload=maybe"], "execution.offload:"),
+        (["layers"], "argument 'layers' is not KEY=VALUE"),
+        (["training.global_batch_size=10", "execution.micro_batch_size=4"], "training.global_batch_size: 10 is not divisible"),
+        (["model.attention.heads=5"], "model.hidden_size: 64 is not divisible by model.attention.heads=5"),
+        (["model.attention.rotary_dim=17"], "model.attention.rotary_dim: must be even"),
+        (["gradient_accumulation=4"], "gradient_accumulation: is derived"),
+        (["model.layers=0"], "model.layers: must be > 0"),
+        (["model.precision=float16"], "model.precision: only float32"),
+        (["execution.tensor_parallel=3"], "model.attention.heads: 4 is not divisible by execution.tensor_parallel=3"),
+        (["training.optimizer.learning_rate.schedule=step"], "expected one of [constant, linear, cosine]"),
+    ],
+)
+def test_bad_config_is_one_clear_line(hooks, overrides, fragment):
+    with pytest.raises(ConfigError) as info:
+        load_config("tiny", overrides, hooks.registrations.config_sections)
+    message = str(info.value)
+    assert fragment in message
+    assert "\n" not in message
+
+
+def test_unknown_preset_lists_presets(hooks):
+    with pytest.raises(ConfigError, match=r"unknown preset 'huge'; presets: gptj-6b, small-cpu, tiny"):
+        load_config("huge", [], hooks.registrations.config_sections)
+
+
+def test_preset_file_by_path(hooks, tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("model:\n  layers: 3\n  hidden_size: 32\n  attention:\n    heads: 2\n    rotary_dim: 8\n")
+    assert load_config(str(path), [], hooks.registrations.config_sections).model.layers == 3
+    path.write_text("model:\n  layerz: 3\n")
+    with pytest.raises(ConfigError, match=r"preset .*mine.yaml: unknown config key model.layerz"):
+        load_config(str(path), [], hooks.registrations.config_sections)
