@@ -119,8 +119,7 @@ class PhasedEngine:
         self.store.ledger.reset_peak()
         self.updates += 1
         batch = Batch(batch.input_ids.to(self.device), batch.labels.to(self.device))
-        if self.store.offload:
-            self.store.traffic.h2d["data"] += 2 * batch.tokens * batch.input_ids.element_size()
+        self.store.traffic.h2d["data"] += 2 * batch.tokens * batch.input_ids.element_size()
         state = _StepState(batch, lr, torch.zeros((), dtype=torch.float32, device=self.device))
         phases = self.program.phases
         for i, phase in enumerate(phases):

@@ -1,0 +1,204 @@
+"""The phased engine equals a plain single-module autograd reference, and moves exactly what the plan says."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_reference import hf_gptj
+from ipuft.data import SampleData
+from ipuft.engine import PhasedEngine
+from ipuft.hf import to_hf
+from ipuft.model import build_model
+from ipuft.plan import estimate, working_bytes
+from ipuft.schedule import learning_rate
+
+STEPS = 5
+# GA=4, clipping active (the gradient norm is well above 0.05), weight decay on, a loss scale to remove.
+EQUIVALENCE = ("training.global_batch_size=8", "execution.micro_batch_size=2",
+               "training.optimizer.gradient_clipping=0.05", "training.optimizer.weight_decay=0.1",
+               "training.optimizer.learning_rate.maximum=3e-3", "training.optimizer.learning_rate.warmup_proportion=0.4",
+               "execution.loss_scaling=64", f"training.steps={STEPS}", "model.layers=3")
+
+
+def make_engine(cfg, hooks):
+    parts = build_model(cfg, hooks)
+    optimizer = hooks.registrations.optimizers.get(cfg.training.optimizer.name).build(cfg)
+    return PhasedEngine(cfg, parts, optimizer, torch.device("cpu"))
+
+
+def batches(cfg):
+    data = SampleData(cfg.model.embedding.vocab_size, cfg.model.sequence_length, cfg.data.seed)
+    return [data.batch(s, cfg.training.global_batch_size, cfg.execution.micro_batch_size) for s in range(STEPS)]
+
+
+def adam_update(cfg):
+    """The update of point 5, written out plainly over Hugging Face parameter names."""
+    o = cfg.training.optimizer
+    m, v = {}, {}
+
+    def update(name, p, g, lr, t):
+        m[name] = o.beta1 * m.get(name, 0) + (1 - o.beta1) * g
+        v[name] = o.beta2 * v.get(name, 0) + (1 - o.beta2) * g * g
+        u = (m[name] / (1 - o.beta1**t)) / ((v[name] / (1 - o.beta2**t)).sqrt() + o.eps)
+        if not (name.endswith("bias") or ".ln_" in name):
+            u = u + o.weight_decay * p
+        p -= lr * u
+
+    return update
+
+
+def reference_training(cfg, initial_hf_state, update=None):
+    """The whole model as one module (transformers' GPT-J), torch autograd, and a plain update loop.
+
+    ``update(name, param, clipped_unscaled_grad, lr, t)`` applies the optimizer (Adam by default).
+    """
+    model = hf_gptj(cfg)
+    model.load_state_dict(initial_hf_state)
+    model.train()
+    o, S = cfg.training.optimizer, cfg.execution.loss_scaling
+    update = update or adam_update(cfg)
+    params = dict(model.named_parameters())
+    losses, norms = [], []
+    for step, batch in enumerate(batches(cfg)):
+        model.zero_grad()
+        ga = batch.micro_batches
+        step_loss = 0.0
+        for mb in range(ga):
+            logits = model(batch.input_ids[mb]).logits
+            loss = F.cross_entropy(logits.flatten(0, 1), batch.labels[mb].flatten())
+            (loss * S / ga).backward()
+            step_loss += loss.item() / ga
+        norm = math.sqrt(sum(float((p.grad / S).double().pow(2).sum()) for p in params.values()))
+        lr = learning_rate(step, STEPS, o.learning_rate)
+        scale = (1 / S) * o.gradient_clipping / max(norm, o.gradient_clipping)
+        with torch.no_grad():
+            for n, p in params.items():
+                update(n, p, p.grad * scale, lr, step + 1)
+        losses.append(step_loss)
+        norms.append(norm)
+    return losses, norms, {n: p.detach() for n, p in params.items()}
+
+
+def initial_weights(engine, cfg):
+    return to_hf(engine.modules, cfg.model.layers,
+                 {u: {n: t.clone() for n, t in w.items()} for u, w in engine.weights().items()})
+
+
+def run_engine(engine, cfg):
+    return [engine.step(b, learning_rate(s, STEPS, cfg.training.optimizer.learning_rate))
+            for s, b in enumerate(batches(cfg))]
+
+
+def assert_matches(cfg, engine, results, reference, initial):
+    ref_losses, ref_norms, ref_weights = reference
+    for r, loss, norm in zip(results, ref_losses, ref_norms, strict=True):
+        assert abs(r.loss - loss) / abs(loss) <= 1e-5
+        assert abs(r.grad_norm - norm) / norm <= 1e-5
+    weights = to_hf(engine.modules, cfg.model.layers, engine.weights())
+    assert set(weights) == set(ref_weights)
+    for name, w in weights.items():
+        assert max_rel(w, ref_weights[name]) <= 1e-5, name
+        assert not torch.equal(w, initial[name]), f"{name} never changed"
+
+
+def max_rel(a, b):
+    """max |a - b| / max |b|, over a tensor."""
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+@pytest.fixture(scope="module")
+def reference(request):
+    from ipuft.config import load_config
+    from ipuft.plugins import create_plugin_manager
+
+    hooks = create_plugin_manager()
+    cfg = load_config("tiny", list(EQUIVALENCE), hooks.registrations.config_sections)
+    initial = initial_weights(make_engine(cfg, hooks), cfg)
+    return reference_training(cfg, initial), initial
+
+
+@pytest.mark.parametrize("offload", [True, False])
+@pytest.mark.parametrize("activation_offload", [True, False])
+def test_five_steps_equal_the_plain_reference(hooks, make_config, reference, offload, activation_offload):
+    cfg = make_config(*EQUIVALENCE, f"execution.offload={offload}", f"execution.activation_offload={activation_offload}")
+    assert cfg.gradient_accumulation == 4
+    engine = make_engine(cfg, hooks)
+    (ref_losses, ref_norms, ref_weights), initial = reference
+    assert min(ref_norms) > 4 * cfg.training.optimizer.gradient_clipping  # clipping is active on every step
+    assert_matches(cfg, engine, run_engine(engine, cfg), (ref_losses, ref_norms, ref_weights), initial)
+    assert len(engine.buffers) == 0  # every activation was consumed
+
+
+def test_swapped_optimizer_through_config_alone(fake_dist):
+    """The test plugin's SGD with momentum, installed through an entry point and chosen by one key."""
+    from ipuft.config import load_config
+    from ipuft.plugins import create_plugin_manager
+
+    fake_dist("ipuft-test-sgd", {"sgd": "ipuft_test_sgd"})
+    hooks = create_plugin_manager()
+    overrides = [*EQUIVALENCE, "training.optimizer.name=sgd", "plugins.sgd.momentum=0.8"]
+    cfg = load_config("tiny", overrides, hooks.registrations.config_sections)
+    engine = make_engine(cfg, hooks)
+    assert type(engine.optimizer).__name__ == "SGD"
+    assert engine.store.entries["decoder.0"]["optim"].keys() == {
+        f"{v.name}.momentum" for v in engine.parts.variables["decoder"]}
+    buf = {}
+
+    def sgd(name, p, g, lr, t):
+        buf[name] = 0.8 * buf.get(name, 0) + g
+        p -= lr * buf[name]
+
+    initial = initial_weights(engine, cfg)
+    reference = reference_training(cfg, initial, sgd)
+    assert_matches(cfg, engine, run_engine(engine, cfg), reference, initial)
+
+
+@pytest.mark.parametrize("activation_offload", [True, False])
+@pytest.mark.parametrize("offload", [True, False])
+def test_counters_equal_the_plan(hooks, make_config, offload, activation_offload):
+    cfg = make_config("training.global_batch_size=4", f"execution.offload={offload}",
+                      f"execution.activation_offload={activation_offload}")
+    engine = make_engine(cfg, hooks)
+    planned = estimate(cfg, engine.parts, hooks)
+    for batch in batches(cfg)[:2]:
+        result = engine.step(batch, 1e-3)
+        assert result.traffic == planned["traffic"]
+        assert (result.h2d_bytes, result.d2h_bytes) == (planned["h2d_bytes_per_step"], planned["d2h_bytes_per_step"])
+    assert engine.store.host_bytes() == (planned["host_bytes"] if not activation_offload else
+                                         planned["host_bytes"] - 2 * 3 * 4 * 8 * 64 * 4)
+
+
+def test_weight_traffic_does_not_depend_on_gradient_accumulation(hooks, make_config):
+    weight = {}
+    for gbs in (1, 8):
+        cfg = make_config(f"training.global_batch_size={gbs}", "execution.activation_offload=true")
+        assert cfg.gradient_accumulation == gbs
+        result = make_engine(cfg, hooks).step(batches(cfg)[0], 1e-3)
+        weight[gbs] = {d: {g: b for g, b in result.traffic[d].items() if g in ("fwd", "optim", "grad")}
+                       for d in ("h2d", "d2h")}
+        assert result.traffic["h2d"]["activation"] > 0
+    assert weight[1] == weight[8]
+    # Each decoder layer's weights cross host→device three times per step, whatever GA is.
+    layer_fwd = sum(v.nbytes for v in make_engine(cfg, hooks).parts.variables["decoder"])
+    emb = sum(v.nbytes for v in make_engine(cfg, hooks).parts.variables["embeddings"])
+    head = sum(v.nbytes for v in make_engine(cfg, hooks).parts.variables["head"])
+    assert weight[8]["h2d"]["fwd"] == 3 * cfg.model.layers * layer_fwd + 2 * emb + 2 * head
+
+
+def test_device_peak_is_bounded_and_independent_of_depth(hooks, make_config):
+    peaks = {}
+    for layers in (2, 16):
+        cfg = make_config(f"model.layers={layers}", "training.global_batch_size=4",
+                          "execution.activation_offload=true")
+        engine = make_engine(cfg, hooks)
+        result = engine.step(batches(cfg)[0], 1e-3)
+        peaks[layers] = result.device_peak_bytes
+        parts = engine.parts
+        size = {role: sum(v.nbytes for v in parts.variables[role]) for role in parts.variables}
+        optim = {role: 2 * size[role] for role in size}  # adamw: m and v
+        bound = (2 * 2 * size["decoder"] + working_bytes(parts, "decoder", cfg)
+                 + size["embeddings"] * 2 + optim["embeddings"] + size["head"] * 2 + optim["head"])
+        assert result.device_peak_bytes <= bound
+    assert peaks[2] == peaks[16]

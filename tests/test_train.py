@@ -1,0 +1,104 @@
+"""The training loop and ``ipuft train``: run directory, metrics, schedules, sample data."""
+
+import json
+import math
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+from ipuft.cli.main import main
+from ipuft.data import SampleData
+from ipuft.schedule import learning_rate
+
+METRIC_KEYS = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "h2d_bytes", "d2h_bytes", "device_peak_bytes"}
+
+
+def cli(capsys, *args):
+    with pytest.raises(SystemExit) as info:
+        main(list(args))
+        raise SystemExit(0)
+    out, err = capsys.readouterr()
+    return info.value.code or 0, out, err
+
+
+def read_metrics(path):
+    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_writes_config_and_metrics(tmp_path, capsys):
+    out = tmp_path / "run"
+    code, _, err = cli(capsys, "train", "--config", "tiny", "training.steps=3", f"output_dir={out}",
+                       "training.optimizer.learning_rate.maximum=1e-3")
+    assert code == 0, err
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert METRIC_KEYS <= r.keys()
+        assert math.isfinite(r["loss"]) and r["grad_norm"] > 0 and r["h2d_bytes"] > 0 and r["device_peak_bytes"] > 0
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["training"]["steps"] == 3 and saved["output_dir"] == str(out)
+    assert saved["gradient_accumulation"] == 16
+
+
+def test_train_refuses_a_directory_holding_a_run(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("precious\n")
+    code, _, err = cli(capsys, "train", "--config", "tiny", "training.steps=1", f"output_dir={out}")
+    assert code == 2 and "already holds a run" in err
+    assert (out / "metrics.jsonl").read_text() == "precious\n"
+
+
+@pytest.mark.slow
+def test_default_train_visibly_learns(tmp_path, capsys, monkeypatch):
+    """``ipuft train`` with no arguments: the small-cpu preset on the sample data."""
+    monkeypatch.chdir(tmp_path)
+    code, _, err = cli(capsys, "train")
+    assert code == 0, err
+    (run,) = (tmp_path / "runs").iterdir()
+    losses = [r["loss"] for r in read_metrics(run)]
+    assert len(losses) == OmegaConf.load(run / "config.yaml").training.steps
+    assert losses[0] > 5.0  # about ln(256) at initialisation
+    assert max(losses[-5:]) < 0.4 * losses[0]
+
+
+def lr_cfg(schedule, warmup=0.2, maximum=1e-3):
+    from ipuft.config.schema import LearningRateConfig, Schedule
+
+    return OmegaConf.structured(LearningRateConfig(maximum, warmup, Schedule(schedule)))
+
+
+def test_reference_schedule_warms_up_linearly_from_1e_7_then_stays():
+    lrs = [learning_rate(s, 10, lr_cfg("constant", warmup=0.5)) for s in range(10)]
+    assert lrs[0] == pytest.approx(1e-7)
+    assert lrs[1:5] == pytest.approx([1e-7 + (1e-3 - 1e-7) * k / 4 for k in range(1, 5)])
+    assert lrs[4:] == pytest.approx([1e-3] * 6)
+
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine"])
+def test_decay_schedules(schedule):
+    lrs = [learning_rate(s, 100, lr_cfg(schedule, warmup=0.1)) for s in range(100)]
+    assert lrs[10] == pytest.approx(1e-3)
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+    assert lrs[55] == pytest.approx(5e-4, rel=1e-9)  # halfway through the decay, for both shapes
+    assert lrs[99] < 2e-5
+
+
+def test_sample_data_is_deterministic_and_shifted():
+    data = SampleData(vocab_size=100, sequence_length=16, seed=3)
+    a, b = data.rows(5, 4), SampleData(100, 16, 3).rows(5, 4)
+    assert a.shape == (4, 17) and a.equal(b)
+    assert not a.equal(data.rows(6, 4))
+    batch = data.batch(5, global_batch_size=4, micro_batch_size=2)
+    assert batch.input_ids.shape == (2, 2, 16)
+    assert batch.input_ids.reshape(4, 16).equal(a[:, :-1]) and batch.labels.reshape(4, 16).equal(a[:, 1:])
+    assert int(a.max()) < 100 and int(a.min()) >= 0
+
+
+def test_bench_reports_throughput(capsys):
+    code, out, err = cli(capsys, "bench", "--config", "tiny", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["tokens_per_s"] == pytest.approx(result["samples_per_s"] * 8)
+    assert result["duration_s"] > 0 and result["device"] == "cpu"
