@@ -19,8 +19,10 @@ Every component also implements ``variable_specs()`` and ``hf_mapping(layer)``.
 
 from __future__ import annotations
 
+import contextvars
 import math
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -85,6 +87,29 @@ class Component(Protocol):
     def hf_mapping(self, layer: int | None) -> dict[str, str]:
         """Map each local variable name to its Hugging Face GPT-J parameter name (``layer`` for decoders)."""
         ...
+
+
+_RECOMPUTING = contextvars.ContextVar("ipuft_recomputing", default=False)
+
+
+def recomputing() -> bool:
+    """True while the engine re-runs a component's forward only to backpropagate through it.
+
+    The *value* of the output is then discarded: only its autograd graph is used, with the incoming
+    gradient. A component may skip work that only the output's value needs (the GPT-J decoder skips its
+    output projections' matmuls); one that ignores this flag is still correct.
+    """
+    return _RECOMPUTING.get()
+
+
+@contextmanager
+def recompute() -> Iterator[None]:
+    """Mark the block as a recompute for :func:`recomputing` (used by the engine)."""
+    token = _RECOMPUTING.set(True)
+    try:
+        yield
+    finally:
+        _RECOMPUTING.reset(token)
 
 
 def specs_from_module(module: torch.nn.Module, inits: dict[str, Init]) -> list[VariableSpec]:

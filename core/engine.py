@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 from torch.func import functional_call
 
 from ipuft.activations import ActivationBuffers, working_set
-from ipuft.components import Init, VariableSpec
+from ipuft.components import Init, VariableSpec, recompute
 from ipuft.model import ModelParts
 from ipuft.optim import Optimizer, StepContext
 from ipuft.program import Op, Phase
@@ -217,6 +217,7 @@ class PhasedEngine:
                     seed = None
                 else:
                     seed = stack.enter_context(self.buffers.read("dx", x_out, mb, consume=True))
+                    stack.enter_context(recompute())  # only the gradient of this forward is used
                 stack.enter_context(working_set(self.store, list(params.values()) + inputs))
                 with self._rng(phase.unit, mb):
                     out = functional_call(module, params, args)

@@ -13,7 +13,37 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ipuft.components import Init, VariableSpec, specs_from_module
+from ipuft.components import Init, VariableSpec, recomputing, specs_from_module
+
+
+class _GradientOnlyLinear(torch.autograd.Function):
+    """``F.linear`` whose forward value is never read: it returns zeros, and its backward is exact.
+
+    In a recompute only the gradient graph of the layer's output is used, so the output projections'
+    forward matmuls (5 of GPT-J's 12·H² multiply-adds per token) can be skipped.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return x.new_zeros(()).expand(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        flat_grad = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_w = flat_grad.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+        grad_b = flat_grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b
+
+
+def output_projection(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``linear(x)``, or its gradient-only stand-in while the engine recomputes."""
+    if recomputing() and torch.is_grad_enabled():
+        return _GradientOnlyLinear.apply(x, linear.weight, linear.bias)
+    return linear(x)
 
 
 def rotary_tables(positions: int, rotary_dim: int, base: float, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -64,7 +94,7 @@ class GPTJAttention(nn.Module):
             t = scores.shape[-1]
             causal = torch.ones(t, t, dtype=torch.bool, device=h.device).tril()
             out = scores.masked_fill(~causal, torch.finfo(scores.dtype).min).softmax(-1) @ v
-        out = self.out_proj(out.transpose(1, 2).flatten(-2))
+        out = output_projection(self.out_proj, out.transpose(1, 2).flatten(-2))
         return F.dropout(out, self.dropout_prob, self.training)
 
 
@@ -76,7 +106,7 @@ class GPTJMLP(nn.Module):
         self.dropout_prob = dropout_prob
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        out = self.fc_out(F.gelu(self.fc_in(h), approximate="tanh"))  # gelu_new
+        out = output_projection(self.fc_out, F.gelu(self.fc_in(h), approximate="tanh"))  # gelu_new
         return F.dropout(out, self.dropout_prob, self.training)
 
 

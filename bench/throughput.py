@@ -1,0 +1,117 @@
+"""Training throughput of ipuft against transformers' GPTJForCausalLM + torch.optim.AdamW +
+clip_grad_norm_, on the same config, data and gradient accumulation, in one process.
+
+    python bench/throughput.py [--steps N] [--repeats R] [KEY=VALUE ...]
+
+Prints tokens/s of each and the ratio ipuft / baseline, with offload off and on. The runs alternate and
+each figure is the median step time, since these machines are noisy. Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from ipuft.config import load_config
+from ipuft.data import SampleData
+from ipuft.engine import PhasedEngine
+from ipuft.model import build_model
+from ipuft.plugins import create_plugin_manager
+
+# A CPU-sized GPT-J: big enough that compute, not Python, dominates.
+DEFAULTS = ["model.layers=4", "model.hidden_size=256", "model.attention.heads=8", "model.attention.rotary_dim=16",
+            "model.sequence_length=256", "model.embedding.vocab_size=2048", "training.global_batch_size=8",
+            "execution.micro_batch_size=2", "training.optimizer.weight_decay=0.01"]
+
+
+def hf_model(cfg):
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    m = cfg.model
+    hf_cfg = GPTJConfig(vocab_size=m.embedding.vocab_size, n_positions=m.sequence_length, n_embd=m.hidden_size,
+                        n_layer=m.layers, n_head=m.attention.heads, rotary_dim=m.attention.rotary_dim,
+                        n_inner=m.intermediate_size, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        bos_token_id=0, eos_token_id=0)
+    return GPTJForCausalLM(hf_cfg).float().train()
+
+
+def baseline_step_fn(cfg):
+    model = hf_model(cfg)
+    o = cfg.training.optimizer
+    optimizer = torch.optim.AdamW(model.parameters(), lr=o.learning_rate.maximum, betas=(o.beta1, o.beta2),
+                                  eps=o.eps, weight_decay=o.weight_decay)
+
+    def step(batch):
+        optimizer.zero_grad(set_to_none=True)
+        ga = batch.micro_batches
+        for mb in range(ga):
+            logits = model(batch.input_ids[mb]).logits
+            loss = F.cross_entropy(logits.flatten(0, 1), batch.labels[mb].flatten())
+            (loss / ga).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.gradient_clipping)
+        optimizer.step()
+
+    return step
+
+
+def ipuft_step_fn(cfg, hooks):
+    parts = build_model(cfg, hooks)
+    optimizer = hooks.registrations.optimizers.get(cfg.training.optimizer.name).build(cfg)
+    engine = PhasedEngine(cfg, parts, optimizer, torch.device("cpu"))
+    lr = cfg.training.optimizer.learning_rate.maximum
+    return lambda batch: engine.step(batch, lr)
+
+
+def timed(step, batch) -> float:
+    start = time.perf_counter()
+    step(batch)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+
+    hooks = create_plugin_manager()
+    sections = hooks.registrations.config_sections
+    base = DEFAULTS + args.overrides
+    cfgs = {name: load_config("tiny", base + [f"execution.offload={off}"], sections)
+            for name, off in (("offload_off", False), ("offload_on", True))}
+    cfg = cfgs["offload_off"]
+    data = SampleData(cfg.model.embedding.vocab_size, cfg.model.sequence_length)
+    batches = [data.batch(s, cfg.training.global_batch_size, cfg.execution.micro_batch_size) for s in range(args.steps)]
+    tokens = cfg.training.global_batch_size * cfg.model.sequence_length
+
+    runners = {"baseline": baseline_step_fn(cfg), **{n: ipuft_step_fn(c, hooks) for n, c in cfgs.items()}}
+    for step in runners.values():
+        step(batches[0])  # one untimed step each, as the reference's main()
+    seconds = {name: [] for name in runners}
+    for _ in range(args.repeats):
+        for b in batches:  # step by step in turn, so that machine noise hits every runner alike
+            for name, step in runners.items():
+                seconds[name].append(timed(step, b))
+    result = {name: tokens / statistics.median(v) for name, v in seconds.items()}
+    result.update({f"ratio_{n}": result[n] / result["baseline"] for n in cfgs})
+    result["config"] = {"layers": cfg.model.layers, "hidden": cfg.model.hidden_size, "seq": cfg.model.sequence_length,
+                        "gbs": cfg.training.global_batch_size, "ga": cfg.gradient_accumulation,
+                        "threads": torch.get_num_threads()}
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(f"config: {result['config']}")
+    print(f"baseline (transformers GPTJForCausalLM + AdamW + clip_grad_norm_): {result['baseline']:10.1f} tokens/s")
+    for n in cfgs:
+        print(f"ipuft {n:<12}: {result[n]:10.1f} tokens/s   ratio {result[f'ratio_{n}']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
