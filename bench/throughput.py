@@ -40,8 +40,10 @@ def hf_model(cfg):
     return GPTJForCausalLM(hf_cfg).float().train()
 
 
-def baseline_step_fn(cfg):
+def baseline_step_fn(cfg, checkpointing: bool = False):
     model = hf_model(cfg)
+    if checkpointing:  # recomputes each layer in the backward, as ipuft always does
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     o = cfg.training.optimizer
     optimizer = torch.optim.AdamW(model.parameters(), lr=o.learning_rate.maximum, betas=(o.beta1, o.beta2),
                                   eps=o.eps, weight_decay=o.weight_decay)
@@ -91,7 +93,8 @@ def main() -> None:
     batches = [data.batch(s, cfg.training.global_batch_size, cfg.execution.micro_batch_size) for s in range(args.steps)]
     tokens = cfg.training.global_batch_size * cfg.model.sequence_length
 
-    runners = {"baseline": baseline_step_fn(cfg), **{n: ipuft_step_fn(c, hooks) for n, c in cfgs.items()}}
+    runners = {"baseline": baseline_step_fn(cfg), "baseline_checkpointed": baseline_step_fn(cfg, checkpointing=True),
+               **{n: ipuft_step_fn(c, hooks) for n, c in cfgs.items()}}
     for step in runners.values():
         step(batches[0])  # one untimed step each, as the reference's main()
     seconds = {name: [] for name in runners}
@@ -101,6 +104,7 @@ def main() -> None:
                 seconds[name].append(timed(step, b))
     result = {name: tokens / statistics.median(v) for name, v in seconds.items()}
     result.update({f"ratio_{n}": result[n] / result["baseline"] for n in cfgs})
+    result.update({f"ratio_{n}_vs_checkpointed": result[n] / result["baseline_checkpointed"] for n in cfgs})
     result["config"] = {"layers": cfg.model.layers, "hidden": cfg.model.hidden_size, "seq": cfg.model.sequence_length,
                         "gbs": cfg.training.global_batch_size, "ga": cfg.gradient_accumulation,
                         "threads": torch.get_num_threads()}
@@ -109,8 +113,11 @@ def main() -> None:
         return
     print(f"config: {result['config']}")
     print(f"baseline (transformers GPTJForCausalLM + AdamW + clip_grad_norm_): {result['baseline']:10.1f} tokens/s")
+    print(f"baseline with gradient checkpointing (recomputes, as ipuft):       "
+          f"{result['baseline_checkpointed']:10.1f} tokens/s")
     for n in cfgs:
-        print(f"ipuft {n:<12}: {result[n]:10.1f} tokens/s   ratio {result[f'ratio_{n}']:.2f}x")
+        print(f"ipuft {n:<12}: {result[n]:10.1f} tokens/s   ratio {result[f'ratio_{n}']:.2f}x   "
+              f"(vs checkpointed {result[f'ratio_{n}_vs_checkpointed']:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from ipuft.components import Init, VariableSpec, recompute
 from ipuft.model import ModelParts
 from ipuft.optim import Optimizer, StepContext
 from ipuft.program import Op, Phase
-from ipuft.store import Tensors, VariableStore
+from ipuft.store import Tensors, VariableStore, nbytes
 
 
 @dataclass
@@ -155,8 +155,8 @@ class PhasedEngine:
             if op is Op.FORWARD:
                 self._forward(phase, module, loaded["fwd"], st)
             elif op in (Op.LOSS_BACKWARD, Op.BACKWARD):
-                grads = self.store.zeros(unit, "grad", loaded["fwd"])
-                self._backward(phase, module, loaded["fwd"], grads, st)
+                self.store.ledger.acquire(nbytes(loaded["fwd"].values()))  # the gradients autograd will fill
+                grads = self._backward(phase, module, loaded["fwd"], st)
                 self._add_to_norm(grads, st)
             elif op is Op.GLOBAL_NORM:
                 st.grad_norm = st.norm_sq.sqrt().item()
@@ -167,7 +167,7 @@ class PhasedEngine:
         for group, tensors in loaded.items():
             self.store.release(unit, group, tensors)
         if phase.computes_gradient and "grad" not in loaded:
-            self.store.release(unit, "grad", grads)
+            self.store.ledger.release(nbytes(grads.values()))
 
     # ---- ops ----
 
@@ -199,13 +199,13 @@ class PhasedEngine:
                         out = functional_call(module, weights, (x,))
                 self.buffers.write("x", x_out, mb, out)
 
-    def _backward(self, phase: Phase, module, weights: Tensors, grads: Tensors, st: _StepState) -> None:
-        """Loss-backward (head) or recompute-backward (decoder, embeddings), accumulating ``grads``."""
+    def _backward(self, phase: Phase, module, weights: Tensors, st: _StepState) -> Tensors:
+        """Loss-backward (head) or recompute-backward (decoder, embeddings) of every micro-batch; returns
+        the unit's gradients, summed over micro-batches by autograd itself (into the leaves' ``.grad``)."""
         x_in, x_out = self.program.activation_rows(phase)
         seed_scale = self.loss_scaling / st.batch.micro_batches
-        names = list(weights)
+        params = {n: t.detach().requires_grad_() for n, t in weights.items()}
         for mb in range(st.batch.micro_batches):
-            params = {n: t.detach().requires_grad_() for n, t in weights.items()}
             with contextlib.ExitStack() as stack:
                 if x_in is None:
                     inputs, args = [], (st.batch.input_ids[mb],)
@@ -223,13 +223,11 @@ class PhasedEngine:
                     out = functional_call(module, params, args)
                 if seed is None:
                     st.losses.append(out.detach())
-                    out, seed = out * seed_scale, None
-                results = torch.autograd.grad(out, inputs + [params[n] for n in names], grad_outputs=seed)
+                    out = out * seed_scale
+                torch.autograd.backward(out, seed, inputs=inputs + list(params.values()))
             if inputs:
-                self.buffers.write("dx", x_in, mb, results[0])
-            with torch.no_grad():
-                for n, g in zip(names, results[len(inputs):]):
-                    grads[n].add_(g)
+                self.buffers.write("dx", x_in, mb, inputs[0].grad)
+        return {n: p.grad for n, p in params.items()}
 
     def _add_to_norm(self, grads: Tensors, st: _StepState) -> None:
         """Add the squared norm of the unscaled gradient to the step's global norm."""

@@ -156,20 +156,6 @@ class VariableStore:
         self.traffic.h2d[group] += size
         self.ledger.acquire(size)
 
-    def zeros(self, unit: str, group: str, like: Tensors) -> Tensors:
-        """Zeroed device accumulators for ``unit``'s ``group`` (gradients), shaped like ``like``.
-
-        With offload off and the group allocated, these are the stored variables, zeroed in place.
-        """
-        stored = self.entries[unit].get(group)
-        if not self.offload and stored is not None:
-            for t in stored.values():
-                t.zero_()
-            return stored
-        out = {name: torch.zeros(t.shape, dtype=t.dtype, device=self.compute) for name, t in like.items()}
-        self.ledger.acquire(nbytes(out.values()))
-        return out
-
     def save(self, unit: str, group: str, tensors: Tensors) -> None:
         """Write ``tensors`` (on the compute device) back as ``unit``'s ``group``."""
         stored = self.entries[unit][group]

@@ -46,21 +46,23 @@ def output_projection(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return linear(x)
 
 
-def rotary_tables(positions: int, rotary_dim: int, base: float, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """``cos`` and ``sin`` of shape ``[positions, rotary_dim // 2]``, one frequency per pair of dims."""
+def rotary_rotor(positions: int, head_dim: int, rotary_dim: int, base: float, device: torch.device) -> torch.Tensor:
+    """Unit complex numbers ``[positions, 1, head_dim // 2]``, one per pair of dimensions.
+
+    Pair ``i < rotary_dim / 2`` turns by ``position · base^(-2i/rotary_dim)``; the other pairs pass
+    through (angle 0).
+    """
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device).float() / rotary_dim
-    inv_freq = 1.0 / (base**exponents)
-    angles = torch.outer(torch.arange(positions, device=device).float(), inv_freq)
-    return angles.cos(), angles.sin()
+    angles = torch.zeros(positions, head_dim // 2, device=device)
+    angles[:, : rotary_dim // 2] = torch.outer(torch.arange(positions, device=device).float(), 1.0 / (base**exponents))
+    return torch.polar(torch.ones_like(angles), angles)[:, None, :]
 
 
-def apply_interleaved_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each adjacent pair ``(x[2i], x[2i+1])`` of ``x[B, T, heads, rotary_dim]`` by its angle."""
-    pairs = x.unflatten(-1, (-1, 2))
-    even, odd = pairs[..., 0], pairs[..., 1]
-    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
-    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
-    return rotated.flatten(-2)
+def apply_interleaved_rotary(x: torch.Tensor, rotor: torch.Tensor) -> torch.Tensor:
+    """Rotate each adjacent pair ``(x[2i], x[2i+1])`` of ``x[B, T, heads, head_dim]`` by its angle,
+    GPT-J's interleaved ("rotate every two") rotary, as one complex multiplication per pair."""
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())
+    return torch.view_as_real(pairs * rotor).flatten(-2).to(x.dtype)
 
 
 class GPTJAttention(nn.Module):
@@ -76,11 +78,13 @@ class GPTJAttention(nn.Module):
         self.rotary_dim, self.rotary_base = rotary_dim, rotary_base
         self.dropout_prob = dropout_prob
         self.kernel = kernel
+        self._rotors: dict[tuple, torch.Tensor] = {}
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
-        cos, sin = rotary_tables(x.shape[1], self.rotary_dim, self.rotary_base, x.device)
-        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        return torch.cat((apply_interleaved_rotary(rot, cos.to(x.dtype), sin.to(x.dtype)), rest), dim=-1)
+        key = (x.shape[1], x.device)
+        if key not in self._rotors:  # one small table per sequence length and device
+            self._rotors[key] = rotary_rotor(x.shape[1], self.head_dim, self.rotary_dim, self.rotary_base, x.device)
+        return apply_interleaved_rotary(x, self._rotors[key])
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         split = (self.heads, self.head_dim)

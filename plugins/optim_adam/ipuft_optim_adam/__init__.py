@@ -10,6 +10,8 @@ With S the loss scale, N the global norm of the unscaled gradient and C ``gradie
 
 from __future__ import annotations
 
+import math
+
 import torch
 from omegaconf import DictConfig
 
@@ -45,14 +47,18 @@ class AdamW(Optimizer):
              ctx: StepContext) -> None:
         m, v = state["m"], state["v"]
         g = grad.float() * clip_scale(ctx, self.gradient_clipping)
-        m.mul_(self.beta1).add_(g, alpha=1.0 - self.beta1)
+        m.lerp_(g, 1.0 - self.beta1)  # β1·m + (1-β1)·g
         v.mul_(self.beta2).addcmul_(g, g, value=1.0 - self.beta2)
-        m_hat = m / (1.0 - self.beta1**ctx.step)
-        v_hat = v / (1.0 - self.beta2**ctx.step)
-        update = m_hat / (v_hat.sqrt() + self.eps)
+        bias1 = 1.0 - self.beta1**ctx.step
+        bias2 = 1.0 - self.beta2**ctx.step
+        # m̂ / (√v̂ + eps) = (m / bias1) / (√v / √bias2 + eps), without materialising m̂ and v̂.
+        denom = v.sqrt().div_(math.sqrt(bias2)).add_(self.eps)
         if self.weight_decay and requires_weight_decay(name):
-            update.add_(weight.float(), alpha=self.weight_decay)
-        weight.sub_((ctx.lr * update).to(weight.dtype))
+            weight.mul_(1.0 - ctx.lr * self.weight_decay)  # w - lr·wd·w, on the weight before the step
+        if weight.dtype == torch.float32:
+            weight.addcdiv_(m, denom, value=-ctx.lr / bias1)
+        else:
+            weight.sub_((m / denom).mul_(ctx.lr / bias1).to(weight.dtype))
 
 
 def build(cfg: DictConfig) -> AdamW:
