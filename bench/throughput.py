@@ -43,7 +43,10 @@ def hf_model(cfg):
 def baseline_step_fn(cfg, checkpointing: bool = False):
     model = hf_model(cfg)
     if checkpointing:  # recomputes each layer in the backward, as ipuft always does
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     o = cfg.training.optimizer
     optimizer = torch.optim.AdamW(model.parameters(), lr=o.learning_rate.maximum, betas=(o.beta1, o.beta2),
                                   eps=o.eps, weight_decay=o.weight_decay)

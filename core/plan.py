@@ -180,4 +180,7 @@ def format_plan(result: dict) -> str:
         f"host->device / step:  {_gib(result['h2d_bytes_per_step'])}",
         f"device->host / step:  {_gib(result['d2h_bytes_per_step'])}",
     ]
+    for direction in ("h2d", "d2h"):
+        parts = ", ".join(f"{k} {_gib(v)}" for k, v in sorted(result["traffic"][direction].items()))
+        lines.append(f"  {direction} by kind:        {parts}")
     return "\n".join(lines)

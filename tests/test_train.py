@@ -102,3 +102,14 @@ def test_bench_reports_throughput(capsys):
     result = json.loads(out)
     assert result["tokens_per_s"] == pytest.approx(result["samples_per_s"] * 8)
     assert result["duration_s"] > 0 and result["device"] == "cpu"
+
+
+def test_train_with_a_swapped_optimizer_through_config_alone(fake_dist, tmp_path, capsys):
+    fake_dist("ipuft-test-sgd", {"sgd": "ipuft_test_sgd"})
+    out = tmp_path / "sgd"
+    code, _, err = cli(capsys, "train", "--config", "tiny", "training.optimizer.name=sgd", "plugins.sgd.momentum=0.5",
+                       "training.optimizer.learning_rate.maximum=0.5", "training.steps=8", f"output_dir={out}")
+    assert code == 0, err
+    losses = [r["loss"] for r in read_metrics(out)]
+    assert len(losses) == 8 and losses[-1] < losses[0] - 0.05
+    assert yaml.safe_load((out / "config.yaml").read_text())["plugins"]["sgd"] == {"momentum": 0.5}
