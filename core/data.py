@@ -41,7 +41,12 @@ class SampleData:
 
     def batch(self, step: int, global_batch_size: int, micro_batch_size: int, rank: int = 0,
               replicas: int = 1) -> Batch:
-        """This data-parallel ``rank``'s share of global batch ``step``, as ``[GA, mbs, seq]`` tensors."""
-        rows = self.rows(step, global_batch_size)[rank::replicas]
-        rows = rows.reshape(-1, micro_batch_size, self.sequence_length + 1)
-        return Batch(rows[..., :-1].contiguous(), rows[..., 1:].contiguous())
+        """Data-parallel ``rank``'s share of global batch ``step``, as ``[GA, mbs, seq]`` tensors.
+
+        The global batch is cut into micro-batches of consecutive rows; rank ``r`` of ``replicas`` takes
+        micro-batches ``r, r + replicas, ...``, so the replicas' micro-batches are disjoint and together
+        are exactly those of a single process.
+        """
+        rows = self.rows(step, global_batch_size)
+        micro = rows.reshape(-1, micro_batch_size, self.sequence_length + 1)[rank::replicas]
+        return Batch(micro[..., :-1].contiguous(), micro[..., 1:].contiguous())

@@ -6,7 +6,9 @@ recomputes each layer's forward from its buffered input ``x[n][mb]``. The global
 every unit's gradient before any optimizer step runs, as in the reference's ``finetuning()``.
 
 Gradients are accumulated carrying the loss scale ``S`` and averaged over micro-batches: each
-micro-batch's backward is seeded with ``S / GA``.
+micro-batch's backward is seeded with ``S / GA``. Under data parallelism each unit's gradient is
+mean-reduced over the DP group once per step, after its micro-batch loop (reduce-scattered with RTS); see
+:mod:`ipuft.placement` for the forms a variable takes.
 """
 
 from __future__ import annotations
@@ -16,13 +18,16 @@ import zlib
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from omegaconf import DictConfig
 from torch.func import functional_call
 
 from ipuft.activations import ActivationBuffers, working_set
-from ipuft.components import Init, VariableSpec, recompute
+from ipuft.components import VariableSpec, recompute
 from ipuft.model import ModelParts
 from ipuft.optim import Optimizer, StepContext
+from ipuft.parallel import Layout, active
+from ipuft.placement import Placement
 from ipuft.program import Op, Phase
 from ipuft.store import Tensors, VariableStore, nbytes
 
@@ -45,7 +50,7 @@ class Batch:
 
 @dataclass
 class StepResult:
-    """What one optimizer step reports."""
+    """What one optimizer step reports (loss and norm are global; bytes are this rank's)."""
 
     loss: float
     grad_norm: float
@@ -64,29 +69,41 @@ class _StepState:
     grad_norm: float = float("nan")
 
 
-def optimizer_state_specs(parts: ModelParts, optimizer: Optimizer, role: str):
-    """The ``optim`` group's variable specs of a unit of ``role``, named ``<variable>.<state>``."""
-    return [
-        VariableSpec(f"{v.name}.{s.name}", s.shape, s.dtype, s.init)
-        for v in parts.variables[role]
-        for s in optimizer.state_specs(v)
-    ]
-
-
 def unit_role(unit: str) -> str:
     return unit.split(".", 1)[0]
+
+
+def placements(parts: ModelParts, layout: Layout, rts: bool) -> dict[str, dict[str, Placement]]:
+    """Every variable's placement, by role."""
+    return {role: {v.name: Placement(v, parts.shard_specs[role][v.name], layout, rts) for v in specs}
+            for role, specs in parts.variables.items()}
+
+
+def optimizer_state_specs(placed: dict[str, Placement], optimizer: Optimizer) -> list[VariableSpec]:
+    """The ``optim`` group of a unit, in stored form, named ``<variable>.<state>``."""
+    return [VariableSpec(f"{name}.{s.name}", s.shape, s.dtype, s.init)
+            for name, p in placed.items() for s in optimizer.state_specs(p.stored_spec())]
+
+
+def initial_values(unit: str, specs: list[VariableSpec], seed: int) -> Tensors:
+    """A unit's full initial weights. Random inits draw from a generator seeded by ``seed`` and the
+    unit's name, so they depend neither on the number of units nor on the layout or device."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(unit.encode()))
+    return {s.name: s.init.fill_(torch.empty(s.shape, dtype=s.dtype), generator) for s in specs}
 
 
 class PhasedEngine:
     """Owns the variable store and runs optimizer steps through the step program."""
 
-    def __init__(self, cfg: DictConfig, parts: ModelParts, optimizer: Optimizer, device: torch.device) -> None:
+    def __init__(self, cfg: DictConfig, parts: ModelParts, optimizer: Optimizer, device: torch.device,
+                 layout: Layout | None = None) -> None:
         self.cfg = cfg
         self.parts = parts
         self.program = parts.program
         self.optimizer = optimizer
         self.device = torch.device(device)
-        self.layers = cfg.model.layers
+        self.layout = layout or active()
+        self.placed = placements(parts, self.layout, bool(cfg.execution.rts))
         self.loss_scaling = float(cfg.execution.loss_scaling)
         self.dropout = cfg.model.dropout_prob > 0
         self.store = VariableStore(self.device, offload=cfg.execution.offload)
@@ -103,16 +120,17 @@ class PhasedEngine:
         stores_grad = {p.unit for p in self.program if p.computes_gradient and "grad" in p.stores}
         for unit in self.program.units():
             role = unit_role(unit)
-            self.store.allocate(unit, "fwd", self.parts.variables[role], seed=seed)
-            self.store.allocate(unit, "optim", optimizer_state_specs(self.parts, self.optimizer, role))
+            placed = self.placed[role]
+            full = initial_values(unit, self.parts.variables[role], seed)
+            self.store.put(unit, "fwd", {n: placed[n].to_stored(t) for n, t in full.items()})
+            self.store.allocate(unit, "optim", optimizer_state_specs(placed, self.optimizer))
             if unit in stores_grad:
-                zeros = [VariableSpec(v.name, v.shape, v.dtype, Init("zeros")) for v in self.parts.variables[role]]
-                self.store.allocate(unit, "grad", zeros)
+                self.store.allocate(unit, "grad", [p.stored_spec() for p in placed.values()])
 
     # ---- one step ----
 
     def step(self, batch: Batch, lr: float) -> StepResult:
-        """Run one optimizer step over ``batch`` with learning rate ``lr``."""
+        """Run one optimizer step over this replica's ``batch`` with learning rate ``lr``."""
         if batch.micro_batches != self.cfg.gradient_accumulation:
             raise ValueError(f"batch has {batch.micro_batches} micro-batches, expected {self.cfg.gradient_accumulation}")
         before_h2d, before_d2h = dict(self.store.traffic.h2d), dict(self.store.traffic.d2h)
@@ -126,13 +144,16 @@ class PhasedEngine:
             self._prefetch(phase, phases[i + 1] if i + 1 < len(phases) else None)
             self._run(phase, state)
         self.buffers.clear()
-        loss = torch.stack(state.losses).mean().item()
+        loss = torch.stack(state.losses).mean()
+        if self.layout.data_parallel > 1:
+            dist.all_reduce(loss, group=self.layout.dp_group)
+            loss /= self.layout.data_parallel
         traffic = {
             "h2d": {k: v - before_h2d.get(k, 0) for k, v in self.store.traffic.h2d.items()},
             "d2h": {k: v - before_d2h.get(k, 0) for k, v in self.store.traffic.d2h.items()},
         }
         return StepResult(
-            loss=loss,
+            loss=loss.item(),
             grad_norm=state.grad_norm,
             h2d_bytes=sum(traffic["h2d"].values()),
             d2h_bytes=sum(traffic["d2h"].values()),
@@ -148,20 +169,31 @@ class PhasedEngine:
             self.store.prefetch(following.unit, group)
 
     def _run(self, phase: Phase, st: _StepState) -> None:
-        unit, module = phase.unit, self.modules[phase.role]
+        unit, module, placed = phase.unit, self.modules[phase.role], self.placed[phase.role]
         loaded = {group: self.store.load(unit, group) for group in phase.loads}
         grads = loaded.get("grad")
+        weights = None
+        if any(op in (Op.FORWARD, Op.LOSS_BACKWARD, Op.BACKWARD) for op in phase.ops):
+            weights = {n: placed[n].gather(t) for n, t in loaded["fwd"].items()}
+            gathered = nbytes(w for n, w in weights.items() if w is not loaded["fwd"][n])
+            self.store.ledger.acquire(gathered)
         for op in phase.ops:
             if op is Op.FORWARD:
-                self._forward(phase, module, loaded["fwd"], st)
+                self._forward(phase, module, weights, st)
             elif op in (Op.LOSS_BACKWARD, Op.BACKWARD):
-                self.store.ledger.acquire(nbytes(loaded["fwd"].values()))  # the gradients autograd will fill
-                grads = self._backward(phase, module, loaded["fwd"], st)
-                self._add_to_norm(grads, st)
+                self.store.ledger.acquire(nbytes(weights.values()))  # the gradients autograd will fill
+                local = self._backward(phase, module, weights, st)
+                grads = {n: placed[n].reduce_gradient(g) for n, g in local.items()}
+                self.store.ledger.release(nbytes(local.values()) - nbytes(grads.values()))
+                self._add_to_norm(placed, grads, st)
             elif op is Op.GLOBAL_NORM:
+                if self.layout.distributed:
+                    dist.all_reduce(st.norm_sq)
                 st.grad_norm = st.norm_sq.sqrt().item()
             elif op is Op.OPTIMIZER_STEP:
                 self._optimizer_step(phase, loaded["fwd"], loaded["optim"], grads, st)
+        if weights is not None:
+            self.store.ledger.release(gathered)
         for group in phase.stores:
             self.store.save(unit, group, grads if group == "grad" else loaded[group])
         for group, tensors in loaded.items():
@@ -172,16 +204,17 @@ class PhasedEngine:
     # ---- ops ----
 
     def _rng(self, unit: str, mb: int):
-        """The same dropout masks in a layer's forward and in its recompute."""
+        """The same dropout masks in a layer's forward and in its recompute; the same within a TP group,
+        different across DP ranks."""
         if not self.dropout:
             return contextlib.nullcontext()
-        seed = hash((self.cfg.model.seed, self.updates, zlib.crc32(unit.encode()), mb)) & 0x7FFF_FFFF
+        key = (self.cfg.model.seed, self.updates, self.layout.dp_rank, zlib.crc32(unit.encode()), mb)
+        seed = zlib.crc32(repr(key).encode())
         devices = [self.device] if self.device.type == "cuda" else []
-        ctx = torch.random.fork_rng(devices=devices)
 
         @contextlib.contextmanager
         def seeded():
-            with ctx:
+            with torch.random.fork_rng(devices=devices):
                 torch.manual_seed(seed)
                 yield
 
@@ -229,15 +262,15 @@ class PhasedEngine:
                 self.buffers.write("dx", x_in, mb, inputs[0].grad)
         return {n: p.grad for n, p in params.items()}
 
-    def _add_to_norm(self, grads: Tensors, st: _StepState) -> None:
-        """Add the squared norm of the unscaled gradient to the step's global norm."""
+    def _add_to_norm(self, placed: dict[str, Placement], grads: Tensors, st: _StepState) -> None:
+        """Add the squared norm of the unscaled, reduced gradient; each element counts once in the world."""
         with torch.no_grad():
-            for g in grads.values():
-                st.norm_sq += g.float().div(self.loss_scaling).square().sum()
+            for name, g in grads.items():
+                if placed[name].norm_weight():
+                    st.norm_sq += g.float().div(self.loss_scaling).square().sum()
 
     def _optimizer_step(self, phase: Phase, weights: Tensors, optim: Tensors, grads: Tensors, st: _StepState):
-        ctx = StepContext(lr=st.lr, global_norm=st.grad_norm, loss_scaling=self.loss_scaling,
-                          step=self.updates)
+        ctx = StepContext(lr=st.lr, global_norm=st.grad_norm, loss_scaling=self.loss_scaling, step=self.updates)
         for name, w in weights.items():
             state = {key.rsplit(".", 1)[1]: t for key, t in optim.items() if key.rsplit(".", 1)[0] == name}
             self.optimizer.step(f"{phase.unit}.{name}", w, grads[name], state, ctx)
@@ -245,6 +278,10 @@ class PhasedEngine:
     # ---- whole-model views ----
 
     def weights(self) -> dict[str, Tensors]:
-        """Every unit's weights as stored, keyed by unit (host tensors when offloaded)."""
+        """Every unit's weights as this rank stores them (host tensors when offloaded)."""
         return self.store.state("fwd")
 
+    def full_weights(self) -> dict[str, Tensors]:
+        """Every unit's full weights, gathered over DP and TP. Every rank must call it."""
+        return {unit: {n: self.placed[unit_role(unit)][n].full(t.to(self.device)).cpu() for n, t in w.items()}
+                for unit, w in self.weights().items()}

@@ -3,6 +3,10 @@ its variable specs, its shard specs, and the step program its plugins emit.
 
 Modules are built on the meta device: they hold no memory. The engine owns the variables and runs the
 modules with ``torch.func.functional_call``, so even GPT-J-6B assembles (and plans) in seconds.
+
+Each component is built twice under tensor parallelism: at TP=1 for the full variables (what the store
+initialises, checkpoints and Hugging Face see) and at the run's TP for the module each rank computes with.
+The shard specs must turn the first's shapes into the second's.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from ipuft.components import ROLES, Component, ComponentBuilder, VariableSpec
 from ipuft.errors import PluginError
@@ -24,8 +28,8 @@ class ModelParts:
     """The three components of a model and what the engine needs to know about each."""
 
     builders: dict[str, ComponentBuilder]
-    modules: dict[str, torch.nn.Module]
-    variables: dict[str, list[VariableSpec]]
+    modules: dict[str, torch.nn.Module]  # at the run's tensor parallelism: what a rank computes with
+    variables: dict[str, list[VariableSpec]]  # full variables, as at TP=1
     shard_specs: dict[str, dict[str, ShardSpec]]
     program: StepProgram
 
@@ -47,14 +51,22 @@ def build_model(cfg: DictConfig, hooks: PluginHooks, device: str | torch.device 
     components = hooks.registrations.components
     builders = {role: components.get(role, cfg.model[role]) for role in ROLES}
     modules = {role: build_component(cfg, b, device) for role, b in builders.items()}
-    variables = {role: m.variable_specs() for role, m in modules.items()}
     tp = cfg.execution.tensor_parallel
-    shard_specs = {
-        role: resolve_shard_specs(
-            f"{role} component {b.name!r}", variables[role], hooks.shard_spec(role, b.name, variables[role], tp), tp
-        )
-        for role, b in builders.items()
-    }
+    if tp == 1:
+        variables = {role: m.variable_specs() for role, m in modules.items()}
+    else:
+        single = OmegaConf.merge(cfg, {"execution": {"tensor_parallel": 1}})
+        variables = {role: build_component(single, b, "meta").variable_specs() for role, b in builders.items()}
+    shard_specs = {}
+    for role, b in builders.items():
+        who = f"{role} component {b.name!r}"
+        specs = resolve_shard_specs(who, variables[role], hooks.shard_spec(role, b.name, variables[role], tp), tp)
+        local = {v.name: v.shape for v in modules[role].variable_specs()}
+        expected = {v.name: specs[v.name].local_shape(v.shape, tp) for v in variables[role]}
+        if local != expected:
+            raise PluginError(f"{who}: its module at tensor_parallel={tp} has variables {local}, but its shard "
+                              f"specs give {expected}")
+        shard_specs[role] = specs
     program = StepProgram(cfg.model.layers)
     for role, b in builders.items():
         hooks.emit_phases(program, role, b.name)

@@ -15,9 +15,10 @@ from omegaconf import DictConfig
 from torch.func import functional_call
 
 from ipuft.components import VariableSpec
-from ipuft.engine import optimizer_state_specs, unit_role
+from ipuft.engine import optimizer_state_specs, placements, unit_role
 from ipuft.model import ModelParts
 from ipuft.optim import Optimizer
+from ipuft.parallel import Layout
 from ipuft.plugins import PluginHooks
 from ipuft.program import Op
 
@@ -28,14 +29,21 @@ def _bytes(specs: list[VariableSpec]) -> int:
     return sum(s.nbytes for s in specs)
 
 
-def group_bytes(parts: ModelParts, optimizer: Optimizer) -> dict[str, dict[str, int]]:
-    """Bytes of each variable group of each unit (``grad`` only where the program stores gradients)."""
+def rank_layout(cfg: DictConfig) -> Layout:
+    """The layout of rank 0 of the configured DP × TP grid (sizes only; no process groups)."""
+    return Layout(cfg.execution.data_parallel, cfg.execution.tensor_parallel)
+
+
+def group_bytes(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer) -> dict[str, dict[str, int]]:
+    """Bytes one rank stores of each variable group of each unit (``grad`` only where the program stores
+    gradients): its TP shard, and with RTS its 1/DP slice of that."""
     stores_grad = {p.unit for p in parts.program if p.computes_gradient and "grad" in p.stores}
+    placed = placements(parts, rank_layout(cfg), bool(cfg.execution.rts))
     out = {}
     for unit in parts.program.units():
         role = unit_role(unit)
-        sizes = {"fwd": _bytes(parts.variables[role]),
-                 "optim": _bytes(optimizer_state_specs(parts, optimizer, role))}
+        sizes = {"fwd": _bytes([p.stored_spec() for p in placed[role].values()]),
+                 "optim": _bytes(optimizer_state_specs(placed[role], optimizer))}
         sizes["grad"] = sizes["fwd"] if unit in stores_grad else 0
         out[unit] = sizes
     return out
@@ -50,7 +58,7 @@ def working_bytes(parts: ModelParts, role: str, cfg: DictConfig) -> int:
     """Bytes autograd saves for one micro-batch of one unit of ``role``, measured on the meta device."""
     mbs, seq, hidden = cfg.execution.micro_batch_size, cfg.model.sequence_length, cfg.model.hidden_size
     params = {v.name: torch.empty(v.shape, dtype=v.dtype, device="meta", requires_grad=True)
-              for v in parts.variables[role]}
+              for v in parts.modules[role].variable_specs()}
     ids = torch.zeros(mbs, seq, dtype=torch.int64, device="meta")
     x = torch.empty(mbs, seq, hidden, device="meta", requires_grad=True)
     args = {"embeddings": (ids,), "decoder": (x,), "head": (x, ids)}[role]
@@ -129,9 +137,9 @@ def device_peak_estimate(cfg: DictConfig, parts: ModelParts, sizes: dict[str, di
 
 
 def estimate(cfg: DictConfig, parts: ModelParts, hooks: PluginHooks) -> dict:
-    """Everything ``ipuft plan`` prints, as a JSON-ready dict."""
+    """Everything ``ipuft plan`` prints, as a JSON-ready dict; memory and traffic are per rank."""
     optimizer = hooks.registrations.optimizers.get(cfg.training.optimizer.name).build(cfg)
-    sizes = group_bytes(parts, optimizer)
+    sizes = group_bytes(cfg, parts, optimizer)
     moved = traffic(cfg, parts, sizes)
     host_vars = sum(sum(s.values()) for s in sizes.values()) if cfg.execution.offload else 0
     host_acts = 2 * (cfg.model.layers + 1) * cfg.gradient_accumulation * activation_bytes(cfg) \
@@ -148,6 +156,9 @@ def estimate(cfg: DictConfig, parts: ModelParts, hooks: PluginHooks) -> dict:
         cfg.model.layers * sum(v.numel for v in parts.variables["decoder"])
     return {
         "parameters": parameters,
+        "data_parallel": cfg.execution.data_parallel,
+        "tensor_parallel": cfg.execution.tensor_parallel,
+        "rts": bool(cfg.execution.rts),
         "gradient_accumulation": cfg.gradient_accumulation,
         "offload": cfg.execution.offload,
         "activation_offload": cfg.execution.activation_offload,
@@ -168,14 +179,16 @@ def _gib(n: int) -> str:
 def format_plan(result: dict) -> str:
     """The human-readable form of :func:`estimate`."""
     lines = [f"step program ({len(result['program'])} phases, GA={result['gradient_accumulation']}, "
-             f"offload={result['offload']}, activation_offload={result['activation_offload']}):"]
+             f"DP={result['data_parallel']} × TP={result['tensor_parallel']}, RTS={result['rts']}, "
+             f"offload={result['offload']}, activation_offload={result['activation_offload']}); "
+             f"bytes are per rank:"]
     for p in result["program"]:
         loads = ", ".join(f"{g} {_gib(b)}" for g, b in p["loads"].items()) or "-"
         stores = ", ".join(f"{g} {_gib(b)}" for g, b in p["stores"].items()) or "-"
         lines.append(f"  {p['phase']:<48} load: {loads:<42} store: {stores}")
     lines += [
         f"parameters:           {result['parameters']:,}",
-        f"host memory:          {_gib(result['host_bytes'])}",
+        f"host memory (rank):   {_gib(result['host_bytes'])}",
         f"device peak (est.):   {_gib(result['device_peak_bytes'])}",
         f"host->device / step:  {_gib(result['h2d_bytes_per_step'])}",
         f"device->host / step:  {_gib(result['d2h_bytes_per_step'])}",

@@ -17,7 +17,6 @@ offload on, loads and saves are real copies, so the counters are honest there to
 
 from __future__ import annotations
 
-import zlib
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -93,25 +92,19 @@ class VariableStore:
 
     # ---- allocation ----
 
-    def allocate(self, unit: str, group: str, specs: list[VariableSpec], seed: int | None = None) -> None:
-        """Create ``unit``'s ``group`` variables in their home memory, initialised from their specs.
+    def allocate(self, unit: str, group: str, specs: list[VariableSpec]) -> None:
+        """Create ``unit``'s ``group`` variables in their home memory, filled by their specs' inits."""
+        self.put(unit, group, {s.name: s.init.fill_(torch.empty(s.shape, dtype=s.dtype)) for s in specs})
 
-        Random inits draw from a generator seeded by ``seed`` and the unit's name, so a unit's initial
-        values do not depend on how many other units exist or on the device.
-        """
-        generator = None
-        if seed is not None:
-            generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(unit.encode()))
-        tensors = {}
-        for spec in specs:
-            t = torch.empty(spec.shape, dtype=spec.dtype)
-            spec.init.fill_(t, generator)
-            if self.pin:
-                t = t.pin_memory()
-            tensors[spec.name] = t.to(self.home)
-        self.entries[unit][group] = tensors
+    def put(self, unit: str, group: str, tensors: Tensors) -> None:
+        """Keep ``tensors`` as ``unit``'s ``group``, moved to their home memory (pinned for CUDA)."""
+        home = {}
+        for name, t in tensors.items():
+            t = t.to(self.home)
+            home[name] = t.pin_memory() if self.pin else t
+        self.entries[unit][group] = home
         if not self.offload:
-            self.ledger.acquire(nbytes(tensors.values()))
+            self.ledger.acquire(nbytes(home.values()))
 
     def host_bytes(self) -> int:
         """Bytes of every variable held in host memory (0 with offload off)."""

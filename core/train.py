@@ -8,12 +8,15 @@ and ``metrics.jsonl`` (one JSON object per step).
 from __future__ import annotations
 
 import json
+import os
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from omegaconf import DictConfig
 from tqdm import tqdm
 
@@ -22,26 +25,52 @@ from ipuft.data import SampleData
 from ipuft.engine import PhasedEngine, StepResult
 from ipuft.errors import ConfigError
 from ipuft.model import build_model
+from ipuft.parallel import DistributedError, Layout, init_layout
 from ipuft.plugins import PluginHooks
 from ipuft.schedule import learning_rate
 
 
 def select_device(cfg: DictConfig) -> torch.device:
-    """``execution.device``: ``auto`` takes CUDA when available."""
+    """``execution.device``: ``auto`` takes CUDA when available; under torchrun, the local rank's GPU."""
     choice = cfg.execution.device.value
     if choice == "cuda" and not torch.cuda.is_available():
         raise ConfigError("execution.device: cuda was asked for but no CUDA device is available; use auto or cpu")
     if choice == "auto":
         choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda":
+        index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device(choice)
 
 
 def build_engine(cfg: DictConfig, hooks: PluginHooks) -> PhasedEngine:
-    """The model's components, the configured optimizer and the engine that owns their variables."""
+    """Join the process layout, then build the components, the optimizer and the engine."""
+    device = select_device(cfg)
+    layout = init_layout(cfg, device)
     parts = build_model(cfg, hooks)
     optimizer = hooks.registrations.optimizers.get(cfg.training.optimizer.name).build(cfg)
     torch.manual_seed(cfg.model.seed)
-    return PhasedEngine(cfg, parts, optimizer, select_device(cfg))
+    return PhasedEngine(cfg, parts, optimizer, device, layout)
+
+
+def replica_batch(cfg: DictConfig, data: SampleData, step: int, layout: Layout):
+    """This rank's micro-batches of global batch ``step`` (TP ranks of one DP replica share them)."""
+    return data.batch(step, cfg.training.global_batch_size, cfg.execution.micro_batch_size,
+                      layout.dp_rank, layout.data_parallel)
+
+
+@contextmanager
+def collective_errors(layout: Layout):
+    """Turn a failed collective (a dead or stuck peer) into one clear error naming this rank."""
+    try:
+        yield
+    except (RuntimeError, dist.DistBackendError) as exc:
+        if not layout.distributed:
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DistributedError(f"rank {layout.rank}: a peer rank died or stopped responding ({first}); "
+                               f"stopping") from None
 
 
 def sample_data(cfg: DictConfig) -> SampleData:
@@ -73,28 +102,34 @@ def metrics_record(step: int, result: StepResult, lr: float, tokens: int, second
 
 
 def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[dict]:
-    """Train for ``training.steps`` optimizer steps; return the metrics of every step."""
-    engine = build_engine(cfg, hooks)
+    """Train for ``training.steps`` optimizer steps; return the metrics of every step.
+
+    Under torchrun every rank trains its share; rank 0 alone prints progress and writes the run directory.
+    """
     data = sample_data(cfg)
-    out = run_directory(cfg)
-    (out / "config.yaml").write_text(to_yaml(cfg))
+    engine = build_engine(cfg, hooks)
+    main = engine.layout.is_main
+    out = run_directory(cfg) if main else None
+    if main:
+        (out / "config.yaml").write_text(to_yaml(cfg))
     steps = cfg.training.steps
     tokens = cfg.training.global_batch_size * cfg.model.sequence_length
     records = []
-    bar = tqdm(range(steps), desc="train", unit="step", disable=not progress, dynamic_ncols=True)
-    with open(out / "metrics.jsonl", "w") as metrics:
+    bar = tqdm(range(steps), desc="train", unit="step", disable=not (progress and main), dynamic_ncols=True)
+    with open(out / "metrics.jsonl", "w") if main else nullcontext() as metrics, collective_errors(engine.layout):
         for step in bar:
             lr = learning_rate(step, steps, cfg.training.optimizer.learning_rate)
-            batch = data.batch(step, cfg.training.global_batch_size, cfg.execution.micro_batch_size)
+            batch = replica_batch(cfg, data, step, engine.layout)
             start = time.perf_counter()
             result = engine.step(batch, lr)
             record = metrics_record(step + 1, result, lr, tokens, time.perf_counter() - start)
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
             records.append(record)
+            if main:
+                metrics.write(json.dumps(record) + "\n")
+                metrics.flush()
             bar.set_postfix(loss=f"{result.loss:.3f}", gnorm=f"{result.grad_norm:.2f}", lr=f"{lr:.2e}",
                             tok_s=f"{record['tokens_per_s']:.0f}")
-    if progress and records:
+    if progress and main and records:
         tqdm.write(f"loss {records[0]['loss']:.3f} -> {records[-1]['loss']:.3f} over {steps} steps; "
                    f"run directory {out}")
     return records
@@ -102,9 +137,9 @@ def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[di
 
 def benchmark(cfg: DictConfig, hooks: PluginHooks, timed_steps: int = 5) -> dict:
     """The reference's ``main()``: one untimed step, then ``timed_steps`` timed steps."""
-    engine = build_engine(cfg, hooks)
     data = sample_data(cfg)
-    batch = data.batch(0, cfg.training.global_batch_size, cfg.execution.micro_batch_size)
+    engine = build_engine(cfg, hooks)
+    batch = replica_batch(cfg, data, 0, engine.layout)
     lr = cfg.training.optimizer.learning_rate.maximum
     engine.step(batch, lr)
     durations = []

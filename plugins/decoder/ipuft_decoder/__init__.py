@@ -33,12 +33,13 @@ class DecoderOptions:
 
 
 def build(cfg: DictConfig) -> GPTJDecoderBlock:
-    m = cfg.model
+    """One layer with this tensor-parallel rank's share of the heads and of the MLP width."""
+    m, tp = cfg.model, cfg.execution.tensor_parallel
     return GPTJDecoderBlock(
         hidden_size=m.hidden_size,
-        heads=m.attention.heads,
+        heads=m.attention.heads // tp,
         head_dim=m.hidden_size // m.attention.heads,
-        intermediate_size=m.intermediate_size,
+        intermediate_size=m.intermediate_size // tp,
         rotary_dim=m.attention.rotary_dim,
         rotary_base=m.attention.rotary_positional_embeddings_base,
         layer_norm_epsilon=m.layer_norm_epsilon,

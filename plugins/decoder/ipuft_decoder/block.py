@@ -3,6 +3,11 @@
 ``x + attention(ln(x)) + mlp(ln(x))``: a single layer norm feeds attention and MLP in parallel.
 Attention applies interleaved rotary embeddings to the first ``rotary_dim`` dimensions of each head of
 q and k, with a causal mask; q/k/v/out have no bias. The MLP is fc_in → gelu_new → fc_out, with biases.
+
+Under tensor parallelism the block is built with this rank's share of the heads and of the MLP width
+(q/k/v and fc_in column-sharded, out_proj and fc_out row-sharded). Because attention and MLP run in
+parallel, one all-reduce (core's ``reduce_from_tensor_parallel``) sums both partial outputs; fc_out's
+bias is added once, after it. At TP=1 the collectives are the identity.
 """
 
 from __future__ import annotations
@@ -14,36 +19,34 @@ import torch.nn.functional as F
 from torch import nn
 
 from ipuft.components import Init, VariableSpec, recomputing, specs_from_module
+from ipuft.parallel import copy_to_tensor_parallel, reduce_from_tensor_parallel
 
 
 class _GradientOnlyLinear(torch.autograd.Function):
-    """``F.linear`` whose forward value is never read: it returns zeros, and its backward is exact.
+    """``x @ weight.T`` whose forward value is never read: it returns zeros, and its backward is exact.
 
     In a recompute only the gradient graph of the layer's output is used, so the output projections'
     forward matmuls (5 of GPT-J's 12·H² multiply-adds per token) can be skipped.
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
         return x.new_zeros(()).expand(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
-        flat_grad = grad.reshape(-1, grad.shape[-1])
         grad_x = grad @ weight if ctx.needs_input_grad[0] else None
-        grad_w = flat_grad.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
-        grad_b = flat_grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b
+        grad_w = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w
 
 
-def output_projection(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``linear(x)``, or its gradient-only stand-in while the engine recomputes."""
+def output_projection(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` (no bias), or its gradient-only stand-in while the engine recomputes."""
     if recomputing() and torch.is_grad_enabled():
-        return _GradientOnlyLinear.apply(x, linear.weight, linear.bias)
-    return linear(x)
+        return _GradientOnlyLinear.apply(x, weight)
+    return F.linear(x, weight)
 
 
 def rotary_rotor(positions: int, head_dim: int, rotary_dim: int, base: float, device: torch.device) -> torch.Tensor:
@@ -67,7 +70,7 @@ def apply_interleaved_rotary(x: torch.Tensor, rotor: torch.Tensor) -> torch.Tens
 
 class GPTJAttention(nn.Module):
     def __init__(self, hidden_size: int, heads: int, head_dim: int, rotary_dim: int, rotary_base: float,
-                 dropout_prob: float, kernel: str) -> None:
+                 kernel: str) -> None:
         super().__init__()
         inner = heads * head_dim
         self.q_proj = nn.Linear(hidden_size, inner, bias=False)
@@ -76,7 +79,6 @@ class GPTJAttention(nn.Module):
         self.out_proj = nn.Linear(inner, hidden_size, bias=False)
         self.heads, self.head_dim = heads, head_dim
         self.rotary_dim, self.rotary_base = rotary_dim, rotary_base
-        self.dropout_prob = dropout_prob
         self.kernel = kernel
         self._rotors: dict[tuple, torch.Tensor] = {}
 
@@ -98,20 +100,18 @@ class GPTJAttention(nn.Module):
             t = scores.shape[-1]
             causal = torch.ones(t, t, dtype=torch.bool, device=h.device).tril()
             out = scores.masked_fill(~causal, torch.finfo(scores.dtype).min).softmax(-1) @ v
-        out = output_projection(self.out_proj, out.transpose(1, 2).flatten(-2))
-        return F.dropout(out, self.dropout_prob, self.training)
+        return output_projection(self.out_proj.weight, out.transpose(1, 2).flatten(-2))  # partial under TP
 
 
 class GPTJMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, dropout_prob: float) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.fc_in = nn.Linear(hidden_size, intermediate_size)
         self.fc_out = nn.Linear(intermediate_size, hidden_size)
-        self.dropout_prob = dropout_prob
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        out = output_projection(self.fc_out, F.gelu(self.fc_in(h), approximate="tanh"))  # gelu_new
-        return F.dropout(out, self.dropout_prob, self.training)
+        """fc_out without its bias (partial under TP): the block adds the bias once, after the reduce."""
+        return output_projection(self.fc_out.weight, F.gelu(self.fc_in(h), approximate="tanh"))  # gelu_new
 
 
 class GPTJDecoderBlock(nn.Module):
@@ -122,13 +122,14 @@ class GPTJDecoderBlock(nn.Module):
                  attention_kernel: str = "sdpa") -> None:
         super().__init__()
         self.norm = nn.LayerNorm(hidden_size, eps=layer_norm_epsilon)
-        self.attn = GPTJAttention(hidden_size, heads, head_dim, rotary_dim, rotary_base, dropout_prob,
-                                  attention_kernel)
-        self.mlp = GPTJMLP(hidden_size, intermediate_size, dropout_prob)
+        self.attn = GPTJAttention(hidden_size, heads, head_dim, rotary_dim, rotary_base, attention_kernel)
+        self.mlp = GPTJMLP(hidden_size, intermediate_size)
+        self.dropout_prob = dropout_prob
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm(x)
-        return x + self.attn(h) + self.mlp(h)
+        h = copy_to_tensor_parallel(self.norm(x))
+        out = reduce_from_tensor_parallel(self.attn(h) + self.mlp(h)) + self.mlp.fc_out.bias
+        return x + F.dropout(out, self.dropout_prob, self.training)
 
     def variable_specs(self) -> list[VariableSpec]:
         normal = Init("normal", 0.02)

@@ -1,4 +1,8 @@
-"""GPT-J token embeddings: a lookup table and dropout (no position embeddings: GPT-J is rotary)."""
+"""GPT-J token embeddings: a lookup table and dropout (no position embeddings: GPT-J is rotary).
+
+Under tensor parallelism each rank holds a contiguous block of the (padded) vocabulary: ids outside it
+contribute zeros, and the partial lookups are summed over the TP group.
+"""
 
 from __future__ import annotations
 
@@ -8,24 +12,33 @@ from omegaconf import DictConfig
 
 from ipuft import hookimpl
 from ipuft.components import ComponentRegistry, Init, VariableSpec, specs_from_module
+from ipuft.parallel import reduce_from_tensor_parallel, tensor_parallel_rank
 from ipuft.program import Op, Phase, Stage, StepProgram
 from ipuft.sharding import ShardSpec
 
 NAME = "gptj"
 # The reference pads the vocabulary up to a multiple of TP × 16 before sharding it.
-VOCAB_PAD_MULTIPLE = 16
+VOCAB_SPEC = ShardSpec(tp_dim=0, pad_multiple=16)
 
 
 class GPTJEmbeddings(torch.nn.Module):
     """``input_ids[B, T] -> hidden[B, T, H]``."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, dropout_prob: float = 0.0) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, dropout_prob: float = 0.0, tensor_parallel: int = 1):
         super().__init__()
-        self.wte = torch.nn.Embedding(vocab_size, hidden_size)
+        local_rows = VOCAB_SPEC.local_shape((vocab_size, hidden_size), tensor_parallel)[0]
+        self.wte = torch.nn.Embedding(local_rows, hidden_size)
         self.dropout_prob = dropout_prob
+        self.tensor_parallel = tensor_parallel
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.dropout(self.wte(input_ids), self.dropout_prob, self.training)
+        if self.tensor_parallel == 1:
+            return F.dropout(self.wte(input_ids), self.dropout_prob, self.training)
+        rows = self.wte.weight.shape[0]
+        local = input_ids - tensor_parallel_rank() * rows
+        outside = (local < 0) | (local >= rows)
+        partial = self.wte(local.masked_fill(outside, 0)).masked_fill(outside.unsqueeze(-1), 0.0)
+        return F.dropout(reduce_from_tensor_parallel(partial), self.dropout_prob, self.training)
 
     def variable_specs(self) -> list[VariableSpec]:
         return specs_from_module(self, {"wte.weight": Init("normal", 0.02)})
@@ -36,7 +49,7 @@ class GPTJEmbeddings(torch.nn.Module):
 
 def build(cfg: DictConfig) -> GPTJEmbeddings:
     m = cfg.model
-    return GPTJEmbeddings(m.embedding.vocab_size, m.hidden_size, m.dropout_prob)
+    return GPTJEmbeddings(m.embedding.vocab_size, m.hidden_size, m.dropout_prob, cfg.execution.tensor_parallel)
 
 
 @hookimpl
@@ -48,7 +61,7 @@ def ipuft_register_components(registry: ComponentRegistry) -> None:
 def ipuft_shard_spec(role: str, name: str, variables: list[VariableSpec], tensor_parallel: int):
     if (role, name) != ("embeddings", NAME):
         return None
-    return {"wte.weight": ShardSpec(tp_dim=0, pad_multiple=VOCAB_PAD_MULTIPLE)}
+    return {"wte.weight": VOCAB_SPEC}
 
 
 @hookimpl

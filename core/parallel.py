@@ -1,0 +1,190 @@
+"""Process layout and collectives for data, tensor and replicated-tensor-sharded parallelism.
+
+The layout is the reference's: world = data_parallel × tensor_parallel; tensor-parallel groups are
+consecutive ranks (stride 1, size TP) and data-parallel groups have stride TP. Processes are launched by
+torchrun; ipuft uses torch.distributed (Gloo on CPU, NCCL on CUDA) and builds no transport of its own.
+
+One process is one rank, so the active layout is process-wide (:func:`activate`). Component code calls the
+collectives below, which are the identity when tensor parallelism is off.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from ipuft.errors import ConfigError, IpuftError
+
+
+class DistributedError(IpuftError):
+    """A collective failed: a peer rank died or stopped responding."""
+
+    exit_code = 1
+
+
+@dataclass
+class Layout:
+    """This process's place in the DP × TP grid, and its process groups (``None`` when size 1)."""
+
+    data_parallel: int = 1
+    tensor_parallel: int = 1
+    rank: int = 0
+    tp_group: dist.ProcessGroup | None = None
+    dp_group: dist.ProcessGroup | None = None
+
+    @property
+    def world(self) -> int:
+        return self.data_parallel * self.tensor_parallel
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tensor_parallel
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tensor_parallel
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 alone prints progress and writes the run directory."""
+        return self.rank == 0
+
+
+_ACTIVE = Layout()
+
+
+def active() -> Layout:
+    """The layout of this process (a single-rank layout until :func:`activate`)."""
+    return _ACTIVE
+
+
+def activate(layout: Layout) -> Layout:
+    global _ACTIVE
+    _ACTIVE = layout
+    return layout
+
+
+def launched_world() -> int:
+    """How many processes torchrun started (1 when not launched by torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_layout(cfg: DictConfig, device: torch.device, timeout_s: float = 60.0) -> Layout:
+    """Join the process group torchrun set up and build the DP and TP groups; check the world size.
+
+    Every rank raises the same :class:`ConfigError` before any work starts when the world is not DP × TP.
+    """
+    dp, tp = cfg.execution.data_parallel, cfg.execution.tensor_parallel
+    world = launched_world()
+    if world != dp * tp:
+        raise ConfigError(
+            f"execution.data_parallel × execution.tensor_parallel = {dp} × {tp} = {dp * tp}, but {world} "
+            f"process{'es were' if world != 1 else ' was'} launched; run torchrun --nproc-per-node={dp * tp} "
+            f"--no-python ipuft train ... (or set the two keys to match the launch)"
+        )
+    if world == 1:
+        return activate(Layout())
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    rank = dist.get_rank()
+    tp_group = dp_group = None
+    # Every rank must create every group, in the same order.
+    for d in range(dp):
+        group = dist.new_group([d * tp + t for t in range(tp)]) if tp > 1 else None
+        if rank // tp == d:
+            tp_group = group
+    for t in range(tp):
+        group = dist.new_group([d * tp + t for d in range(dp)]) if dp > 1 else None
+        if rank % tp == t:
+            dp_group = group
+    return activate(Layout(dp, tp, rank, tp_group, dp_group))
+
+
+# ---- tensor-parallel collectives, as paired autograd functions ----------------------------------------
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    """Forward: identity; backward: all-reduce over the TP group.
+
+    Marks where a replicated activation enters sharded computation: each rank's gradient is partial.
+    """
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=_ACTIVE.tp_group)
+        return grad
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    """Forward: all-reduce (sum) over the TP group; backward: identity.
+
+    Sums the partial results of sharded computation into a replicated activation.
+    """
+
+    @staticmethod
+    def forward(ctx, x):
+        x = x.clone()
+        dist.all_reduce(x, group=_ACTIVE.tp_group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _GatherFromTensorParallel(torch.autograd.Function):
+    """Forward: all-gather along the last dimension over the TP group; backward: keep this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x):
+        parts = [torch.empty_like(x) for _ in range(_ACTIVE.tensor_parallel)]
+        dist.all_gather(parts, x.contiguous(), group=_ACTIVE.tp_group)
+        ctx.size = x.shape[-1]
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.narrow(-1, _ACTIVE.tp_rank * ctx.size, ctx.size).contiguous()
+
+
+def copy_to_tensor_parallel(x: torch.Tensor) -> torch.Tensor:
+    """Identity forward, all-reduced gradient; the identity when TP is off."""
+    return _CopyToTensorParallel.apply(x) if _ACTIVE.tensor_parallel > 1 else x
+
+
+def reduce_from_tensor_parallel(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the TP group, gradient passed through; the identity when TP is off."""
+    return _ReduceFromTensorParallel.apply(x) if _ACTIVE.tensor_parallel > 1 else x
+
+
+def gather_from_tensor_parallel(x: torch.Tensor) -> torch.Tensor:
+    """Concatenate the TP ranks' last dimensions, gradient sliced back; the identity when TP is off."""
+    return _GatherFromTensorParallel.apply(x) if _ACTIVE.tensor_parallel > 1 else x
+
+
+def max_over_tensor_parallel(x: torch.Tensor) -> torch.Tensor:
+    """Element-wise maximum over the TP group (no gradient: used for numerical stability only)."""
+    if _ACTIVE.tensor_parallel == 1:
+        return x.detach()
+    x = x.detach().clone()
+    dist.all_reduce(x, op=dist.ReduceOp.MAX, group=_ACTIVE.tp_group)
+    return x
+
+
+def tensor_parallel_rank() -> int:
+    return _ACTIVE.tp_rank

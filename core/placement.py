@@ -1,0 +1,117 @@
+"""Where each variable lives under a DP × TP layout, and the moves between its forms.
+
+A variable has three forms:
+
+- *full*: the whole variable, as a single process holds it (``VariableSpec.shape``);
+- *local*: this TP rank's shard (``ShardSpec.local_shape``), which the component computes with;
+- *stored*: what this rank keeps in the variable store. Without RTS it is the local form. With RTS
+  (replicated tensor sharding) it is this DP rank's 1/DP slice of the flattened local form, padded with
+  zeros to a multiple of DP; weights, optimizer state and gradients are all stored that way.
+
+A phase all-gathers stored weights into the local form to compute, reduce-scatters local gradients into
+the stored form (or all-reduces them without RTS), and the optimizer updates the stored form only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ipuft.components import VariableSpec
+from ipuft.parallel import Layout
+from ipuft.sharding import ShardSpec
+
+# torch 2.13 renamed the flat collectives; older releases only have the first names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One variable's forms under ``layout``."""
+
+    spec: VariableSpec
+    shard: ShardSpec
+    layout: Layout
+    rts: bool
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return self.shard.local_shape(self.spec.shape, self.layout.tensor_parallel)
+
+    @property
+    def local_numel(self) -> int:
+        return math.prod(self.local_shape)
+
+    @property
+    def sharded_over_dp(self) -> bool:
+        return self.rts and self.shard.rts and self.layout.data_parallel > 1
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        if not self.sharded_over_dp:
+            return self.local_shape
+        return (math.ceil(self.local_numel / self.layout.data_parallel),)
+
+    def stored_spec(self, name: str | None = None, dtype: torch.dtype | None = None) -> VariableSpec:
+        return VariableSpec(name or self.spec.name, self.stored_shape, dtype or self.spec.dtype, self.spec.init)
+
+    # ---- forms ----
+
+    def to_stored(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's stored form of the full variable."""
+        local = self.shard.shard(full, self.layout.tp_rank, self.layout.tensor_parallel)
+        if not self.sharded_over_dp:
+            return local.contiguous()
+        flat = self._padded_flat(local)
+        return flat.chunk(self.layout.data_parallel)[self.layout.dp_rank].clone()
+
+    def _padded_flat(self, local: torch.Tensor) -> torch.Tensor:
+        flat = local.reshape(-1)
+        pad = self.stored_shape[0] * self.layout.data_parallel - flat.numel()
+        return torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
+
+    def gather(self, stored: torch.Tensor) -> torch.Tensor:
+        """The local form, all-gathered over the DP group from every rank's stored form."""
+        if not self.sharded_over_dp:
+            return stored
+        flat = stored.new_empty(stored.numel() * self.layout.data_parallel)
+        _all_gather_flat(flat, stored.contiguous(), group=self.layout.dp_group)
+        return flat[: self.local_numel].view(self.local_shape)
+
+    def reduce_gradient(self, local_grad: torch.Tensor) -> torch.Tensor:
+        """Mean over the DP group, returned in the stored form (reduce-scatter with RTS)."""
+        dp = self.layout.data_parallel
+        if dp == 1:
+            return local_grad
+        if not self.sharded_over_dp:
+            dist.all_reduce(local_grad, group=self.layout.dp_group)
+            return local_grad.div_(dp)
+        out = local_grad.new_empty(self.stored_shape)
+        _reduce_scatter_flat(out, self._padded_flat(local_grad), group=self.layout.dp_group)
+        return out.div_(dp)
+
+    def norm_weight(self) -> float:
+        """1 where this rank's stored gradient holds elements no other rank counts, else 0.
+
+        Every element of the reduced gradient is counted exactly once over the whole world: TP-replicated
+        variables only on TP rank 0, DP-replicated (non-RTS) variables only on DP rank 0.
+        """
+        if self.shard.replicated_over_tp and self.layout.tp_rank != 0:
+            return 0.0
+        if not self.sharded_over_dp and self.layout.dp_rank != 0:
+            return 0.0
+        return 1.0
+
+    def full(self, stored: torch.Tensor) -> torch.Tensor:
+        """The full variable, gathered over DP and TP (every rank of the world must call this)."""
+        local = self.gather(stored)
+        tp = self.layout.tensor_parallel
+        if tp == 1 or self.shard.replicated_over_tp:
+            return local.clone()
+        parts = [torch.empty_like(local) for _ in range(tp)]
+        dist.all_gather(parts, local.contiguous(), group=self.layout.tp_group)
+        return self.shard.unshard(parts, full_size=self.spec.shape[self.shard.tp_dim])

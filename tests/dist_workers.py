@@ -1,0 +1,87 @@
+"""Functions the distributed tests run on every rank (importable by spawned processes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def train_configs(rank: int, configs: dict[str, list[str]], steps: int, out: str) -> None:
+    """Train each config for ``steps`` steps; rank 0 saves losses, norms, gathered weights and counters."""
+    from ipuft.config import load_config
+    from ipuft.plan import estimate
+    from ipuft.plugins import create_plugin_manager
+    from ipuft.schedule import learning_rate
+    from ipuft.train import build_engine, replica_batch, sample_data
+
+    hooks = create_plugin_manager()
+    for name, overrides in configs.items():
+        cfg = load_config("tiny", overrides, hooks.registrations.config_sections)
+        engine = build_engine(cfg, hooks)
+        data = sample_data(cfg)
+        results = [engine.step(replica_batch(cfg, data, s, engine.layout),
+                               learning_rate(s, steps, cfg.training.optimizer.learning_rate)) for s in range(steps)]
+        weights = engine.full_weights()
+        planned = estimate(cfg, engine.parts, hooks)
+        record = {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
+                  "traffic": results[-1].traffic, "planned": planned["traffic"],
+                  "host_bytes": engine.store.host_bytes(), "planned_host": planned["host_bytes"]}
+        torch.save({"weights": weights, **record} if rank == 0 else record, Path(out) / f"{name}.rank{rank}.pt")
+
+
+def tp_logits(rank: int, overrides: list[str], hf_state: dict, ids: torch.Tensor, out: str) -> None:
+    """Forward logits at this layout from the given Hugging Face weights, gathered over TP."""
+    from torch.func import functional_call
+
+    from ipuft.config import load_config
+    from ipuft.hf import from_hf
+    from ipuft.model import build_model
+    from ipuft.parallel import init_layout
+    from ipuft.plugins import create_plugin_manager
+    from ipuft.engine import placements
+
+    hooks = create_plugin_manager()
+    cfg = load_config("tiny", overrides, hooks.registrations.config_sections)
+    layout = init_layout(cfg, torch.device("cpu"))
+    parts = build_model(cfg, hooks)
+    placed = placements(parts, layout, rts=False)
+    full = from_hf(parts.modules, cfg.model.layers, hf_state)
+    local = {unit: {n: placed[unit.split(".")[0]][n].to_stored(t) for n, t in w.items()} for unit, w in full.items()}
+    with torch.no_grad():
+        h = functional_call(parts.modules["embeddings"], local["embeddings"], (ids,))
+        for n in range(cfg.model.layers):
+            h = functional_call(parts.modules["decoder"], local[f"decoder.{n}"], (h,))
+        logits = functional_call(parts.modules["head"], local["head"], (h,))
+        labels = torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), -100)], dim=1)
+        loss = functional_call(parts.modules["head"], local["head"], (h, labels))
+    torch.save({"logits": logits, "loss": loss}, Path(out) / f"logits.rank{rank}.pt")
+
+
+def collectives(rank: int, out: str) -> None:
+    """Each paired collective, forward and backward, with rank-dependent values (TP group of 2)."""
+    import torch.distributed as dist
+
+    from ipuft.parallel import (
+        Layout, activate, copy_to_tensor_parallel, gather_from_tensor_parallel, max_over_tensor_parallel,
+        reduce_from_tensor_parallel,
+    )
+
+    dist.init_process_group("gloo")
+    activate(Layout(1, 2, rank, tp_group=dist.new_group([0, 1]), dp_group=None))
+    r = float(rank + 1)  # 1 on rank 0, 2 on rank 1
+    results = {}
+    x = torch.full((3,), r, requires_grad=True)
+    y = copy_to_tensor_parallel(x)
+    (y * r).sum().backward()  # local gradient r; all-reduced: 1 + 2 = 3
+    results["copy"] = (y.detach(), x.grad.clone())
+    x = torch.full((3,), r, requires_grad=True)
+    y = reduce_from_tensor_parallel(x)  # 1 + 2 = 3 on both
+    (y * r).sum().backward()  # gradient passes through: r
+    results["reduce"] = (y.detach(), x.grad.clone())
+    x = torch.full((2, 2), r, requires_grad=True)
+    y = gather_from_tensor_parallel(x)  # [[1, 1, 2, 2], ...]
+    (y * torch.arange(4.0)).sum().backward()  # this rank's slice of [0, 1, 2, 3]
+    results["gather"] = (y.detach(), x.grad.clone())
+    results["max"] = max_over_tensor_parallel(torch.tensor([r, 3.0 - r]))
+    torch.save(results, Path(out) / f"collectives.rank{rank}.pt")

@@ -1,0 +1,46 @@
+"""Run a function on N Gloo ranks on this machine, as torchrun would lay them out (tests only)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, target, args, errors: Path) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)})
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        target(rank, *args)
+    except BaseException:
+        (errors / f"rank{rank}.txt").write_text(traceback.format_exc())
+        raise
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(world: int, target, *args, tmp: Path) -> None:
+    """Run ``target(rank, *args)`` on ``world`` processes; raise with the first rank's traceback."""
+    errors = tmp / "errors"
+    errors.mkdir(exist_ok=True)
+    try:
+        mp.start_processes(_entry, args=(world, free_port(), target, args, errors), nprocs=world,
+                           start_method="spawn", join=True)
+    except Exception as exc:
+        reports = sorted(errors.glob("rank*.txt"))
+        raise AssertionError(reports[0].read_text() if reports else str(exc)) from None

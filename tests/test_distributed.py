@@ -1,0 +1,178 @@
+"""Data, tensor and replicated-tensor-sharded parallelism on Gloo ranks equal a single process."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import dist_workers
+from distributed import free_port, spawn
+from hf_reference import hf_gptj
+from ipuft.config import load_config
+from ipuft.schedule import learning_rate
+from ipuft.train import build_engine, replica_batch, sample_data
+
+STEPS = 5
+COMMON = ["model.embedding.vocab_size=100", "execution.micro_batch_size=1", "training.optimizer.weight_decay=0.1",
+          "training.optimizer.gradient_clipping=0.5", "training.optimizer.learning_rate.maximum=2e-3",
+          "execution.loss_scaling=16", f"training.steps={STEPS}",
+          # Adam divides by √v + eps, so near eps it amplifies float32 rounding in tiny gradients (the
+          # summation order differs across layouts); 1e-4 keeps the comparison about the layout.
+          "training.optimizer.eps=1e-4"]
+
+
+def layout_configs(dp, tp):
+    """GA=2 on every replica, RTS on and off, offload on and off."""
+    base = COMMON + [f"execution.data_parallel={dp}", f"execution.tensor_parallel={tp}",
+                     f"training.global_batch_size={2 * dp}"]
+    return {f"rts{int(rts)}_off{int(off)}": base + [f"execution.rts={rts}", f"execution.offload={off}"]
+            for rts in (True, False) for off in (True, False)}
+
+
+def single_process(hooks, gbs):
+    cfg = load_config("tiny", COMMON + [f"training.global_batch_size={gbs}"], hooks.registrations.config_sections)
+    engine = build_engine(cfg, hooks)
+    data = sample_data(cfg)
+    results = [engine.step(replica_batch(cfg, data, s, engine.layout),
+                           learning_rate(s, STEPS, cfg.training.optimizer.learning_rate)) for s in range(STEPS)]
+    return [r.loss for r in results], [r.grad_norm for r in results], engine.full_weights()
+
+
+def rel(a, b):
+    return abs(a - b) / abs(b)
+
+
+def max_rel(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+@pytest.mark.parametrize(("dp", "tp"), [(2, 1), (1, 2), (2, 2)], ids=["dp2", "tp2", "dp2xtp2"])
+def test_parallel_training_equals_one_process(hooks, tmp_path, dp, tp):
+    configs = layout_configs(dp, tp)
+    spawn(dp * tp, dist_workers.train_configs, configs, STEPS, str(tmp_path), tmp=tmp_path)
+    losses, norms, weights = single_process(hooks, 2 * dp)
+    assert norms[0] > 0.5  # clipping is active
+    for name in configs:
+        got = torch.load(tmp_path / f"{name}.rank0.pt")
+        for a, b in zip(got["losses"], losses, strict=True):
+            assert rel(a, b) <= 1e-5, name
+        for a, b in zip(got["norms"], norms, strict=True):
+            assert rel(a, b) <= 1e-5, name
+        assert got["weights"].keys() == weights.keys()
+        for unit, w in weights.items():
+            for n, t in w.items():
+                assert got["weights"][unit][n].shape == t.shape
+                assert max_rel(got["weights"][unit][n], t) <= 1e-5, f"{name} {unit}.{n}"
+        for rank in range(dp * tp):  # every rank's counters equal the plan
+            mine = torch.load(tmp_path / f"{name}.rank{rank}.pt")
+            assert mine["traffic"] == mine["planned"], (name, rank)
+            assert mine["host_bytes"] == mine["planned_host"], (name, rank)
+
+
+def test_rts_shrinks_host_bytes_about_dp_fold(tmp_path):
+    configs = {"rts": COMMON + ["execution.data_parallel=2", "training.global_batch_size=4", "execution.rts=true"],
+               "no_rts": COMMON + ["execution.data_parallel=2", "training.global_batch_size=4", "execution.rts=false"]}
+    spawn(2, dist_workers.train_configs, configs, 1, str(tmp_path), tmp=tmp_path)
+    for rank in range(2):
+        rts = torch.load(tmp_path / f"rts.rank{rank}.pt")
+        full = torch.load(tmp_path / f"no_rts.rank{rank}.pt")
+        assert rts["host_bytes"] == rts["planned_host"]
+        assert 0.49 <= rts["host_bytes"] / full["host_bytes"] <= 0.51
+        assert rts["traffic"]["h2d"]["fwd"] < 0.51 * full["traffic"]["h2d"]["fwd"]
+
+
+def test_tp2_logits_equal_transformers(tmp_path):
+    cfg = load_config("tiny", ["model.embedding.vocab_size=100", "model.layers=2"])
+    hf = hf_gptj(cfg)
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    overrides = ["model.embedding.vocab_size=100", "execution.tensor_parallel=2"]
+    spawn(2, dist_workers.tp_logits, overrides, state, ids, str(tmp_path), tmp=tmp_path)
+    with torch.no_grad():
+        out = hf(ids, labels=ids)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"logits.rank{rank}.pt")
+        assert got["logits"].shape == out.logits.shape  # padded vocabulary rows are cut
+        torch.testing.assert_close(got["logits"], out.logits, atol=1e-5, rtol=0)
+        torch.testing.assert_close(got["loss"], out.loss, atol=1e-6, rtol=1e-6)  # sharded cross-entropy
+
+
+def test_collectives_with_rank_dependent_values(tmp_path):
+    spawn(2, dist_workers.collectives, str(tmp_path), tmp=tmp_path)
+    for rank in range(2):
+        r = float(rank + 1)
+        got = torch.load(tmp_path / f"collectives.rank{rank}.pt")
+        y, g = got["copy"]
+        assert torch.equal(y, torch.full((3,), r)) and torch.equal(g, torch.full((3,), 3.0))
+        y, g = got["reduce"]
+        assert torch.equal(y, torch.full((3,), 3.0)) and torch.equal(g, torch.full((3,), r))
+        y, g = got["gather"]
+        assert torch.equal(y, torch.tensor([[1.0, 1.0, 2.0, 2.0]] * 2))
+        assert torch.equal(g, torch.tensor([[0.0, 1.0], [0.0, 1.0]]) + 2 * rank)
+        assert torch.equal(got["max"], torch.tensor([2.0, 2.0]))
+
+
+def rank_env(rank, world, port):
+    return {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+            "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"}
+
+
+def test_world_size_mismatch_is_reported_on_every_rank(tmp_path):
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "ipuft.cli.main", "train", "--config", "tiny",
+                               "execution.data_parallel=3", "training.global_batch_size=3",
+                               f"output_dir={tmp_path}/run"], env=rank_env(r, 2, port),
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=60)
+        assert p.returncode == 2
+        assert err == ("ipuft: error: execution.data_parallel × execution.tensor_parallel = 3 × 1 = 3, but 2 "
+                       "processes were launched; run torchrun --nproc-per-node=3 --no-python ipuft train ... "
+                       "(or set the two keys to match the launch)\n")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_dead_rank_stops_the_others_with_a_clear_error(tmp_path):
+    port = free_port()
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "ipuft.cli.main", "train", "--config", "tiny", "execution.data_parallel=2",
+           "training.global_batch_size=2", "training.steps=1000000", f"output_dir={out}"]
+    procs = [subprocess.Popen(cmd, env=rank_env(r, 2, port), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True) for r in range(2)]
+    deadline = time.time() + 90
+    while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").stat().st_size > 0):
+        assert time.time() < deadline, "training never started"
+        assert all(p.poll() is None for p in procs), procs[0].stderr.read()
+        time.sleep(0.2)
+    procs[1].send_signal(signal.SIGKILL)
+    killed = time.time()
+    _, err = procs[0].communicate(timeout=60)
+    assert time.time() - killed < 60
+    assert procs[0].returncode == 1
+    print(err)
+    assert "Traceback" not in err
+    assert err.splitlines()[-1].startswith("ipuft: error: rank 0: a peer rank died or stopped responding")
+    procs[1].wait()
+
+
+def test_torchrun_end_to_end(hooks, tmp_path):
+    """The README's launch: torchrun starts two ranks of the real console script."""
+    out = tmp_path / "run"
+    overrides = ["training.global_batch_size=4", "training.steps=3", "training.optimizer.learning_rate.maximum=1e-3"]
+    proc = subprocess.run(
+        ["torchrun", "--nproc-per-node=2", f"--master-port={free_port()}", "--no-python", "ipuft", "train",
+         "--config", "tiny", "execution.data_parallel=2", *overrides, f"output_dir={out}"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [__import__("json").loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]  # rank 0 alone writes
+    cfg = load_config("tiny", overrides, hooks.registrations.config_sections)
+    engine = build_engine(cfg, hooks)
+    data = sample_data(cfg)
+    for s, r in enumerate(records):
+        expected = engine.step(replica_batch(cfg, data, s, engine.layout), r["lr"])
+        assert rel(r["loss"], expected.loss) <= 1e-5 and rel(r["grad_norm"], expected.grad_norm) <= 1e-5
