@@ -79,12 +79,17 @@ def sample_data(cfg: DictConfig) -> SampleData:
     return SampleData(cfg.model.embedding.vocab_size, cfg.model.sequence_length, cfg.data.seed)
 
 
+def check_output_dir(cfg: DictConfig) -> None:
+    """Refuse an ``output_dir`` that already holds a run (checked on every rank, before any work)."""
+    if cfg.output_dir is not None and (Path(cfg.output_dir) / "metrics.jsonl").exists():
+        raise ConfigError(f"output_dir: {cfg.output_dir} already holds a run (metrics.jsonl); choose another directory")
+
+
 def run_directory(cfg: DictConfig) -> Path:
     """``output_dir``, or ``runs/<timestamp>``; never one that already holds a run."""
+    check_output_dir(cfg)
     if cfg.output_dir is not None:
         path = Path(cfg.output_dir)
-        if (path / "metrics.jsonl").exists():
-            raise ConfigError(f"output_dir: {path} already holds a run (metrics.jsonl); choose another directory")
     else:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         path, n = Path("runs") / stamp, 1
@@ -107,6 +112,7 @@ def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[di
     Under torchrun every rank trains its share; rank 0 alone prints progress and writes the run directory.
     """
     data = sample_data(cfg)
+    check_output_dir(cfg)
     engine = build_engine(cfg, hooks)
     main = engine.layout.is_main
     out = run_directory(cfg) if main else None

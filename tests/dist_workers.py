@@ -15,18 +15,33 @@ def train_configs(rank: int, configs: dict[str, list[str]], steps: int, out: str
     from ipuft.schedule import learning_rate
     from ipuft.train import build_engine, replica_batch, sample_data
 
+    from ipuft.placement import Placement
+
+    reductions = 0
+    reduce_gradient = Placement.reduce_gradient
+
+    def counted(self, grad):
+        nonlocal reductions
+        reductions += 1
+        return reduce_gradient(self, grad)
+
+    Placement.reduce_gradient = counted
     hooks = create_plugin_manager()
     for name, overrides in configs.items():
         cfg = load_config("tiny", overrides, hooks.registrations.config_sections)
         engine = build_engine(cfg, hooks)
         data = sample_data(cfg)
+        reductions = 0
         results = [engine.step(replica_batch(cfg, data, s, engine.layout),
                                learning_rate(s, steps, cfg.training.optimizer.learning_rate)) for s in range(steps)]
+        per_step = reductions / steps
         weights = engine.full_weights()
         planned = estimate(cfg, engine.parts, hooks)
         record = {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
                   "traffic": results[-1].traffic, "planned": planned["traffic"],
-                  "host_bytes": engine.store.host_bytes(), "planned_host": planned["host_bytes"]}
+                  "host_bytes": engine.store.host_bytes(), "planned_host": planned["host_bytes"],
+                  "reductions_per_step": per_step,
+                  "variables": sum(len(v) for v in engine.weights().values())}
         torch.save({"weights": weights, **record} if rank == 0 else record, Path(out) / f"{name}.rank{rank}.pt")
 
 

@@ -71,6 +71,8 @@ def test_parallel_training_equals_one_process(hooks, tmp_path, dp, tp):
             mine = torch.load(tmp_path / f"{name}.rank{rank}.pt")
             assert mine["traffic"] == mine["planned"], (name, rank)
             assert mine["host_bytes"] == mine["planned_host"], (name, rank)
+            # one DP reduction per variable per step, after the micro-batch loop: not one per micro-batch
+            assert mine["reductions_per_step"] == mine["variables"], (name, rank)
 
 
 def test_rts_shrinks_host_bytes_about_dp_fold(tmp_path):
@@ -99,6 +101,25 @@ def test_tp2_logits_equal_transformers(tmp_path):
         assert got["logits"].shape == out.logits.shape  # padded vocabulary rows are cut
         torch.testing.assert_close(got["logits"], out.logits, atol=1e-5, rtol=0)
         torch.testing.assert_close(got["loss"], out.loss, atol=1e-6, rtol=1e-6)  # sharded cross-entropy
+
+
+def test_dropout_seeds_agree_within_tp_and_differ_across_dp(hooks):
+    from ipuft.engine import PhasedEngine
+    from ipuft.model import build_model
+    from ipuft.parallel import Layout
+
+    cfg = load_config("tiny", ["model.dropout_prob=0.1", "execution.data_parallel=2", "execution.tensor_parallel=2",
+                               "training.global_batch_size=4"], hooks.registrations.config_sections)
+    parts = build_model(cfg, hooks)
+    optimizer = hooks.registrations.optimizers.get("adamw").build(cfg)
+    draws = {}
+    for rank in range(4):  # ranks 0, 1 form DP replica 0's TP group; ranks 2, 3 replica 1's
+        engine = PhasedEngine(cfg, parts, optimizer, torch.device("cpu"), Layout(2, 2, rank))
+        engine.updates = 1
+        with engine._rng("decoder.0", 0):
+            draws[rank] = torch.rand(8)
+    assert torch.equal(draws[0], draws[1]) and torch.equal(draws[2], draws[3])
+    assert not torch.equal(draws[0], draws[2])
 
 
 def test_collectives_with_rank_dependent_values(tmp_path):

@@ -51,3 +51,16 @@ def test_activation_offload_moves_the_buffers_to_the_host(capsys):
     assert "activation" not in off["traffic"]["h2d"]
     assert on["host_bytes"] - off["host_bytes"] == 2 * 3 * 16 * act  # x and dx, L+1 rows of GA each
     assert on["device_peak_bytes"] <= off["device_peak_bytes"]
+
+
+def test_rts_divides_per_rank_host_bytes_by_about_dp(capsys):
+    plans = {dp: json.loads(plan(capsys, "--config", "gptj-6b", f"execution.data_parallel={dp}",
+                                 "training.global_batch_size=128", "--json")) for dp in (1, 4)}
+    assert plans[4]["rts"] is True and plans[1]["rts"] is False
+    assert 0.2499 <= plans[4]["host_bytes"] / plans[1]["host_bytes"] <= 0.2501
+    assert 0.2499 <= plans[4]["traffic"]["h2d"]["fwd"] / plans[1]["traffic"]["h2d"]["fwd"] <= 0.2501
+    no_rts = json.loads(plan(capsys, "--config", "gptj-6b", "execution.data_parallel=4", "execution.rts=false",
+                             "--json"))
+    assert no_rts["host_bytes"] == plans[1]["host_bytes"]
+    tp = json.loads(plan(capsys, "--config", "gptj-6b", "execution.tensor_parallel=16", "--json"))
+    assert 1 / 16 < tp["host_bytes"] / plans[1]["host_bytes"] < 1.1 / 16  # layer norms are replicated
