@@ -19,6 +19,14 @@ class PluginError(IpuftError):
     """A plugin failed to load, registered a duplicate, or a requested plugin name is unknown."""
 
 
+class DataError(IpuftError):
+    """A dataset, tokenizer or template is missing or malformed; the message names the file and row."""
+
+
+class CheckpointError(IpuftError):
+    """A checkpoint or Hugging Face directory is missing, unreadable, or of another model's shape."""
+
+
 def choices(values: Iterable[str]) -> str:
     """Format a list of valid choices for an error message."""
     values = sorted(values)

@@ -23,6 +23,12 @@ class Device(str, Enum):
     cuda = "cuda"
 
 
+class DataFormat(str, Enum):
+    tokens = "tokens"  # rows hold input_ids
+    text = "text"  # rows hold one text field (data.text_field)
+    template = "template"  # rows are rendered through data.template
+
+
 class Schedule(str, Enum):
     constant = "constant"  # the reference's: warm-up, then constant
     linear = "linear"  # warm-up, then linear decay to zero at the last step
@@ -60,6 +66,9 @@ class ModelConfig:
     embeddings: str = "gptj"
     decoder: str = "gptj"
     head: str = "gptj"
+    # A local Hugging Face GPT-J directory (config.json and safetensors or pytorch_model*.bin weights) to
+    # initialise from; its config.json sets the model's shapes.
+    hf_checkpoint: Optional[str] = None
 
 
 @dataclass
@@ -116,9 +125,22 @@ class CheckpointConfig:
 
 @dataclass
 class DataConfig:
-    # null: the built-in deterministic sample data. Real datasets come with the data issue.
+    # A local .jsonl/.json, .csv, .tsv, .parquet or .txt file, or "mnli-sample" (shipped with ipuft);
+    # null: synthetic token sequences (no tokenizer needed).
     path: Optional[str] = None
+    format: DataFormat = DataFormat.template
+    # A named template ("mnli") or a literal one with {field} placeholders; with a named template, the loss
+    # of unpacked examples covers only the target.
+    template: str = "mnli"
+    text_field: str = "text"
+    # Concatenate examples and cut chunks of sequence_length + 1 (the reference's group_texts); false pads
+    # each example and masks padding (and the prompt, where the template marks a target) out of the loss.
+    packing: bool = True
+    shuffle: bool = True
     seed: int = 0
+    # A directory holding tokenizer.json, or the file itself, or "sample" (shipped with ipuft);
+    # null: the tokenizer of model.hf_checkpoint.
+    tokenizer: Optional[str] = None
 
 
 @dataclass
