@@ -84,6 +84,20 @@ def bench(hooks: PluginHooks, cfg, as_json: bool) -> None:
                    f"{result['tokens_per_s']:.1f} tokens/s")
 
 
+@cli.command()
+@click.option("--checkpoint", "checkpoint", required=True, metavar="PATH",
+              help="An ipuft checkpoint, or a run directory (its latest checkpoint).")
+@click.option("--hf", "out", required=True, metavar="OUT", help="The Hugging Face directory to write (new or empty).")
+@click.option("--max-shard-size", default=5 * 2**30, show_default=True, type=click.IntRange(min=1),
+              help="Bytes per safetensors shard; larger models get an index.")
+@click.pass_obj
+def export(hooks: PluginHooks, checkpoint: str, out: str, max_shard_size: int) -> None:
+    """Write a checkpoint as a Hugging Face GPT-J directory (config.json + safetensors)."""
+    from ipuft.export import export_hf
+
+    click.echo(f"wrote {export_hf(checkpoint, out, hooks, max_shard_size)}")
+
+
 @cli.group("config")
 def config_group() -> None:
     """Inspect the resolved config."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -69,6 +70,9 @@ class _StepState:
     grad_norm: float = float("nan")
 
 
+Initializer = Callable[[str, list[VariableSpec]], Tensors]
+
+
 def unit_role(unit: str) -> str:
     return unit.split(".", 1)[0]
 
@@ -96,7 +100,8 @@ class PhasedEngine:
     """Owns the variable store and runs optimizer steps through the step program."""
 
     def __init__(self, cfg: DictConfig, parts: ModelParts, optimizer: Optimizer, device: torch.device,
-                 layout: Layout | None = None) -> None:
+                 layout: Layout | None = None, initializer: Initializer | None = None) -> None:
+        """``initializer(unit, specs)`` gives a unit's full initial weights (default: random, seeded)."""
         self.cfg = cfg
         self.parts = parts
         self.program = parts.program
@@ -112,17 +117,19 @@ class PhasedEngine:
         self.modules = parts.modules
         for module in self.modules.values():
             module.train(True)
-        self._allocate(cfg.model.seed)
+        self._allocate(initializer or (lambda unit, specs: initial_values(unit, specs, cfg.model.seed)))
 
     # ---- setup ----
 
-    def _allocate(self, seed: int) -> None:
+    def _allocate(self, initializer: Initializer) -> None:
         stores_grad = {p.unit for p in self.program if p.computes_gradient and "grad" in p.stores}
         for unit in self.program.units():
             role = unit_role(unit)
             placed = self.placed[role]
-            full = initial_values(unit, self.parts.variables[role], seed)
+            # One unit at a time: a rank never holds more than one unit's full weights besides its store.
+            full = initializer(unit, self.parts.variables[role])
             self.store.put(unit, "fwd", {n: placed[n].to_stored(t) for n, t in full.items()})
+            del full
             self.store.allocate(unit, "optim", optimizer_state_specs(placed, self.optimizer))
             if unit in stores_grad:
                 self.store.allocate(unit, "grad", [p.stored_spec() for p in placed.values()])

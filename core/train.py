@@ -24,7 +24,10 @@ from ipuft.config import to_yaml
 from ipuft.data import SampleData
 from ipuft.engine import PhasedEngine, StepResult
 from ipuft.errors import ConfigError
-from ipuft.model import build_model
+from ipuft.checkpoint import checkpoint_initializer, checkpoint_root, find_checkpoint, save_checkpoint
+from ipuft.engine import Initializer
+from ipuft.hf_checkpoint import hf_initializer
+from ipuft.model import ModelParts, build_model
 from ipuft.parallel import DistributedError, Layout, init_layout
 from ipuft.plugins import PluginHooks
 from ipuft.schedule import learning_rate
@@ -44,6 +47,15 @@ def select_device(cfg: DictConfig) -> torch.device:
     return torch.device(choice)
 
 
+def initializer(cfg: DictConfig, parts: ModelParts) -> Initializer | None:
+    """Initial weights from ``checkpoint.load`` or ``model.hf_checkpoint``; ``None``: random (seeded)."""
+    if cfg.checkpoint.load is not None:
+        return checkpoint_initializer(find_checkpoint(cfg.checkpoint.load))
+    if cfg.model.hf_checkpoint is not None:
+        return hf_initializer(cfg.model.hf_checkpoint, parts.modules, cfg.model.layers)
+    return None
+
+
 def build_engine(cfg: DictConfig, hooks: PluginHooks) -> PhasedEngine:
     """Join the process layout, then build the components, the optimizer and the engine."""
     device = select_device(cfg)
@@ -51,7 +63,30 @@ def build_engine(cfg: DictConfig, hooks: PluginHooks) -> PhasedEngine:
     parts = build_model(cfg, hooks)
     optimizer = hooks.registrations.optimizers.get(cfg.training.optimizer.name).build(cfg)
     torch.manual_seed(cfg.model.seed)
-    return PhasedEngine(cfg, parts, optimizer, device, layout)
+    return PhasedEngine(cfg, parts, optimizer, device, layout, initializer(cfg, parts))
+
+
+def tokenizer_file(cfg: DictConfig) -> Path | None:
+    """The tokenizer.json the run's data was tokenized with, if any (copied into checkpoints)."""
+    spec = cfg.data.tokenizer or cfg.model.hf_checkpoint
+    if spec is None or cfg.data.path is None:
+        return None
+    if spec == "sample":
+        from importlib import resources
+
+        return Path(str(resources.files("ipuft.sample_data") / "tokenizer.json"))
+    path = Path(spec)
+    return path / "tokenizer.json" if path.is_dir() else path
+
+
+def save(engine: PhasedEngine, cfg: DictConfig, root: Path | None, step: int) -> Path | None:
+    """Every rank gathers; rank 0 writes the checkpoint."""
+    if root is None:
+        return None
+    weights = engine.full_weights()
+    if not engine.layout.is_main:
+        return None
+    return save_checkpoint(weights, cfg, root, step, tokenizer_file(cfg), keep=cfg.checkpoint.to_keep)
 
 
 def replica_batch(cfg: DictConfig, data: SampleData, step: int, layout: Layout):
@@ -118,6 +153,7 @@ def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[di
     out = run_directory(cfg) if main else None
     if main:
         (out / "config.yaml").write_text(to_yaml(cfg))
+    root = checkpoint_root(cfg, out) if main else (None if cfg.checkpoint.save is None else Path("."))
     steps = cfg.training.steps
     tokens = cfg.training.global_batch_size * cfg.model.sequence_length
     records = []
@@ -135,9 +171,13 @@ def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[di
                 metrics.flush()
             bar.set_postfix(loss=f"{result.loss:.3f}", gnorm=f"{result.grad_norm:.2f}", lr=f"{lr:.2e}",
                             tok_s=f"{record['tokens_per_s']:.0f}")
+            every = cfg.checkpoint.steps
+            if every and (step + 1) % every == 0 and step + 1 < steps:
+                save(engine, cfg, root, step + 1)
+        saved = save(engine, cfg, root, steps)
     if progress and main and records:
         tqdm.write(f"loss {records[0]['loss']:.3f} -> {records[-1]['loss']:.3f} over {steps} steps; "
-                   f"run directory {out}")
+                   f"run directory {out}" + (f"; checkpoint {saved}" if saved else ""))
     return records
 
 

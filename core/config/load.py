@@ -117,6 +117,10 @@ def load_config(
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as exc:
         raise _explain(exc, schema, "config") from None
+    if cfg.model.hf_checkpoint is not None:
+        from ipuft.hf_checkpoint import apply_hf_shapes
+
+        apply_hf_shapes(cfg, schema)
     derive_and_validate(cfg)
     OmegaConf.set_readonly(cfg, True)
     return cfg

@@ -116,9 +116,11 @@ class ExecutionConfig:
 
 @dataclass
 class CheckpointConfig:
+    # An ipuft checkpoint, or a run directory (its latest checkpoint), to take the weights from.
     load: Optional[str] = None
-    save: Optional[str] = None
-    steps: int = 0
+    # Where to save; the default is the run directory's checkpoints/; null disables saving.
+    save: Optional[str] = "<output_dir>/checkpoints"
+    steps: int = 0  # save every N steps (0: only at the end)
     to_keep: int = 4
     optim_state: bool = True
 

@@ -1,0 +1,93 @@
+"""``ipuft export``: an ipuft checkpoint as a Hugging Face GPT-J directory (config.json, safetensors
+weights with an index when they exceed one shard), which transformers' ``GPTJForCausalLM`` loads."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from ipuft.checkpoint import WEIGHTS, find_checkpoint, read_meta
+from ipuft.config import load_config
+from ipuft.errors import CheckpointError
+from ipuft.hf import unit_mappings
+from ipuft.model import build_model
+from ipuft.plugins import PluginHooks
+
+DEFAULT_SHARD_BYTES = 5 * 2**30
+
+
+def hf_config(cfg: DictConfig, eos_id: int | None) -> dict:
+    """A transformers GPTJConfig, as JSON, for the run's model."""
+    m = cfg.model
+    config = {
+        "architectures": ["GPTJForCausalLM"], "model_type": "gptj", "vocab_size": m.embedding.vocab_size,
+        "n_positions": max(m.sequence_length, 2048), "n_embd": m.hidden_size, "n_layer": m.layers,
+        "n_head": m.attention.heads, "rotary_dim": m.attention.rotary_dim, "n_inner": m.intermediate_size,
+        "activation_function": "gelu_new", "layer_norm_epsilon": m.layer_norm_epsilon, "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0, "attn_pdrop": 0.0, "tie_word_embeddings": False, "torch_dtype": "float32",
+    }
+    if eos_id is not None:
+        config.update(bos_token_id=eos_id, eos_token_id=eos_id)
+    return config
+
+
+def _eos_id(tokenizer: Path) -> int | None:
+    if not tokenizer.exists():
+        return None
+    vocab = json.loads(tokenizer.read_text()).get("model", {}).get("vocab", {})
+    return vocab.get("<|endoftext|>")
+
+
+def export_hf(path: str | Path, out: str | Path, hooks: PluginHooks, shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Write checkpoint ``path`` (or a run directory's latest) as a Hugging Face directory ``out``."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    checkpoint = find_checkpoint(path)
+    read_meta(checkpoint)
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"--hf {out} exists and is not empty; choose a new directory")
+    cfg = load_config(str(checkpoint / "config.yaml"), [], hooks.registrations.config_sections)
+    parts = build_model(cfg, hooks)
+    names = {f"{unit}.{local}": hf for unit, m in unit_mappings(parts.modules, cfg.model.layers).items()
+             for local, hf in m.items()}
+    handle = safe_open(str(checkpoint / WEIGHTS), framework="pt", device="cpu")
+    missing = sorted(set(names) - set(handle.keys()))
+    if missing:
+        raise CheckpointError(f"checkpoint {checkpoint} lacks {', '.join(missing[:5])}")
+
+    # Plan the shards from the tensors' sizes, then write them one by one: never the whole model in memory.
+    shards: list[list[str]] = [[]]
+    size = total = 0
+    for name in names:
+        meta = handle.get_slice(name)
+        nbytes = math.prod(meta.get_shape()) * _ITEMSIZE[meta.get_dtype()]
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+        total += nbytes
+    out.mkdir(parents=True, exist_ok=True)
+    weight_map = {}
+    for i, shard in enumerate(shards, start=1):
+        file = WEIGHTS if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file({names[n]: handle.get_tensor(n).contiguous() for n in shard}, str(out / file),
+                  metadata={"format": "pt"})
+        weight_map.update({names[n]: file for n in shard})
+    if len(shards) > 1:
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    tokenizer = checkpoint / "tokenizer.json"
+    if tokenizer.exists():
+        shutil.copyfile(tokenizer, out / "tokenizer.json")
+    (out / "config.json").write_text(json.dumps(hf_config(cfg, _eos_id(tokenizer)), indent=2))
+    return out
+
+
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}

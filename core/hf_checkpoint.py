@@ -1,0 +1,147 @@
+"""Local Hugging Face GPT-J directories: their config.json as ipuft shapes, and their weights streamed
+one tensor at a time (safetensors, possibly sharded with an index, or ``pytorch_model*.bin`` loaded with
+``weights_only=True`` and memory-mapped). Nothing here ever reaches the network.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from ipuft.components import VariableSpec
+from ipuft.errors import CheckpointError, ConfigError
+from ipuft.hf import unit_mappings
+
+# config.json key → ipuft config key; each must agree with the run's config.
+HF_SHAPES = {
+    "n_layer": "model.layers",
+    "n_embd": "model.hidden_size",
+    "n_head": "model.attention.heads",
+    "rotary_dim": "model.attention.rotary_dim",
+    "vocab_size": "model.embedding.vocab_size",
+    "n_inner": "model.intermediate_size",
+    "layer_norm_epsilon": "model.layer_norm_epsilon",
+}
+
+
+def read_hf_config(directory: str | Path) -> dict:
+    """The config.json of a local GPT-J directory, with ``n_inner`` made explicit."""
+    path = Path(directory)
+    if not path.is_dir():
+        raise CheckpointError(f"model.hf_checkpoint: {path} is not a directory")
+    config_file = path / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"model.hf_checkpoint: {path} has no config.json") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"model.hf_checkpoint: {config_file} is not valid JSON ({exc})") from None
+    if config.get("model_type") != "gptj":
+        raise CheckpointError(f"model.hf_checkpoint: {config_file} has model_type {config.get('model_type')!r}; "
+                              f"ipuft loads GPT-J ('gptj') checkpoints")
+    missing = [k for k in HF_SHAPES if k not in config and k not in ("n_inner", "layer_norm_epsilon")]
+    if missing:
+        raise CheckpointError(f"model.hf_checkpoint: {config_file} lacks {', '.join(missing)}")
+    config.setdefault("layer_norm_epsilon", 1e-5)
+    if config.get("n_inner") is None:
+        config["n_inner"] = 4 * config["n_embd"]
+    return config
+
+
+def apply_hf_shapes(cfg: DictConfig, schema: DictConfig) -> None:
+    """Take the model's shapes from ``model.hf_checkpoint``'s config.json.
+
+    A key still at the schema's default takes the checkpoint's value; a key the preset or an override set
+    to another value is a mismatch, and every mismatch is listed in one error.
+    """
+    config = read_hf_config(cfg.model.hf_checkpoint)
+    mismatches = []
+    for hf_key, key in HF_SHAPES.items():
+        value, current = config[hf_key], OmegaConf.select(cfg, key)
+        if current == value:
+            continue
+        if current == OmegaConf.select(schema, key):
+            OmegaConf.update(cfg, key, value)
+        else:
+            mismatches.append(f"{key}={current} but the checkpoint has {hf_key}={value}")
+    if mismatches:
+        raise ConfigError(f"model.hf_checkpoint {cfg.model.hf_checkpoint}: {'; '.join(mismatches)} (drop those "
+                          f"settings, or use a preset of the checkpoint's shape such as --config gptj-6b)")
+    positions = config.get("n_positions")
+    if positions is not None and cfg.model.sequence_length > positions:
+        raise ConfigError(f"model.sequence_length: {cfg.model.sequence_length} exceeds the checkpoint's "
+                          f"n_positions={positions}")
+
+
+class HFWeights:
+    """Read a Hugging Face checkpoint's tensors one at a time, by name."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self._open: dict[Path, object] = {}
+        self.files = self._weight_map()
+
+    def _weight_map(self) -> dict[str, Path]:
+        d = self.directory
+        for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+            index = d / index_name
+            if index.exists():
+                try:
+                    weight_map = json.loads(index.read_text())["weight_map"]
+                except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                    raise CheckpointError(f"{index} is not a valid weight index ({exc})") from None
+                return {name: d / file for name, file in weight_map.items()}
+        for single in ("model.safetensors", "pytorch_model.bin"):
+            if (d / single).exists():
+                return {name: d / single for name in self._names(d / single)}
+        raise CheckpointError(f"model.hf_checkpoint: {d} holds no model.safetensors, pytorch_model.bin or index")
+
+    def _names(self, file: Path) -> list[str]:
+        return list(self._handle(file).keys())
+
+    def _handle(self, file: Path):
+        if file not in self._open:
+            if not file.exists():
+                raise CheckpointError(f"{file} is listed in the weight index but does not exist")
+            try:
+                if file.suffix == ".safetensors":
+                    from safetensors import safe_open
+
+                    self._open[file] = safe_open(str(file), framework="pt", device="cpu")
+                else:  # never unpickle arbitrary objects; memory-map so the file is not read whole
+                    self._open[file] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as exc:  # a truncated or corrupted file: one line, naming it
+                raise CheckpointError(f"{file} cannot be read: {type(exc).__name__}: {exc}") from None
+        return self._open[file]
+
+    def get(self, name: str) -> torch.Tensor:
+        handle = self._handle(self.files[name])
+        return handle.get_tensor(name) if hasattr(handle, "get_tensor") else handle[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+
+def hf_initializer(directory: str | Path, modules, layers: int) -> Callable[[str, list[VariableSpec]], dict]:
+    """An engine initializer that fills each unit from the checkpoint, tensor by tensor."""
+    weights = HFWeights(directory)
+    mappings = unit_mappings(modules, layers)
+
+    def initial(unit: str, specs: list[VariableSpec]) -> dict[str, torch.Tensor]:
+        out = {}
+        for spec in specs:
+            name = mappings[unit][spec.name]
+            if name not in weights:
+                raise CheckpointError(f"model.hf_checkpoint: {weights.directory} lacks {name}")
+            tensor = weights.get(name)
+            if tuple(tensor.shape) != spec.shape:
+                raise CheckpointError(f"model.hf_checkpoint: {name} has shape {tuple(tensor.shape)}, "
+                                      f"the model expects {spec.shape}")
+            out[spec.name] = tensor.to(spec.dtype)
+        return out
+
+    return initial

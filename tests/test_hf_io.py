@@ -1,0 +1,138 @@
+"""Hugging Face checkpoints in and out: shapes from config.json, bit-exact round trips, train then reload."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hf_reference import hf_gptj
+from ipuft.checkpoint import find_checkpoint
+from ipuft.config import load_config
+from ipuft.errors import CheckpointError, ConfigError
+from ipuft.export import export_hf
+from ipuft.train import build_engine, train
+
+
+def save_hf(tmp_path, cfg, how="safetensors", name="hf"):
+    model = hf_gptj(cfg, seed=3)
+    out = tmp_path / name
+    if how == "safetensors":
+        model.save_pretrained(out, safe_serialization=True)
+    elif how == "sharded":
+        model.save_pretrained(out, safe_serialization=True, max_shard_size="40KB")
+        assert (out / "model.safetensors.index.json").exists()
+    else:  # the older pickle format (transformers 5 writes only safetensors): weights_only on load
+        model.config.save_pretrained(out)
+        torch.save(model.state_dict(), out / "pytorch_model.bin")
+    return model, out
+
+
+def load_state(directory):
+    files = sorted(directory.glob("*.safetensors"))
+    state = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+@pytest.mark.parametrize("how", ["safetensors", "sharded", "bin"])
+def test_round_trip_is_bit_exact(hooks, tmp_path, how):
+    cfg0 = load_config("tiny", [], hooks.registrations.config_sections)
+    model, src = save_hf(tmp_path, cfg0, how)
+    cfg = load_config(None, [f"model.hf_checkpoint={src}", "model.sequence_length=8", "training.global_batch_size=2",
+                             f"output_dir={tmp_path}/run"], hooks.registrations.config_sections)
+    assert (cfg.model.layers, cfg.model.hidden_size, cfg.model.embedding.vocab_size) == (2, 64, 128)
+    engine = build_engine(cfg, hooks)
+    from ipuft.checkpoint import save_checkpoint
+
+    ckpt = save_checkpoint(engine.full_weights(), cfg, tmp_path / "ckpts", 0)
+    out = export_hf(ckpt, tmp_path / "exported", hooks, shard_bytes=50_000)
+    assert (out / "model.safetensors.index.json").exists()  # the tiny model spans several 50 kB shards
+    exported = load_state(out)
+    original = {k: v for k, v in model.state_dict().items()}
+    assert exported.keys() == original.keys()
+    for name, tensor in original.items():
+        assert torch.equal(exported[name], tensor), name
+
+
+def test_shapes_from_config_json_and_every_mismatch_listed(hooks, tmp_path):
+    cfg0 = load_config("tiny", [], hooks.registrations.config_sections)
+    _, src = save_hf(tmp_path, cfg0)
+    with pytest.raises(ConfigError) as info:
+        load_config("small-cpu", [f"model.hf_checkpoint={src}"], hooks.registrations.config_sections)
+    message = str(info.value)
+    for fragment in ("model.layers=4 but the checkpoint has n_layer=2", "model.hidden_size=128 but the checkpoint "
+                     "has n_embd=64", "model.embedding.vocab_size=256 but the checkpoint has vocab_size=128"):
+        assert fragment in message
+    assert "\n" not in message
+
+
+def test_bad_hf_directories(hooks, tmp_path):
+    sections = hooks.registrations.config_sections
+    with pytest.raises(CheckpointError, match="is not a directory"):
+        load_config(None, [f"model.hf_checkpoint={tmp_path}/nope"], sections)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="has no config.json"):
+        load_config(None, [f"model.hf_checkpoint={tmp_path}/empty"], sections)
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(CheckpointError, match="model_type 'llama'"):
+        load_config(None, [f"model.hf_checkpoint={tmp_path}/llama"], sections)
+    cfg0 = load_config("tiny", [], sections)
+    _, src = save_hf(tmp_path, cfg0)
+    weights = src / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # truncated
+    cfg = load_config(None, [f"model.hf_checkpoint={src}", "model.sequence_length=8",
+                             "training.global_batch_size=2"], sections)
+    with pytest.raises(CheckpointError, match="model.safetensors cannot be read"):
+        build_engine(cfg, hooks)
+
+
+def test_train_from_hf_then_export_and_transformers_reloads(hooks, tmp_path):
+    from transformers import GPTJForCausalLM
+
+    cfg0 = load_config("tiny", [], hooks.registrations.config_sections)
+    model, src = save_hf(tmp_path, cfg0)
+    run = tmp_path / "run"
+    cfg = load_config(None, [f"model.hf_checkpoint={src}", "model.sequence_length=8", "training.global_batch_size=4",
+                             "training.steps=3", "training.optimizer.learning_rate.maximum=1e-3", f"output_dir={run}"],
+                      hooks.registrations.config_sections)
+    records = train(cfg, hooks, progress=False)
+    assert len(records) == 3
+    checkpoint = find_checkpoint(run)
+    assert checkpoint.name == "step-00000003"
+    out = export_hf(run, tmp_path / "exported", hooks)
+    reloaded = GPTJForCausalLM.from_pretrained(out).eval()
+    trained = load_state(out)
+    changed = [n for n, t in model.state_dict().items() if not torch.equal(trained[n], t)]
+    assert len(changed) == len(trained)  # three steps of Adam move every tensor
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    # The reloaded model's logits are those of ipuft's trained weights.
+    engine_cfg = load_config(str(checkpoint / "config.yaml"), [f"checkpoint.load={run}"],
+                             hooks.registrations.config_sections)
+    engine = build_engine(engine_cfg, hooks)
+    from torch.func import functional_call
+
+    w = engine.weights()
+    with torch.no_grad():
+        h = functional_call(engine.modules["embeddings"], w["embeddings"], (ids,))
+        for n in range(2):
+            h = functional_call(engine.modules["decoder"], w[f"decoder.{n}"], (h,))
+        ours = functional_call(engine.modules["head"], w["head"], (h,))
+        theirs = reloaded(ids).logits
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+
+
+def test_export_refuses_a_non_empty_directory(hooks, tmp_path):
+    run = tmp_path / "run"
+    train(load_config("tiny", ["training.steps=1", f"output_dir={run}"], hooks.registrations.config_sections),
+          hooks, progress=False)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="exists and is not empty"):
+        export_hf(run, out, hooks)
+    assert (out / "keep.txt").read_text() == "mine"
+    with pytest.raises(CheckpointError, match="neither an ipuft checkpoint"):
+        export_hf(tmp_path, tmp_path / "out2", hooks)
