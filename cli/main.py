@@ -30,10 +30,17 @@ def config_arguments(command: Callable) -> Callable:
 
     @click.option("--config", "preset", default=DEFAULT_PRESET, show_default=True, metavar="PRESET",
                   help=f"A shipped preset ({', '.join(preset_names())}) or a path to a .yaml file.")
+    @click.option("--checkpoint", "checkpoint", default=None, metavar="PATH",
+                  help="Start from an ipuft checkpoint (or a run directory's latest): its config is the preset.")
     @click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
     @click.pass_obj
     @functools.wraps(command)
-    def wrapper(hooks: PluginHooks, preset: str, overrides: tuple[str, ...], **kwargs):
+    def wrapper(hooks: PluginHooks, preset: str, checkpoint: str | None, overrides: tuple[str, ...], **kwargs):
+        if checkpoint is not None:
+            from ipuft.checkpoint import find_checkpoint
+
+            found = find_checkpoint(checkpoint)
+            preset, overrides = str(found / "config.yaml"), (f"checkpoint.load={found}", *overrides)
         cfg = load_config(preset, overrides, hooks.registrations.config_sections)
         hooks.registrations.check(cfg)
         return command(hooks, cfg, **kwargs)
@@ -96,6 +103,57 @@ def export(hooks: PluginHooks, checkpoint: str, out: str, max_shard_size: int) -
     from ipuft.export import export_hf
 
     click.echo(f"wrote {export_hf(checkpoint, out, hooks, max_shard_size)}")
+
+
+@cli.command("eval")
+@config_arguments
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--task", type=click.Choice(["loss", "mnli"]), default="loss", show_default=True,
+              help="loss: mean token loss and perplexity; mnli: label accuracy by greedy generation.")
+def eval_command(hooks: PluginHooks, cfg, as_json: bool, task: str) -> None:
+    """Evaluate on data.path. Weights come from checkpoint.load or model.hf_checkpoint."""
+    from ipuft.evaluate import evaluate_loss, evaluate_mnli
+
+    if cfg.checkpoint.load is None and cfg.model.hf_checkpoint is None:
+        click.echo("ipuft: note: no checkpoint.load or model.hf_checkpoint: evaluating random weights", err=True)
+    result = evaluate_mnli(cfg, hooks) if task == "mnli" else evaluate_loss(cfg, hooks)
+    if as_json:
+        click.echo(json.dumps(result))
+    elif task == "mnli":
+        click.echo(f"accuracy {result['accuracy']:.4f} ({result['correct']}/{result['examples']})")
+    else:
+        click.echo(f"loss {result['loss']:.4f}  perplexity {result['perplexity']:.3f}  tokens {result['tokens']}")
+
+
+@cli.command()
+@click.option("--checkpoint", "path", required=True, metavar="PATH",
+              help="An ipuft checkpoint or run directory, or a Hugging Face GPT-J directory.")
+@click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0),
+              help="0: greedy decoding.")
+@click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0), help="0: off.")
+@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(min=0.0, max=1.0, min_open=True))
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the sampling.")
+@click.argument("prompt")
+@click.pass_obj
+def generate(hooks: PluginHooks, path: str, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
+             seed: int, prompt: str) -> None:
+    """Continue PROMPT with a KV cache, greedily or by sampling; stops at <|endoftext|>."""
+    import torch
+
+    from ipuft.evaluate import EOS, inference_config, inference_model, tokenizer_for
+    from ipuft.generate import generate as run_generate
+
+    cfg = inference_config(path, hooks)
+    tokenizer = tokenizer_for(path, cfg)
+    parts, weights = inference_model(cfg, hooks)
+    ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+    if not ids:
+        raise click.UsageError("the prompt is empty after tokenization")
+    new = run_generate(parts.modules, weights, cfg.model.layers, ids, max_new_tokens, temperature=temperature,
+                       top_k=top_k, top_p=top_p, eos_id=tokenizer.token_to_id(EOS),
+                       generator=torch.Generator().manual_seed(seed))
+    click.echo(prompt + tokenizer.decode(new, skip_special_tokens=False))
 
 
 @cli.group("config")

@@ -9,7 +9,9 @@ compiled graph served every layer in the reference.
 Module call conventions, by role:
 
 - ``embeddings``: ``forward(input_ids: Long[B, T]) -> Float[B, T, H]``
-- ``decoder``: ``forward(hidden: Float[B, T, H]) -> Float[B, T, H]`` (one layer)
+- ``decoder``: ``forward(hidden: Float[B, T, H], cache=None) -> Float[B, T, H]`` (one layer); for
+  generation, ``cache`` is an :class:`ipuft.generate.LayerKVCache` the layer reads and appends its keys
+  and values to (``None`` in training)
 - ``head``: ``forward(hidden) -> logits``, and ``forward(hidden, labels) -> loss``: the mean cross-entropy
   over the micro-batch's tokens whose label is not ``IGNORE_INDEX`` (labels are already shifted: the
   label at position t is the token at t + 1)

@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 from torch.func import functional_call
 
 from ipuft.activations import ActivationBuffers, working_set
-from ipuft.components import VariableSpec, recompute
+from ipuft.components import IGNORE_INDEX, VariableSpec, recompute
 from ipuft.model import ModelParts
 from ipuft.optim import Optimizer, StepContext
 from ipuft.parallel import Layout, active
@@ -175,15 +175,21 @@ class PhasedEngine:
         for group in following.loads:
             self.store.prefetch(following.unit, group)
 
+    def _gather(self, phase: Phase, stored: Tensors) -> tuple[Tensors, int]:
+        """The unit's weights in the local form to compute with, and the bytes the gather added."""
+        placed = self.placed[phase.role]
+        weights = {n: placed[n].gather(t) for n, t in stored.items()}
+        gathered = nbytes(w for n, w in weights.items() if w is not stored[n])
+        self.store.ledger.acquire(gathered)
+        return weights, gathered
+
     def _run(self, phase: Phase, st: _StepState) -> None:
         unit, module, placed = phase.unit, self.modules[phase.role], self.placed[phase.role]
         loaded = {group: self.store.load(unit, group) for group in phase.loads}
         grads = loaded.get("grad")
         weights = None
         if any(op in (Op.FORWARD, Op.LOSS_BACKWARD, Op.BACKWARD) for op in phase.ops):
-            weights = {n: placed[n].gather(t) for n, t in loaded["fwd"].items()}
-            gathered = nbytes(w for n, w in weights.items() if w is not loaded["fwd"][n])
-            self.store.ledger.acquire(gathered)
+            weights, gathered = self._gather(phase, loaded["fwd"])
         for op in phase.ops:
             if op is Op.FORWARD:
                 self._forward(phase, module, weights, st)
@@ -207,6 +213,32 @@ class PhasedEngine:
             self.store.release(unit, group, tensors)
         if phase.computes_gradient and "grad" not in loaded:
             self.store.ledger.release(nbytes(grads.values()))
+
+    def evaluate(self, batch: Batch) -> tuple[float, int]:
+        """The sum of token losses and the number of tokens over ``batch``: the program's forward phases
+        and the head's loss, layer-major, with no gradient and no update. Sums are over this replica."""
+        batch = Batch(batch.input_ids.to(self.device), batch.labels.to(self.device))
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        with torch.no_grad():
+            for phase in self.program:
+                if not any(op in (Op.FORWARD, Op.LOSS_BACKWARD) for op in phase.ops):
+                    continue
+                stored = self.store.load(phase.unit, "fwd")
+                weights, gathered = self._gather(phase, stored)
+                module = self.modules[phase.role]
+                if Op.FORWARD in phase.ops:
+                    self._forward(phase, module, weights, _StepState(batch, 0.0, total))
+                else:
+                    x_in, _ = self.program.activation_rows(phase)
+                    for mb in range(batch.micro_batches):
+                        labels = batch.labels[mb]
+                        with self.buffers.read("x", x_in, mb, consume=True) as x:
+                            loss = functional_call(module, weights, (x, labels))
+                        total += loss.double() * (labels != IGNORE_INDEX).sum()
+                self.store.ledger.release(gathered)
+                self.store.release(phase.unit, "fwd", stored)
+        self.buffers.clear()
+        return total.item(), int((batch.labels != IGNORE_INDEX).sum())
 
     # ---- ops ----
 

@@ -72,6 +72,8 @@ def apply_hf_shapes(cfg: DictConfig, schema: DictConfig) -> None:
         raise ConfigError(f"model.hf_checkpoint {cfg.model.hf_checkpoint}: {'; '.join(mismatches)} (drop those "
                           f"settings, or use a preset of the checkpoint's shape such as --config gptj-6b)")
     positions = config.get("n_positions")
+    if positions is not None and cfg.model.sequence_length == OmegaConf.select(schema, "model.sequence_length"):
+        cfg.model.sequence_length = min(cfg.model.sequence_length, positions)
     if positions is not None and cfg.model.sequence_length > positions:
         raise ConfigError(f"model.sequence_length: {cfg.model.sequence_length} exceeds the checkpoint's "
                           f"n_positions={positions}")

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from ipuft.config import to_yaml
 from ipuft.data import SampleData
+from ipuft.datasets import TokenDataset, data_source
 from ipuft.engine import PhasedEngine, StepResult
 from ipuft.errors import ConfigError
 from ipuft.checkpoint import checkpoint_initializer, checkpoint_root, find_checkpoint, save_checkpoint
@@ -89,7 +90,7 @@ def save(engine: PhasedEngine, cfg: DictConfig, root: Path | None, step: int) ->
     return save_checkpoint(weights, cfg, root, step, tokenizer_file(cfg), keep=cfg.checkpoint.to_keep)
 
 
-def replica_batch(cfg: DictConfig, data: SampleData, step: int, layout: Layout):
+def replica_batch(cfg: DictConfig, data: SampleData | TokenDataset, step: int, layout: Layout):
     """This rank's micro-batches of global batch ``step`` (TP ranks of one DP replica share them)."""
     return data.batch(step, cfg.training.global_batch_size, cfg.execution.micro_batch_size,
                       layout.dp_rank, layout.data_parallel)
@@ -106,12 +107,6 @@ def collective_errors(layout: Layout):
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DistributedError(f"rank {layout.rank}: a peer rank died or stopped responding ({first}); "
                                f"stopping") from None
-
-
-def sample_data(cfg: DictConfig) -> SampleData:
-    if cfg.data.path is not None:
-        raise ConfigError("data.path: reading datasets is not implemented yet; leave it null for the sample data")
-    return SampleData(cfg.model.embedding.vocab_size, cfg.model.sequence_length, cfg.data.seed)
 
 
 def check_output_dir(cfg: DictConfig) -> None:
@@ -146,7 +141,7 @@ def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[di
 
     Under torchrun every rank trains its share; rank 0 alone prints progress and writes the run directory.
     """
-    data = sample_data(cfg)
+    data = data_source(cfg)
     check_output_dir(cfg)
     engine = build_engine(cfg, hooks)
     main = engine.layout.is_main
@@ -183,7 +178,7 @@ def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[di
 
 def benchmark(cfg: DictConfig, hooks: PluginHooks, timed_steps: int = 5) -> dict:
     """The reference's ``main()``: one untimed step, then ``timed_steps`` timed steps."""
-    data = sample_data(cfg)
+    data = data_source(cfg)
     engine = build_engine(cfg, hooks)
     batch = replica_batch(cfg, data, 0, engine.layout)
     lr = cfg.training.optimizer.learning_rate.maximum

@@ -10,12 +10,12 @@ import torch
 def train_configs(rank: int, configs: dict[str, list[str]], steps: int, out: str) -> None:
     """Train each config for ``steps`` steps; rank 0 saves losses, norms, gathered weights and counters."""
     from ipuft.config import load_config
+    from ipuft.datasets import data_source
+    from ipuft.placement import Placement
     from ipuft.plan import estimate
     from ipuft.plugins import create_plugin_manager
     from ipuft.schedule import learning_rate
-    from ipuft.train import build_engine, replica_batch, sample_data
-
-    from ipuft.placement import Placement
+    from ipuft.train import build_engine, replica_batch
 
     reductions = 0
     reduce_gradient = Placement.reduce_gradient
@@ -30,7 +30,7 @@ def train_configs(rank: int, configs: dict[str, list[str]], steps: int, out: str
     for name, overrides in configs.items():
         cfg = load_config("tiny", overrides, hooks.registrations.config_sections)
         engine = build_engine(cfg, hooks)
-        data = sample_data(cfg)
+        data = data_source(cfg)
         reductions = 0
         results = [engine.step(replica_batch(cfg, data, s, engine.layout),
                                learning_rate(s, steps, cfg.training.optimizer.learning_rate)) for s in range(steps)]

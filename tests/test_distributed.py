@@ -13,8 +13,9 @@ import dist_workers
 from distributed import free_port, spawn
 from hf_reference import hf_gptj
 from ipuft.config import load_config
+from ipuft.datasets import data_source
 from ipuft.schedule import learning_rate
-from ipuft.train import build_engine, replica_batch, sample_data
+from ipuft.train import build_engine, replica_batch
 
 STEPS = 5
 COMMON = ["model.embedding.vocab_size=100", "execution.micro_batch_size=1", "training.optimizer.weight_decay=0.1",
@@ -36,7 +37,7 @@ def layout_configs(dp, tp):
 def single_process(hooks, gbs):
     cfg = load_config("tiny", COMMON + [f"training.global_batch_size={gbs}"], hooks.registrations.config_sections)
     engine = build_engine(cfg, hooks)
-    data = sample_data(cfg)
+    data = data_source(cfg)
     results = [engine.step(replica_batch(cfg, data, s, engine.layout),
                            learning_rate(s, STEPS, cfg.training.optimizer.learning_rate)) for s in range(STEPS)]
     return [r.loss for r in results], [r.grad_norm for r in results], engine.full_weights()
@@ -193,7 +194,7 @@ def test_torchrun_end_to_end(hooks, tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3]  # rank 0 alone writes
     cfg = load_config("tiny", overrides, hooks.registrations.config_sections)
     engine = build_engine(cfg, hooks)
-    data = sample_data(cfg)
+    data = data_source(cfg)
     for s, r in enumerate(records):
         expected = engine.step(replica_batch(cfg, data, s, engine.layout), r["lr"])
         assert rel(r["loss"], expected.loss) <= 1e-5 and rel(r["grad_norm"], expected.grad_norm) <= 1e-5

@@ -8,11 +8,17 @@ Under tensor parallelism the block is built with this rank's share of the heads 
 (q/k/v and fc_in column-sharded, out_proj and fc_out row-sharded). Because attention and MLP run in
 parallel, one all-reduce (core's ``reduce_from_tensor_parallel``) sums both partial outputs; fc_out's
 bias is added once, after it. At TP=1 the collectives are the identity.
+
+For generation, ``forward(x, cache)`` takes an optional per-layer key/value cache
+(:class:`ipuft.generate.LayerKVCache`): the new tokens' positions start at ``cache.length``, their keys
+(after rotary) and values are appended to it, and the queries attend over every cached and new key. In
+training the cache is ``None`` and nothing of this runs.
 """
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +26,9 @@ from torch import nn
 
 from ipuft.components import Init, VariableSpec, recomputing, specs_from_module
 from ipuft.parallel import copy_to_tensor_parallel, reduce_from_tensor_parallel
+
+if TYPE_CHECKING:
+    from ipuft.generate import LayerKVCache
 
 
 class _GradientOnlyLinear(torch.autograd.Function):
@@ -82,25 +91,42 @@ class GPTJAttention(nn.Module):
         self.kernel = kernel
         self._rotors: dict[tuple, torch.Tensor] = {}
 
-    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
-        key = (x.shape[1], x.device)
-        if key not in self._rotors:  # one small table per sequence length and device
-            self._rotors[key] = rotary_rotor(x.shape[1], self.head_dim, self.rotary_dim, self.rotary_base, x.device)
-        return apply_interleaved_rotary(x, self._rotors[key])
+    def _rotor(self, start: int, length: int, device: torch.device) -> torch.Tensor:
+        """The rotor of positions ``start … start + length - 1``.
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        Without a cache (``start`` 0) there is one small table per sequence length and device. A cached
+        step slices a table whose length is the next power of two, so that decoding makes few tables.
+        """
+        size = length if start == 0 else 1 << (start + length - 1).bit_length()
+        key = (size, device)
+        if key not in self._rotors:
+            self._rotors[key] = rotary_rotor(size, self.head_dim, self.rotary_dim, self.rotary_base, device)
+        return self._rotors[key][start : start + length]
+
+    def forward(self, h: torch.Tensor, cache: LayerKVCache | None = None) -> torch.Tensor:
         split = (self.heads, self.head_dim)
-        q = self._rotate(self.q_proj(h).unflatten(-1, split)).transpose(1, 2)
-        k = self._rotate(self.k_proj(h).unflatten(-1, split)).transpose(1, 2)
+        rotor = self._rotor(0 if cache is None else cache.length, h.shape[1], h.device)
+        q = apply_interleaved_rotary(self.q_proj(h).unflatten(-1, split), rotor).transpose(1, 2)
+        k = apply_interleaved_rotary(self.k_proj(h).unflatten(-1, split), rotor).transpose(1, 2)
         v = self.v_proj(h).unflatten(-1, split).transpose(1, 2)
+        if cache is not None:
+            k, v = cache.append(k, v)  # every key and value so far: [B, heads, T_past + T, head_dim]
+        out = self._attend(q, k, v).transpose(1, 2).flatten(-2)
+        return output_projection(self.out_proj.weight, out)  # partial under TP
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of the last ``T_q`` positions over all ``T_k``: query i sees keys ≤ T_k - T_q + i."""
+        t_q, t_k = q.shape[-2], k.shape[-2]
         if self.kernel == "sdpa":
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            scores = (q @ k.transpose(-1, -2)) / math.sqrt(self.head_dim)
-            t = scores.shape[-1]
-            causal = torch.ones(t, t, dtype=torch.bool, device=h.device).tril()
-            out = scores.masked_fill(~causal, torch.finfo(scores.dtype).min).softmax(-1) @ v
-        return output_projection(self.out_proj.weight, out.transpose(1, 2).flatten(-2))  # partial under TP
+            if t_q == t_k:  # no past: the plain causal mask
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            if t_q == 1:  # one new token sees everything
+                return F.scaled_dot_product_attention(q, k, v)
+            mask = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device).tril(t_k - t_q)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(self.head_dim)
+        causal = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device).tril(t_k - t_q)
+        return scores.masked_fill(~causal, torch.finfo(scores.dtype).min).softmax(-1) @ v
 
 
 class GPTJMLP(nn.Module):
@@ -115,7 +141,7 @@ class GPTJMLP(nn.Module):
 
 
 class GPTJDecoderBlock(nn.Module):
-    """``hidden[B, T, H] -> hidden[B, T, H]`` for one layer."""
+    """``hidden[B, T, H] -> hidden[B, T, H]`` for one layer (``cache``: this layer's KV cache, when generating)."""
 
     def __init__(self, hidden_size: int, heads: int, head_dim: int, intermediate_size: int, rotary_dim: int,
                  rotary_base: float = 10000.0, layer_norm_epsilon: float = 1e-5, dropout_prob: float = 0.0,
@@ -126,9 +152,9 @@ class GPTJDecoderBlock(nn.Module):
         self.mlp = GPTJMLP(hidden_size, intermediate_size)
         self.dropout_prob = dropout_prob
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None) -> torch.Tensor:
         h = copy_to_tensor_parallel(self.norm(x))
-        out = reduce_from_tensor_parallel(self.attn(h) + self.mlp(h)) + self.mlp.fc_out.bias
+        out = reduce_from_tensor_parallel(self.attn(h, cache) + self.mlp(h)) + self.mlp.fc_out.bias
         return x + F.dropout(out, self.dropout_prob, self.training)
 
     def variable_specs(self) -> list[VariableSpec]:

@@ -1,0 +1,430 @@
+"""Real datasets: read rows from a local file, tokenize them, and serve batches as :class:`SampleData` does.
+
+The pipeline is ``read_rows`` (a file → numbered dicts) → :class:`TokenDataset` (dicts → token ids, by
+``data.format``, then packed into fixed chunks or kept one example per row) → ``batch(step, ...)``.
+Tokenization happens once, up front; the dataset keeps one flat int32 tensor of token ids plus offsets,
+never padded copies, and builds each padded row when a batch asks for it.
+
+Which rows make global batch ``step`` depends only on the step and the sampler's seed (see
+:class:`Sampler`), so a resumed run that keeps ``training.global_batch_size`` gets the same data by
+calling ``batch(step, ...)`` for the steps it has left. Nothing here touches the network.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from array import array
+from collections.abc import Iterator
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ipuft.components import IGNORE_INDEX
+from ipuft.config.schema import DataFormat
+from ipuft.data import SampleData
+from ipuft.engine import Batch
+from ipuft.errors import DataError
+from ipuft.templates import Template, resolve_template
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+    from tokenizers import Tokenizer
+
+SAMPLE_DATASET = "mnli-sample"
+SAMPLE_TOKENIZER = "sample"
+READERS = (".jsonl", ".json", ".csv", ".tsv", ".parquet", ".txt")
+# Padding of unpacked rows: the id never reaches the loss (its labels are IGNORE_INDEX), and 0 is a valid
+# id for every vocabulary, so no tokenizer needs a pad token.
+PAD_ID = 0
+# Rows are tokenized this many at a time: encode_batch parallelises within a chunk, and the chunk bounds
+# the Python strings held at once.
+ENCODE_CHUNK = 1024
+
+
+# -- Files ---------------------------------------------------------------------------------------------
+
+
+def load_tokenizer(spec: str, key: str = "data.tokenizer") -> Tokenizer:
+    """A ``tokenizers.Tokenizer`` from ``"sample"`` (shipped with ipuft), a directory holding
+    ``tokenizer.json``, or the file itself. ``key`` names the config key in error messages."""
+    from tokenizers import Tokenizer
+
+    if spec == SAMPLE_TOKENIZER:
+        return Tokenizer.from_str((resources.files("ipuft.sample_data") / "tokenizer.json").read_text())
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise DataError(f"{key}: no tokenizer.json at {path}; give a directory holding tokenizer.json "
+                        f"or the file itself")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # the Rust side raises plain Exceptions
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DataError(f"{key}: {path} is not a valid tokenizer.json ({first})") from None
+
+
+def resolve_data_path(path: str) -> Path:
+    """The file behind ``data.path``: ``"mnli-sample"`` is the MNLI-style sample shipped with ipuft."""
+    if path == SAMPLE_DATASET:
+        return Path(str(resources.files("ipuft.sample_data") / "mnli_sample.jsonl"))
+    resolved = Path(path)
+    if not resolved.is_file():
+        raise DataError(f"data.path: {path} does not exist")
+    return resolved
+
+
+def read_rows(path: str | Path, name: str | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(row_number, row)`` for each row of a local file, numbered from 1, chosen by the suffix.
+
+    ``.jsonl``/``.json``: one JSON object per line (or one JSON array of objects), numbered by line;
+    ``.csv``/``.tsv``: a header row, then records numbered from 1; ``.parquet``: records numbered from 1;
+    ``.txt``: each non-empty line is a row ``{"text": line}``, numbered by line. ``name`` (default: the
+    path) starts error messages.
+    """
+    path = Path(path)
+    name = name or str(path)
+    suffix = path.suffix.lower()
+    if suffix not in READERS:
+        raise DataError(f"{name}: unsupported file type {suffix or '(no suffix)'!r}; "
+                        f"supported: {', '.join(READERS)}")
+    if not path.is_file():
+        raise DataError(f"data.path: {name} does not exist")
+    if suffix in (".jsonl", ".json"):
+        yield from _read_json(path, name)
+    elif suffix in (".csv", ".tsv"):
+        with path.open(newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f, delimiter="\t" if suffix == ".tsv" else ",")
+            for number, row in enumerate(reader, 1):
+                # A row with more cells than the header gets them under the key None: drop them.
+                row.pop(None, None)  # type: ignore[call-overload]
+                yield number, row
+    elif suffix == ".parquet":
+        yield from _read_parquet(path, name)
+    else:
+        with path.open(encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                line = line.rstrip("\r\n")
+                if line.strip():
+                    yield number, {"text": line}
+
+
+def _read_json(path: Path, name: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    with path.open(encoding="utf-8") as f:
+        first = f.read(1)
+        while first.isspace():
+            first = f.read(1)
+        f.seek(0)
+        if first == "[":  # one JSON array, as json.dump writes a list of dicts
+            try:
+                rows = json.load(f)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{name} line {exc.lineno}: not valid JSON ({exc.msg})") from None
+            for number, row in enumerate(rows, 1):
+                yield number, _json_object(row, f"{name} row {number}")
+            return
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{name} line {number}: not valid JSON ({exc.msg}); expected one JSON "
+                                f"object per line") from None
+            yield number, _json_object(row, f"{name} line {number}")
+
+
+def _json_object(row: Any, where: str) -> dict[str, Any]:
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    return row
+
+
+def _read_parquet(path: Path, name: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{name}: reading .parquet files needs pyarrow; pip install ipuft[parquet]") from None
+    try:
+        table = pq.ParquetFile(path)
+    except Exception as exc:  # pyarrow's ArrowInvalid and friends
+        raise DataError(f"{name}: not a readable parquet file ({str(exc).splitlines()[0]})") from None
+    number = 0
+    for record_batch in table.iter_batches():
+        for row in record_batch.to_pylist():
+            number += 1
+            yield number, row
+
+
+# -- Sampling ------------------------------------------------------------------------------------------
+
+
+class Sampler:
+    """The order in which rows are served: epochs concatenated into one endless stream of row indices.
+
+    Sample ``k`` of the stream is row ``order(k // size)[k % size]``, where an epoch's order is a
+    permutation drawn from ``seed + epoch`` when shuffling, and file order otherwise. Nothing else is
+    needed to find any sample, so the position of a run is just the number of samples it has consumed.
+    """
+
+    def __init__(self, size: int, shuffle: bool, seed: int) -> None:
+        self.size, self.shuffle, self.seed = size, shuffle, seed
+        self.samples_seen = 0
+        # A global batch touches at most two epochs; a few cached permutations make consecutive steps cheap.
+        self._order = lru_cache(maxsize=4)(self._epoch_order)
+
+    def _epoch_order(self, epoch: int) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self.size)
+        return torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + epoch))
+
+    def indices(self, start: int, count: int) -> torch.Tensor:
+        """Row indices of samples ``start, ..., start + count - 1`` of the stream."""
+        parts, k, end = [], start, start + count
+        while k < end:
+            epoch, offset = divmod(k, self.size)
+            take = min(self.size - offset, end - k)
+            parts.append(self._order(epoch)[offset:offset + take])
+            k += take
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
+
+    def state_dict(self) -> dict[str, int]:
+        """The sampler's position: ``{"seed", "shuffle", "rows", "samples_seen"}``."""
+        return {"seed": self.seed, "shuffle": int(self.shuffle), "rows": self.size,
+                "samples_seen": self.samples_seen}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restore a position saved by :meth:`state_dict`; the dataset must have the same number of rows."""
+        if int(state["rows"]) != self.size:
+            raise DataError(f"data: the saved data position is for a dataset of {state['rows']} rows; "
+                            f"this one has {self.size}")
+        self.seed, self.shuffle = int(state["seed"]), bool(state["shuffle"])
+        self.samples_seen = int(state["samples_seen"])
+        self._order.cache_clear()
+
+
+# -- The dataset ---------------------------------------------------------------------------------------
+
+
+class TokenDataset:
+    """Tokenized rows of ``sequence_length + 1`` tokens, served as :class:`~ipuft.engine.Batch` objects.
+
+    Packed, row ``i`` is chunk ``i`` of the concatenated examples and every token is in the loss.
+    Unpacked, row ``i`` is example ``i``, padded with :data:`PAD_ID`; labels are ``IGNORE_INDEX`` where
+    the next token is padding or, for a template with a target, part of the prompt.
+    """
+
+    def __init__(self, tokens: torch.Tensor, offsets: torch.Tensor | None, target_starts: torch.Tensor | None,
+                 sequence_length: int, shuffle: bool = True, seed: int = 0, name: str = "dataset") -> None:
+        """``tokens``: flat int32 ids. Packed: ``offsets is None`` and ``tokens`` holds whole chunks of
+        ``sequence_length + 1``. Unpacked: example ``i`` is ``tokens[offsets[i]:offsets[i + 1]]`` and its
+        loss starts at token ``target_starts[i]`` (0: every token)."""
+        self.tokens, self.offsets, self.target_starts = tokens, offsets, target_starts
+        self.sequence_length, self.name = sequence_length, name
+        self.width = sequence_length + 1
+        self.packed = offsets is None
+        rows = len(tokens) // self.width if self.packed else len(offsets) - 1
+        if rows == 0:
+            raise DataError(f"{name}: the dataset is empty")
+        self.sampler = Sampler(rows, shuffle, seed)
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig, tokenizer: Tokenizer | None) -> TokenDataset:
+        """Read, tokenize and check ``data.path`` as ``cfg.data`` says (format, template, packing)."""
+        data = cfg.data
+        fmt = DataFormat(data.format)
+        name = str(data.path)
+        if fmt is not DataFormat.tokens and tokenizer is None:
+            raise DataError(f"data.tokenizer: format {fmt.value!r} needs a tokenizer; set data.tokenizer=DIR "
+                            f"or model.hf_checkpoint=DIR")
+        builder = _Builder(name, cfg.model.sequence_length, cfg.model.embedding.vocab_size, data.packing)
+        rows = read_rows(resolve_data_path(data.path), name)
+        if fmt is DataFormat.tokens:
+            for number, row in rows:
+                builder.add(number, _token_ids(row, number, name), 0)
+        elif fmt is DataFormat.text:
+            _encode(builder, tokenizer, ((n, _text(row, data.text_field, f"{name} row {n}"), None)
+                                         for n, row in rows))
+        else:
+            template = resolve_template(data.template)
+            _encode(builder, tokenizer, ((n, *_rendered(template, row, f"{name} row {n}")) for n, row in rows))
+        return builder.build(shuffle=data.shuffle, seed=data.seed)
+
+    def __len__(self) -> int:
+        """The number of rows: examples (unpacked) or chunks (packed)."""
+        return self.sampler.size
+
+    def row(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row ``index`` as ``(input_ids, labels)``, int64 tensors of ``sequence_length`` each."""
+        if self.packed:
+            chunk = self.tokens[index * self.width:(index + 1) * self.width].long()
+            return chunk[:-1], chunk[1:]
+        start, end = int(self.offsets[index]), int(self.offsets[index + 1])
+        length = end - start
+        padded = torch.full((self.width,), PAD_ID, dtype=torch.long)
+        padded[:length] = self.tokens[start:end]
+        labels = padded[1:].clone()
+        # The label at position t is token t + 1: keep it only where that token is real and in the target.
+        position = torch.arange(1, self.width)
+        labels[(position >= length) | (position < int(self.target_starts[index]))] = IGNORE_INDEX
+        return padded[:-1], labels
+
+    def _rows(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pairs = [self.row(int(i)) for i in indices.reshape(-1)]
+        shape = (*indices.shape, self.sequence_length)
+        return (torch.stack([p[0] for p in pairs]).reshape(shape),
+                torch.stack([p[1] for p in pairs]).reshape(shape))
+
+    def batch_at(self, start: int, global_batch_size: int, micro_batch_size: int, rank: int = 0,
+                 replicas: int = 1) -> Batch:
+        """Data-parallel ``rank``'s share of the ``global_batch_size`` samples from stream position ``start``.
+
+        The samples are cut into micro-batches of consecutive samples; rank ``r`` of ``replicas`` takes
+        micro-batches ``r, r + replicas, ...`` (as :meth:`SampleData.batch` does).
+        """
+        indices = self.sampler.indices(start, global_batch_size)
+        micro = indices.reshape(-1, micro_batch_size)[rank::replicas]
+        input_ids, labels = self._rows(micro)
+        self.sampler.samples_seen = max(self.sampler.samples_seen, start + global_batch_size)
+        return Batch(input_ids, labels)
+
+    def batch(self, step: int, global_batch_size: int, micro_batch_size: int, rank: int = 0,
+              replicas: int = 1) -> Batch:
+        """Global batch ``step``: samples ``[step × GBS, (step + 1) × GBS)`` of the stream, as ``[GA, mbs, seq]``.
+
+        The result depends only on ``step`` and the sampler's state (its seed), never on earlier calls;
+        afterwards :meth:`state_dict` reports ``samples_seen = (step + 1) × GBS`` (or more).
+        """
+        return self.batch_at(step * global_batch_size, global_batch_size, micro_batch_size, rank, replicas)
+
+    def eval_batches(self, micro_batch_size: int) -> Iterator[Batch]:
+        """Every row once, in order, unshuffled, as batches of one micro-batch (the last may be smaller)."""
+        for start in range(0, len(self), micro_batch_size):
+            input_ids, labels = self._rows(torch.arange(start, min(start + micro_batch_size, len(self)))[None])
+            yield Batch(input_ids, labels)
+
+    def state_dict(self) -> dict[str, int]:
+        """The data position, for checkpoints: see :meth:`Sampler.state_dict`."""
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restore the data position (seed and samples seen) from :meth:`state_dict`."""
+        self.sampler.load_state_dict(state)
+
+
+class _Builder:
+    """Collects examples into one flat int32 buffer, checking each as it arrives."""
+
+    def __init__(self, name: str, sequence_length: int, vocab_size: int, packing: bool) -> None:
+        self.name, self.width, self.vocab_size, self.packing = name, sequence_length + 1, vocab_size, packing
+        self.tokens = array("i")
+        self.offsets = array("q", [0])
+        self.target_starts = array("q")
+
+    def add(self, number: int, ids: list[int], target_start: int) -> None:
+        """Append example ``ids`` from row ``number``; its loss starts at token ``target_start``."""
+        if not ids:
+            return
+        top, bottom = max(ids), min(ids)
+        if top >= self.vocab_size or bottom < 0:
+            bad = top if top >= self.vocab_size else bottom
+            raise DataError(f"{self.name} row {number}: token id {bad} is outside the model's vocabulary "
+                            f"(model.embedding.vocab_size = {self.vocab_size})")
+        if not self.packing:
+            if len(ids) > self.width:
+                raise DataError(f"{self.name} row {number}: {len(ids)} tokens, longer than "
+                                f"model.sequence_length + 1 = {self.width}; shorten it or set data.packing=true")
+            if len(ids) < 2 or target_start >= len(ids):
+                return  # no position has a label: the row would only dilute its micro-batch
+        self.tokens.extend(ids)
+        self.offsets.append(len(self.tokens))
+        self.target_starts.append(target_start)
+
+    def build(self, shuffle: bool, seed: int) -> TokenDataset:
+        tokens = torch.frombuffer(self.tokens, dtype=torch.int32) if self.tokens else torch.empty(0, dtype=torch.int32)
+        if self.packing:
+            # The reference's group_texts: concatenate everything, drop the remainder that fills no chunk.
+            tokens = tokens[:len(tokens) // self.width * self.width].clone()
+            return TokenDataset(tokens, None, None, self.width - 1, shuffle, seed, self.name)
+        return TokenDataset(tokens.clone(), torch.tensor(self.offsets, dtype=torch.long),
+                            torch.tensor(self.target_starts, dtype=torch.long), self.width - 1, shuffle, seed,
+                            self.name)
+
+
+def _token_ids(row: dict[str, Any], number: int, name: str) -> list[int]:
+    """The ``input_ids`` of a ``tokens`` row: a list of ints, or its text "[1, 2]" / "1 2" (csv, tsv, txt)."""
+    where = f"{name} row {number}"
+    ids = row.get("input_ids")
+    if ids is None:
+        present = ", ".join(row) or "(no fields)"
+        raise DataError(f"{where}: field 'input_ids' is missing (data.format=tokens); the row has: {present}")
+    if isinstance(ids, str):
+        try:
+            ids = json.loads(ids) if ids.lstrip().startswith("[") else [int(t) for t in ids.replace(",", " ").split()]
+        except ValueError:
+            raise DataError(f"{where}: input_ids {ids[:40]!r} is not a list of integers") from None
+    if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise DataError(f"{where}: input_ids must be a list of integers")
+    return list(ids)
+
+
+def _text(row: dict[str, Any], field: str, where: str) -> str:
+    value = row.get(field)
+    if not isinstance(value, str):
+        if value is None:
+            present = ", ".join(k for k, v in row.items() if v is not None) or "(no fields)"
+            raise DataError(f"{where}: field {field!r} (data.text_field) is missing; the row has: {present}")
+        raise DataError(f"{where}: field {field!r} (data.text_field) is {type(value).__name__}, not text")
+    return value
+
+
+def _rendered(template: Template, row: dict[str, Any], where: str) -> tuple[str, str | None]:
+    prompt, target = template.render(row, where)
+    # Without a target the whole text is in the loss (target None); with one, only the target is.
+    return prompt, target if template.target is not None else None
+
+
+def _encode(builder: _Builder, tokenizer: Tokenizer, items: Iterator[tuple[int, str, str | None]]) -> None:
+    """Tokenize ``(row_number, prompt, target)`` items in chunks and add them to ``builder``.
+
+    Prompt and target are tokenized separately and concatenated, so the target starts at an exact token
+    (a BPE merge across the boundary cannot blur it). Special tokens written in the text, such as
+    ``<|endoftext|>``, become their single ids; none are added that the text does not contain.
+    """
+    def flush(chunk: list[tuple[int, str, str | None]]) -> None:
+        prompts = tokenizer.encode_batch([p for _, p, _ in chunk], add_special_tokens=False)
+        with_target = [t for _, _, t in chunk if t is not None]
+        targets = iter(tokenizer.encode_batch(with_target, add_special_tokens=False) if with_target else [])
+        for (number, _, target), prompt in zip(chunk, prompts):
+            ids = prompt.ids
+            if target is None:
+                builder.add(number, ids, 0)
+            else:
+                builder.add(number, ids + next(targets).ids, len(ids))
+
+    chunk: list[tuple[int, str, str | None]] = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == ENCODE_CHUNK:
+            flush(chunk)
+            chunk = []
+    if chunk:
+        flush(chunk)
+
+
+def data_source(cfg: DictConfig) -> SampleData | TokenDataset:
+    """The training data ``cfg`` asks for: the synthetic :class:`SampleData` when ``data.path`` is null,
+    else a :class:`TokenDataset` tokenized by ``data.tokenizer`` (or ``model.hf_checkpoint``'s tokenizer)."""
+    if cfg.data.path is None:
+        return SampleData(cfg.model.embedding.vocab_size, cfg.model.sequence_length, cfg.data.seed)
+    tokenizer = None
+    if DataFormat(cfg.data.format) is not DataFormat.tokens:
+        if cfg.data.tokenizer is not None:
+            tokenizer = load_tokenizer(cfg.data.tokenizer)
+        elif cfg.model.get("hf_checkpoint") is not None:
+            tokenizer = load_tokenizer(cfg.model.hf_checkpoint, key="model.hf_checkpoint")
+    return TokenDataset.from_config(cfg, tokenizer)

@@ -1,0 +1,109 @@
+"""``ipuft eval``: the mean token loss and perplexity over ``data.path``, and MNLI accuracy by generation.
+
+The loss pass runs the phased engine forward-only, layer-major, so it works for models larger than the
+device like training does. MNLI accuracy generates the label after ``target:`` greedily, as the
+reference's validation did: a prediction that matches no label counts as wrong.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from ipuft.datasets import TokenDataset, data_source, load_tokenizer, read_rows, resolve_data_path
+from ipuft.errors import DataError
+from ipuft.generate import generate
+from ipuft.plugins import PluginHooks
+from ipuft.templates import resolve_template
+from ipuft.checkpoint import find_checkpoint
+from ipuft.config import load_config
+from ipuft.engine import initial_values
+from ipuft.model import ModelParts, build_model
+from ipuft.train import build_engine, collective_errors, initializer
+
+EOS = "<|endoftext|>"
+
+
+def evaluate_loss(cfg: DictConfig, hooks: PluginHooks) -> dict:
+    """``{"loss", "perplexity", "tokens"}`` over every row of ``data.path``, once, in order."""
+    if cfg.data.path is None:
+        raise DataError("data.path: eval needs a dataset; set data.path=FILE")
+    dataset = data_source(cfg)
+    assert isinstance(dataset, TokenDataset)
+    engine = build_engine(cfg, hooks)
+    layout = engine.layout
+    total = torch.zeros(2, dtype=torch.float64)
+    with collective_errors(layout):
+        for i, batch in enumerate(dataset.eval_batches(cfg.execution.micro_batch_size)):
+            if i % layout.data_parallel != layout.dp_rank:
+                continue  # each replica evaluates its own micro-batches
+            loss_sum, tokens = engine.evaluate(batch)
+            total += torch.tensor([loss_sum, tokens], dtype=torch.float64)
+        if layout.data_parallel > 1:
+            dist.all_reduce(total, group=layout.dp_group)
+    loss_sum, tokens = total.tolist()
+    if tokens == 0:
+        raise DataError(f"{cfg.data.path}: no token of the dataset counts in the loss")
+    loss = loss_sum / tokens
+    return {"loss": loss, "perplexity": math.exp(loss), "tokens": int(tokens)}
+
+
+def inference_config(path: str, hooks: PluginHooks, overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
+    """The config of a model to run in one process: an ipuft checkpoint's (or a run directory's latest),
+    or a Hugging Face directory's shapes."""
+    if (Path(path) / "config.json").exists():
+        base, extra = None, [f"model.hf_checkpoint={path}"]
+    else:
+        checkpoint = find_checkpoint(path)
+        base, extra = str(checkpoint / "config.yaml"), [f"checkpoint.load={checkpoint}"]
+    single = ["execution.data_parallel=1", "execution.tensor_parallel=1", "training.global_batch_size=1",
+              "execution.micro_batch_size=1"]
+    return load_config(base, [*extra, *single, *overrides], hooks.registrations.config_sections)
+
+
+def inference_model(cfg: DictConfig, hooks: PluginHooks) -> tuple[ModelParts, dict[str, dict[str, torch.Tensor]]]:
+    """The components and every unit's full weights in host memory (no optimizer state), at TP=1."""
+    parts = build_model(cfg, hooks)
+    init = initializer(cfg, parts) or (lambda unit, specs: initial_values(unit, specs, cfg.model.seed))
+    weights = {unit: init(unit, parts.variables[unit.split(".")[0]]) for unit in parts.program.units()}
+    return parts, weights
+
+
+def tokenizer_for(path: str, cfg: DictConfig):
+    """The tokenizer next to a checkpoint, else ``data.tokenizer``."""
+    for candidate in (Path(path), find_checkpoint(path) if not (Path(path) / "config.json").exists() else None):
+        if candidate is not None and (candidate / "tokenizer.json").exists():
+            return load_tokenizer(str(candidate / "tokenizer.json"))
+    if cfg.data.tokenizer is not None:
+        return load_tokenizer(cfg.data.tokenizer)
+    raise DataError(f"{path} holds no tokenizer.json; set data.tokenizer=DIR")
+
+
+def evaluate_mnli(cfg: DictConfig, hooks: PluginHooks, max_new_tokens: int = 8) -> dict:
+    """``{"accuracy", "examples", "correct"}``: greedy generation of each row's label after ``target:``."""
+    if cfg.data.path is None:
+        raise DataError("data.path: eval --task mnli needs MNLI rows (premise, hypothesis, label)")
+    template = resolve_template("mnli")
+    spec = cfg.data.tokenizer or cfg.model.hf_checkpoint
+    if spec is None:
+        raise DataError("data.tokenizer: eval --task mnli needs a tokenizer; set data.tokenizer or model.hf_checkpoint")
+    tokenizer = load_tokenizer(spec)
+    eos_id = tokenizer.token_to_id(EOS)
+    parts, weights = inference_model(cfg, hooks)
+    path = resolve_data_path(cfg.data.path)
+    correct = examples = 0
+    for number, row in read_rows(path):
+        prompt, target = template.render(row, f"{path} row {number}")
+        expected = target.replace(EOS, "").strip()
+        ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+        new = generate(parts.modules, weights, cfg.model.layers, ids, max_new_tokens, eos_id=eos_id)
+        predicted = tokenizer.decode(new, skip_special_tokens=False).replace(EOS, "").strip()
+        correct += predicted == expected
+        examples += 1
+    if examples == 0:
+        raise DataError(f"{path}: the dataset is empty")
+    return {"accuracy": correct / examples, "examples": examples, "correct": correct}

@@ -1,0 +1,87 @@
+"""Prompt templates: how a dataset row (a dict of fields) becomes the text a model trains on.
+
+A template has a *prompt* and, optionally, a *target*. Both are ``str.format`` strings with ``{field}``
+placeholders filled from the row. The two halves are rendered (and later tokenized) separately so that
+the position where the target starts is exact; unpacked examples take their loss on the target only.
+A literal template given in the config has no target, so its whole text is in the loss.
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass, field
+from typing import Any
+
+from ipuft.errors import DataError
+
+
+@dataclass(frozen=True)
+class Template:
+    """A prompt, an optional target, and names for the integer values of the ``label`` field."""
+
+    prompt: str
+    target: str | None = None
+    labels: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def fields(self) -> list[str]:
+        """The row fields the template reads, in order of first appearance."""
+        names: list[str] = []
+        for part in (self.prompt, self.target or ""):
+            for _, name, _, _ in string.Formatter().parse(part):
+                if name is not None and name != "" and name not in names:
+                    names.append(name)
+        return names
+
+    def render(self, row: dict[str, Any], where: str) -> tuple[str, str]:
+        """``(prompt_text, target_text)`` for ``row``; the target text is ``""`` without a target.
+
+        ``where`` ("FILE row N") starts every error message. An integer (or digit-string) ``label`` is
+        mapped through :attr:`labels` when the template names its labels; other label values pass through.
+        """
+        values = {}
+        for name in self.fields:
+            value = row.get(name)
+            # csv.DictReader fills the cells of a short row with None: treat them as missing too.
+            if value is None:
+                present = ", ".join(k for k, v in row.items() if v is not None) or "(no fields)"
+                raise DataError(f"{where}: template field {name!r} is missing; the row has: {present}")
+            if name == "label" and self.labels:
+                value = self._label_name(value, where)
+            values[name] = value
+        try:
+            prompt = self.prompt.format_map(values)
+            target = self.target.format_map(values) if self.target is not None else ""
+        except (ValueError, IndexError, KeyError, AttributeError) as exc:
+            # A malformed literal template (an unmatched brace, a positional "{}" or "{0}").
+            raise DataError(f"{where}: cannot render data.template: {exc}") from None
+        return prompt, target
+
+    def _label_name(self, value: Any, where: str) -> Any:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            value = int(value.strip())
+        if not isinstance(value, int):
+            return value  # already a name, e.g. "entailment"
+        if value not in self.labels:
+            names = ", ".join(f"{k}={v}" for k, v in sorted(self.labels.items()))
+            raise DataError(f"{where}: label {value} is not one of the template's labels ({names})")
+        return self.labels[value]
+
+
+# The reference's MNLI template: "mnli hypothesis: {hypothesis} premise: {premise} target: {label}<|endoftext|>".
+TEMPLATES: dict[str, Template] = {
+    "mnli": Template(
+        prompt="mnli hypothesis: {hypothesis} premise: {premise} target:",
+        target=" {label}<|endoftext|>",
+        labels={0: "entailment", 1: "neutral", 2: "contradiction"},
+    ),
+}
+
+
+def resolve_template(name_or_literal: str) -> Template:
+    """The named template from :data:`TEMPLATES`, or else a literal one (all prompt, no target)."""
+    if name_or_literal in TEMPLATES:
+        return TEMPLATES[name_or_literal]
+    return Template(prompt=name_or_literal)

@@ -1,0 +1,315 @@
+"""The real-data pipeline: readers, formats, packing and masking, sampling, DP split, errors, the sample."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from ipuft.components import IGNORE_INDEX
+from ipuft.config import load_config
+from ipuft.data import SampleData
+from ipuft.datasets import (TokenDataset, data_source, load_tokenizer, read_rows, resolve_data_path)
+from ipuft.errors import DataError
+from ipuft.templates import TEMPLATES, Template, resolve_template
+
+tokenizers = pytest.importorskip("tokenizers")
+
+EOS = "<|endoftext|>"
+ROWS = [{"premise": "a cat sat", "hypothesis": "a cat", "label": 0},
+        {"premise": "the dog ran", "hypothesis": "no dog ran", "label": 2},
+        {"premise": "it rained", "hypothesis": "it rained hard", "label": 1}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory):
+    """A tiny byte-level BPE with EOS at id 0, trained here (no network)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[EOS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    texts = ["".join(TEMPLATES["mnli"].render(r, "x")) for r in ROWS] * 5
+    tok.train_from_iterator(texts, trainer)
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tok(tokenizer_file):
+    return load_tokenizer(str(tokenizer_file))
+
+
+def config(path, *overrides, seq=8, vocab=512):
+    return load_config("tiny", [f"data.path={path}", f"model.sequence_length={seq}",
+                                f"model.embedding.vocab_size={vocab}", *overrides])
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def tokens_dataset(tmp_path, seqs, *overrides, seq=4, vocab=512):
+    path = write_jsonl(tmp_path / "ids.jsonl", [{"input_ids": s} for s in seqs])
+    return TokenDataset.from_config(config(path, "data.format=tokens", *overrides, seq=seq, vocab=vocab), None)
+
+
+def ids(tok, text):
+    return tok.encode(text, add_special_tokens=False).ids
+
+
+# -- Readers -------------------------------------------------------------------------------------------
+
+
+def test_every_reader_yields_the_same_rows(tmp_path):
+    rows = [{"premise": "a, \"quoted\" cat", "hypothesis": "b c", "label": "0"},
+            {"premise": "x", "hypothesis": "y", "label": "2"}]
+    write_jsonl(tmp_path / "d.jsonl", rows)
+    (tmp_path / "d.json").write_text(json.dumps(rows))
+    for suffix, delimiter in ((".csv", ","), (".tsv", "\t")):
+        with (tmp_path / f"d{suffix}").open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]), delimiter=delimiter)
+            writer.writeheader()
+            writer.writerows(rows)
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    expected = list(enumerate(rows, 1))
+    for suffix in (".jsonl", ".json", ".csv", ".tsv", ".parquet"):
+        assert list(read_rows(tmp_path / f"d{suffix}")) == expected, suffix
+
+    (tmp_path / "d.txt").write_text("first line\n\nsecond line\r\n")
+    assert list(read_rows(tmp_path / "d.txt")) == [(1, {"text": "first line"}), (3, {"text": "second line"})]
+
+
+def test_unknown_suffix_lists_the_supported_ones(tmp_path):
+    (tmp_path / "d.xml").write_text("<a/>")
+    with pytest.raises(DataError, match=r"d\.xml: unsupported file type '\.xml'; supported: \.jsonl, \.json"):
+        list(read_rows(tmp_path / "d.xml"))
+
+
+# -- Templates -----------------------------------------------------------------------------------------
+
+
+def test_mnli_template_maps_labels():
+    mnli = resolve_template("mnli")
+    row = {"premise": "It rained.", "hypothesis": "It was wet.", "label": 2}
+    assert mnli.render(row, "f row 1") == ("mnli hypothesis: It was wet. premise: It rained. target:",
+                                          f" contradiction{EOS}")
+    assert mnli.render({**row, "label": "0"}, "f row 1")[1] == f" entailment{EOS}"
+    assert mnli.render({**row, "label": "neutral"}, "f row 1")[1] == f" neutral{EOS}"
+
+
+def test_literal_template_has_no_target():
+    t = resolve_template("Q: {q} A: {a}")
+    assert t == Template(prompt="Q: {q} A: {a}") and t.target is None
+    assert t.render({"q": "1+1", "a": 2, "label": 5}, "f row 1") == ("Q: 1+1 A: 2", "")
+
+
+def test_missing_template_field(tmp_path, tok):
+    path = write_jsonl(tmp_path / "train.jsonl", ROWS[:2] + [{"hypothesis": "h", "label": 1}])
+    with pytest.raises(DataError) as err:
+        TokenDataset.from_config(config(path, seq=64), tok)
+    assert str(err.value) == (f"{path} row 3: template field 'premise' is missing; the row has: "
+                              f"hypothesis, label")
+
+
+# -- Formats, packing and masking ----------------------------------------------------------------------
+
+
+def test_tokens_exact_shift_without_padding(tmp_path):
+    ds = tokens_dataset(tmp_path, [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]], "data.packing=false",
+                        "data.shuffle=false")
+    b = ds.batch(0, 2, 1)
+    assert b.input_ids.dtype == b.labels.dtype == torch.int64 and b.input_ids.shape == (2, 1, 4)
+    assert b.input_ids.tolist() == [[[1, 2, 3, 4]], [[6, 7, 8, 9]]]
+    assert b.labels.tolist() == [[[2, 3, 4, 5]], [[7, 8, 9, 10]]]
+
+
+def test_packing_concatenates_and_chunks(tmp_path):
+    ds = tokens_dataset(tmp_path, [[1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11, 12], [13]], "data.shuffle=false")
+    assert len(ds) == 2  # 13 tokens → two chunks of 5, remainder dropped
+    b = ds.batch(0, 2, 2)
+    assert b.input_ids.tolist() == [[[1, 2, 3, 4], [6, 7, 8, 9]]]
+    assert b.labels.tolist() == [[[2, 3, 4, 5], [7, 8, 9, 10]]]
+
+
+def test_unpacked_pads_and_masks_padding_and_prompt(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", [ROWS[0]])
+    ds = TokenDataset.from_config(config(path, "data.packing=false", seq=40), tok)
+    prompt, target = TEMPLATES["mnli"].render(ROWS[0], "")
+    p, t = ids(tok, prompt), ids(tok, target)
+    assert t[-1] == 0  # EOS is the single special token
+    row = p + t
+    n = len(row)
+    b = ds.batch(0, 1, 1)
+    assert b.input_ids[0, 0].tolist() == (row + [0] * (41 - n))[:40]
+    expected = [IGNORE_INDEX] * (len(p) - 1) + t + [IGNORE_INDEX] * (41 - n)
+    assert b.labels[0, 0].tolist() == expected
+
+
+def test_unpacked_text_masks_only_padding(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "a cat sat"}])
+    ds = TokenDataset.from_config(config(path, "data.format=text", "data.packing=false", seq=12), tok)
+    row = ids(tok, "a cat sat")
+    assert EOS not in tok.decode(row) and 0 not in row  # no EOS added
+    labels = ds.batch(0, 1, 1).labels[0, 0].tolist()
+    assert labels == row[1:] + [IGNORE_INDEX] * (13 - len(row))
+
+
+def test_template_packing_puts_every_token_in_the_loss(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    ds = TokenDataset.from_config(config(path, "data.shuffle=false", seq=7), tok)
+    stream = [i for r in ROWS for i in ids(tok, "".join(TEMPLATES["mnli"].render(r, "")))]
+    assert len(ds) == len(stream) // 8
+    b = ds.batch(0, len(ds), 1)
+    assert b.input_ids.flatten().tolist() == [x for k in range(len(ds)) for x in stream[8 * k:8 * k + 7]]
+    assert (b.labels != IGNORE_INDEX).all()
+
+
+# -- Sampling ------------------------------------------------------------------------------------------
+
+
+def test_dp_replicas_split_the_global_batch(tmp_path):
+    ds = tokens_dataset(tmp_path, [[i] * 5 for i in range(1, 13)], "data.packing=false")
+    whole = ds.batch(3, 8, 2)
+    parts = [ds.batch(3, 8, 2, rank, 2) for rank in range(2)]
+    assert whole.input_ids.shape == (4, 2, 4) and parts[0].input_ids.shape == (2, 2, 4)
+    for r in range(2):
+        assert torch.equal(parts[r].input_ids, whole.input_ids[r::2])
+        assert torch.equal(parts[r].labels, whole.labels[r::2])
+
+
+def test_epochs_and_deterministic_shuffling(tmp_path):
+    seqs = [[i] * 5 for i in range(1, 11)]
+
+    def first_tokens(*overrides, steps=4):
+        ds = tokens_dataset(tmp_path, seqs, "data.packing=false", *overrides)
+        return [ds.batch(s, 5, 1).input_ids[:, 0, 0].tolist() for s in range(steps)]
+
+    in_order = first_tokens("data.shuffle=false")
+    assert in_order == [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]] * 2  # epoch 2 starts again in file order
+    a, b = first_tokens("data.seed=3"), first_tokens("data.seed=3")
+    assert a == b != first_tokens("data.seed=4")
+    epoch0, epoch1 = a[0] + a[1], a[2] + a[3]
+    assert sorted(epoch0) == sorted(epoch1) == list(range(1, 11)) and epoch0 != epoch1
+    # A global batch that straddles two epochs takes the end of one and the start of the next.
+    ds = tokens_dataset(tmp_path, seqs, "data.packing=false", "data.seed=3")
+    assert ds.batch(1, 6, 1).input_ids[:, 0, 0].tolist() == (epoch0 + epoch1)[6:12]
+
+
+def test_state_dict_restores_the_position(tmp_path):
+    seqs = [[i] * 5 for i in range(1, 8)]
+    ds = tokens_dataset(tmp_path, seqs, "data.packing=false", "data.seed=5")
+    for step in range(3):
+        ds.batch(step, 4, 2)
+    state = ds.state_dict()
+    assert state["samples_seen"] == 12 and state["seed"] == 5
+    fresh = tokens_dataset(tmp_path, seqs, "data.packing=false", "data.seed=9")
+    fresh.load_state_dict(state)
+    assert fresh.state_dict() == state
+    assert torch.equal(fresh.batch(3, 4, 2).input_ids, ds.batch(3, 4, 2).input_ids)
+    assert torch.equal(fresh.batch_at(state["samples_seen"], 4, 2).labels, ds.batch(3, 4, 2).labels)
+    other = tokens_dataset(tmp_path, seqs[:3], "data.packing=false")
+    with pytest.raises(DataError, match="7 rows; this one has 3"):
+        other.load_state_dict(state)
+
+
+def test_eval_batches_cover_every_row_in_order(tmp_path):
+    ds = tokens_dataset(tmp_path, [[i] * 5 for i in range(1, 6)], "data.packing=false", "data.seed=1")
+    batches = list(ds.eval_batches(2))
+    assert [b.input_ids.shape for b in batches] == [(1, 2, 4), (1, 2, 4), (1, 1, 4)]
+    assert torch.cat([b.input_ids[0, :, 0] for b in batches]).tolist() == [1, 2, 3, 4, 5]
+
+
+# -- Errors --------------------------------------------------------------------------------------------
+
+
+def test_missing_file():
+    with pytest.raises(DataError, match=r"^data\.path: nowhere/train\.jsonl does not exist$"):
+        resolve_data_path("nowhere/train.jsonl")
+
+
+def test_missing_tokenizer(tmp_path):
+    with pytest.raises(DataError, match=r"^data\.tokenizer: no tokenizer\.json at .*tokenizer\.json; give a"):
+        load_tokenizer(str(tmp_path))
+
+
+def test_empty_dataset(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(DataError, match=r"empty\.jsonl: the dataset is empty$"):
+        TokenDataset.from_config(config(tmp_path / "empty.jsonl", "data.format=tokens"), None)
+    with pytest.raises(DataError, match=r"ids\.jsonl: the dataset is empty$"):
+        tokens_dataset(tmp_path, [[1, 2], [3]], seq=4)  # 3 tokens: less than one chunk of 5
+
+
+def test_row_longer_than_the_sequence(tmp_path):
+    with pytest.raises(DataError) as err:
+        tokens_dataset(tmp_path, [[1] * 5, [1] * 6], "data.packing=false", seq=4)
+    assert str(err.value) == (f"{tmp_path / 'ids.jsonl'} row 2: 6 tokens, longer than model.sequence_length "
+                              f"+ 1 = 5; shorten it or set data.packing=true")
+
+
+def test_bad_json_line(tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"input_ids": [1, 2]}\n{"input_ids": [1,\n')
+    with pytest.raises(DataError, match=r"bad\.jsonl line 2: not valid JSON") as err:
+        TokenDataset.from_config(config(tmp_path / "bad.jsonl", "data.format=tokens"), None)
+    assert "\n" not in str(err.value)
+
+
+def test_token_id_outside_the_vocabulary(tmp_path):
+    with pytest.raises(DataError, match=r"ids\.jsonl row 2: token id 200 is outside the model's vocabulary "
+                                        r"\(model\.embedding\.vocab_size = 128\)"):
+        tokens_dataset(tmp_path, [[1, 2, 3], [4, 200]], vocab=128)
+
+
+def test_template_needs_a_tokenizer(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    with pytest.raises(DataError, match=r"^data\.tokenizer: format 'template' needs a tokenizer; set "
+                                        r"data\.tokenizer=DIR or model\.hf_checkpoint=DIR$"):
+        data_source(config(path))
+
+
+# -- Sources and the shipped sample --------------------------------------------------------------------
+
+
+def test_data_source_without_a_path_is_the_synthetic_sample():
+    source = data_source(load_config("tiny", []))
+    assert isinstance(source, SampleData)
+
+
+def test_data_source_finds_the_tokenizer(tmp_path, tokenizer_file):
+    path = write_jsonl(tmp_path / "d.jsonl", ROWS * 4)
+    by_dir = data_source(config(path, f"data.tokenizer={tokenizer_file.parent}", seq=16))
+    # Set model.hf_checkpoint after validation, which would read the directory's config.json.
+    cfg = OmegaConf.to_container(config(path, seq=16))
+    cfg["model"]["hf_checkpoint"] = str(tokenizer_file.parent)
+    by_checkpoint = data_source(OmegaConf.create(cfg))
+    assert isinstance(by_dir, TokenDataset) and len(by_dir) == len(by_checkpoint) > 0
+    assert torch.equal(by_dir.batch(0, 4, 2).input_ids, by_checkpoint.batch(0, 4, 2).input_ids)
+
+
+def test_packaged_sample_loads_with_the_packaged_tokenizer():
+    tok = load_tokenizer("sample")
+    assert tok.get_vocab_size() == 512 and tok.token_to_id(EOS) == 0
+    assert tok.encode(f"target: entailment{EOS}", add_special_tokens=False).ids[-1] == 0
+    rows = list(read_rows(resolve_data_path("mnli-sample")))
+    assert len(rows) >= 250
+    text = " ".join("".join(TEMPLATES["mnli"].render(r, f"row {n}")) for n, r in rows)
+    for name in TEMPLATES["mnli"].labels.values():
+        assert f"target: {name}{EOS}" in text
+    cfg = load_config("tiny", ["data.path=mnli-sample", "data.tokenizer=sample", "data.packing=false",
+                               "model.sequence_length=80", "model.embedding.vocab_size=512"])
+    ds = data_source(cfg)
+    assert len(ds) == len(rows)
+    b = ds.batch(0, 16, 1)
+    assert b.input_ids.shape == (16, 1, 80) and int(b.input_ids.max()) < 512
+    # Unpacked: only the target (label name and EOS) is in the loss.
+    kept = b.labels[b.labels != IGNORE_INDEX]
+    assert (kept == 0).sum() == 16

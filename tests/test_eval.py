@@ -1,0 +1,110 @@
+"""``ipuft eval`` and ``ipuft generate`` against transformers on the same checkpoint."""
+
+import json
+import shutil
+from importlib import resources
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_reference import hf_gptj
+from ipuft.cli.main import main
+from ipuft.config import load_config
+
+SAMPLE_TOKENIZER = resources.files("ipuft.sample_data") / "tokenizer.json"
+
+
+def cli(capsys, *args):
+    with pytest.raises(SystemExit) as info:
+        main(list(args))
+        raise SystemExit(0)
+    out, err = capsys.readouterr()
+    return info.value.code or 0, out, err
+
+
+@pytest.fixture
+def hf_dir(tmp_path):
+    """A random tiny GPT-J with the shipped 512-token tokenizer, as a Hugging Face directory."""
+    cfg = load_config("tiny", ["model.embedding.vocab_size=512", "model.sequence_length=32"])
+    model = hf_gptj(cfg, seed=5)
+    out = tmp_path / "hf"
+    model.save_pretrained(out)
+    shutil.copyfile(str(SAMPLE_TOKENIZER), out / "tokenizer.json")
+    return model, out
+
+
+def test_eval_loss_equals_transformers_on_a_tokens_file(capsys, tmp_path, hf_dir):
+    model, src = hf_dir
+    rows = torch.randint(0, 512, (5, 33), generator=torch.Generator().manual_seed(0))
+    data = tmp_path / "tokens.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": r.tolist()}) + "\n" for r in rows))
+    code, out, err = cli(capsys, "eval", "--config", "tiny", f"model.hf_checkpoint={src}", "model.sequence_length=32",
+                         "model.embedding.vocab_size=512",
+                         f"data.path={data}", "data.format=tokens", "execution.micro_batch_size=2", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    with torch.no_grad():
+        logits = model(rows[:, :-1]).logits
+    expected = F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten()).item()
+    assert result["tokens"] == 5 * 32
+    assert abs(result["loss"] - expected) <= 1e-5
+    assert result["perplexity"] == pytest.approx(torch.tensor(expected).exp().item(), rel=1e-5)
+
+
+def test_generate_cli_equals_transformers_greedy(capsys, hf_dir):
+    model, src = hf_dir
+    from ipuft.datasets import load_tokenizer
+
+    tokenizer = load_tokenizer(str(src))
+    prompt = "mnli hypothesis: the dog runs premise: a dog is running target:"
+    ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False).ids])
+    code, out, err = cli(capsys, "generate", "--checkpoint", str(src), "--max-new-tokens", "6", prompt)
+    assert code == 0, err
+    with torch.no_grad():
+        theirs = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    new = theirs[0, ids.shape[1]:].tolist()
+    if 0 in new:  # ipuft stops at <|endoftext|> (id 0), inclusive
+        new = new[: new.index(0) + 1]
+    assert out == prompt + tokenizer.decode(new, skip_special_tokens=False) + "\n"
+
+
+@pytest.mark.slow
+def test_mnli_accuracy_matches_transformers_generation(capsys, tmp_path):
+    """Train briefly on the shipped MNLI sample, then MNLI accuracy by ipuft equals that of transformers'
+    greedy generation on the exported model."""
+    run = tmp_path / "run"
+    # Unpacked, the loss covers only the label after "target:", so a few steps teach it.
+    base = ["--config", "tiny", "data.path=mnli-sample", "data.tokenizer=sample", "model.embedding.vocab_size=512",
+            "model.sequence_length=80", "data.packing=false"]
+    code, _, err = cli(capsys, "train", *base, "training.steps=40", "training.global_batch_size=8",
+                       "training.optimizer.learning_rate.maximum=3e-3", f"output_dir={run}")
+    assert code == 0, err
+    rows = (resources.files("ipuft.sample_data") / "mnli_sample.jsonl").read_text().splitlines()[:24]
+    subset = tmp_path / "val.jsonl"
+    subset.write_text("\n".join(rows) + "\n")
+    code, out, err = cli(capsys, "eval", "--checkpoint", str(run), f"data.path={subset}", "--task", "mnli", "--json")
+    assert code == 0, err
+    ours = json.loads(out)
+    assert ours["examples"] == 24
+
+    code, _, err = cli(capsys, "export", "--checkpoint", str(run), "--hf", str(tmp_path / "hf"))
+    assert code == 0, err
+    from transformers import GPTJForCausalLM
+
+    from ipuft.datasets import load_tokenizer
+    from ipuft.templates import resolve_template
+
+    model = GPTJForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tokenizer = load_tokenizer(str(tmp_path / "hf"))
+    template = resolve_template("mnli")
+    correct = 0
+    for i, line in enumerate(rows):
+        prompt, target = template.render(json.loads(line), f"row {i}")
+        ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False).ids])
+        with torch.no_grad():
+            new = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=0, pad_token_id=0)
+        text = tokenizer.decode(new[0, ids.shape[1]:].tolist(), skip_special_tokens=False)
+        correct += text.replace("<|endoftext|>", "").strip() == target.replace("<|endoftext|>", "").strip()
+    assert ours["correct"] == correct
+    assert ours["accuracy"] > 0.6  # the brief training learned the labels
