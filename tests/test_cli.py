@@ -17,7 +17,8 @@ def run_cli(capsys, *args):
     return info.value.code or 0, out, err
 
 
-@pytest.mark.parametrize("command", [[], ["train"], ["plan"], ["bench"], ["config"], ["config", "show"], ["plugins"]])
+@pytest.mark.parametrize("command", [[], ["train"], ["plan"], ["bench"], ["eval"], ["export"], ["generate"], ["config"],
+                                     ["config", "show"], ["plugins"]])
 def test_every_subcommand_answers_help(capsys, command):
     code, out, err = run_cli(capsys, *command, "--help")
     assert code == 0, err
