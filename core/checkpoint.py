@@ -1,14 +1,22 @@
 """ipuft checkpoints: full (layout-free) weights as safetensors, the resolved config, and JSON metadata.
 
-A checkpoint is a directory ``<root>/step-<N>/`` holding ``model.safetensors`` (every unit's full
-variables, named ``<unit>.<variable>``, e.g. ``decoder.3.attn.q_proj.weight``), ``config.yaml`` (the
-run's config, loadable as a preset), ``meta.json`` and, when known, the run's ``tokenizer.json``. It is
-written into a temporary directory, fsynced, then renamed, so a crash never leaves a half-written
-checkpoint under a final name. Nothing is unpickled on load.
+A checkpoint is a directory ``<root>/step-<N>/`` holding:
+
+- ``model.safetensors``: every unit's full (unsharded, layout-free) variables, named
+  ``<unit>.<variable>``, e.g. ``decoder.3.attn.q_proj.weight``;
+- ``optim.safetensors`` (with ``checkpoint.optim_state``): the optimizer state, ``<unit>.<variable>.<state>``;
+- ``state.safetensors``: the RNG states, as byte tensors;
+- ``config.yaml`` (the run's config, loadable as a preset), ``meta.json`` (step, Adam's update count, the
+  loss-scale state, the data position, the versions of ipuft and its plugins), the run's
+  ``tokenizer.json`` when known, and ``manifest.json``: the SHA-256 of every other file, checked on load.
+
+It is written into a temporary directory, fsynced, then renamed, so a crash at any moment leaves the
+previous checkpoint intact and never a half-written one under a final name. Nothing is unpickled.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -25,6 +33,9 @@ from ipuft.errors import CheckpointError
 FORMAT = "ipuft-checkpoint"
 DEFAULT_SAVE = "<output_dir>/checkpoints"
 WEIGHTS = "model.safetensors"
+OPTIM = "optim.safetensors"
+STATE = "state.safetensors"
+MANIFEST = "manifest.json"
 
 
 def checkpoint_root(cfg: DictConfig, run_dir: Path) -> Path | None:
@@ -52,9 +63,26 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _flat(units: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {f"{unit}.{name}": t.contiguous() for unit, w in units.items() for name, t in w.items()}
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def save_checkpoint(full_weights: dict[str, dict[str, torch.Tensor]], cfg: DictConfig, root: Path, step: int,
-                    tokenizer: Path | None = None, keep: int | None = None) -> Path:
-    """Write checkpoint ``root/step-<step>`` atomically and return its path; keep the newest ``keep``."""
+                    tokenizer: Path | None = None, keep: int | None = None,
+                    optim: dict[str, dict[str, torch.Tensor]] | None = None, state: dict | None = None) -> Path:
+    """Write checkpoint ``root/step-<step>`` atomically and return its path; keep the newest ``keep``.
+
+    ``optim``: full optimizer state per unit; ``state``: JSON-ready training state (update count, loss
+    scale, data position) stored in meta.json. The RNG states are saved too.
+    """
     from safetensors.torch import save_file
 
     root.mkdir(parents=True, exist_ok=True)
@@ -62,15 +90,24 @@ def save_checkpoint(full_weights: dict[str, dict[str, torch.Tensor]], cfg: DictC
     tmp = root / f".tmp-step-{step:08d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    tensors = {f"{unit}.{name}": t.contiguous() for unit, w in full_weights.items() for name, t in w.items()}
-    save_file(tensors, str(tmp / WEIGHTS), metadata={"format": FORMAT})
+    save_file(_flat(full_weights), str(tmp / WEIGHTS), metadata={"format": FORMAT})
+    if optim is not None:
+        save_file(_flat(optim), str(tmp / OPTIM), metadata={"format": FORMAT})
+    rng = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    save_file(rng, str(tmp / STATE), metadata={"format": FORMAT})
     config = OmegaConf.to_container(cfg, resolve=True)
     config["gradient_accumulation"] = None  # derived again on load
+    config["checkpoint"]["load"] = None  # a checkpoint's own config starts fresh, not from another one
     (tmp / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
     if tokenizer is not None and tokenizer.is_file():
         shutil.copyfile(tokenizer, tmp / "tokenizer.json")
-    meta = {"format": FORMAT, "version": 1, "step": step, "units": list(full_weights), "versions": _versions()}
+    meta = {"format": FORMAT, "version": 1, "step": step, "units": list(full_weights),
+            "optim_state": optim is not None, "versions": _versions(), **(state or {})}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+    manifest = {f.name: _sha256(f) for f in sorted(tmp.iterdir())}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
     for file in tmp.iterdir():
         _fsync(file)
     if final.exists():
@@ -102,6 +139,22 @@ def find_checkpoint(path: str | Path) -> Path:
     raise CheckpointError(f"{path} is neither an ipuft checkpoint (no meta.json) nor a run directory with checkpoints")
 
 
+def verify(checkpoint: Path) -> None:
+    """Check every file of a checkpoint against its manifest; a missing or altered one is an error."""
+    try:
+        manifest = json.loads((checkpoint / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {checkpoint} has no {MANIFEST}: it is incomplete") from None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"checkpoint {checkpoint}/{MANIFEST} cannot be read ({exc})") from None
+    for name, digest in manifest.items():
+        path = checkpoint / name
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {checkpoint} lacks {name}, listed in its manifest")
+        if _sha256(path) != digest:
+            raise CheckpointError(f"checkpoint {checkpoint}: {name} does not match its checksum (corrupted)")
+
+
 def read_meta(checkpoint: Path) -> dict:
     try:
         meta = json.loads((checkpoint / "meta.json").read_text())
@@ -112,15 +165,18 @@ def read_meta(checkpoint: Path) -> dict:
     return meta
 
 
-def checkpoint_initializer(checkpoint: Path) -> Callable[[str, list[VariableSpec]], dict[str, torch.Tensor]]:
-    """An engine initializer reading each unit's full weights from the checkpoint, tensor by tensor."""
+def checkpoint_initializer(checkpoint: Path, file: str = WEIGHTS) -> Callable[[str, list[VariableSpec]], dict]:
+    """An engine initializer reading each unit's full weights from the checkpoint, tensor by tensor
+    (``file=OPTIM``: its optimizer state, with specs named ``<variable>.<state>``)."""
     from safetensors import safe_open
 
+    verify(checkpoint)
+    read_meta(checkpoint)
     try:
-        handle = safe_open(str(checkpoint / WEIGHTS), framework="pt", device="cpu")
+        handle = safe_open(str(checkpoint / file), framework="pt", device="cpu")
         names = set(handle.keys())
     except Exception as exc:
-        raise CheckpointError(f"{checkpoint / WEIGHTS} cannot be read: {type(exc).__name__}: {exc}") from None
+        raise CheckpointError(f"{checkpoint / file} cannot be read: {type(exc).__name__}: {exc}") from None
 
     def initial(unit: str, specs: list[VariableSpec]) -> dict[str, torch.Tensor]:
         out = {}
@@ -136,3 +192,13 @@ def checkpoint_initializer(checkpoint: Path) -> Callable[[str, list[VariableSpec
         return out
 
     return initial
+
+
+def restore_rng(checkpoint: Path) -> None:
+    """Set the RNG states a checkpoint saved."""
+    from safetensors.torch import load_file
+
+    rng = load_file(str(checkpoint / STATE))
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])

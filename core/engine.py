@@ -14,6 +14,7 @@ mean-reduced over the DP group once per step, after its micro-batch loop (reduce
 from __future__ import annotations
 
 import contextlib
+import math
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from ipuft.optim import Optimizer, StepContext
 from ipuft.parallel import Layout, active
 from ipuft.placement import Placement
 from ipuft.program import Op, Phase
+from ipuft.scaling import LossScale
 from ipuft.store import Tensors, VariableStore, nbytes
 
 
@@ -51,7 +53,11 @@ class Batch:
 
 @dataclass
 class StepResult:
-    """What one optimizer step reports (loss and norm are global; bytes are this rank's)."""
+    """What one optimizer step reports (loss and norm are global; bytes are this rank's).
+
+    ``skipped``: the loss or gradient norm was not finite, so nothing was updated; ``loss_scale``: the
+    scale this step's gradients carried.
+    """
 
     loss: float
     grad_norm: float
@@ -59,6 +65,8 @@ class StepResult:
     d2h_bytes: int
     device_peak_bytes: int
     traffic: dict[str, dict[str, int]] = field(default_factory=dict)
+    skipped: bool = False
+    loss_scale: float = 1.0
 
 
 @dataclass
@@ -68,6 +76,7 @@ class _StepState:
     norm_sq: torch.Tensor
     losses: list[torch.Tensor] = field(default_factory=list)
     grad_norm: float = float("nan")
+    skip: bool = False
 
 
 Initializer = Callable[[str, list[VariableSpec]], Tensors]
@@ -109,7 +118,8 @@ class PhasedEngine:
         self.device = torch.device(device)
         self.layout = layout or active()
         self.placed = placements(parts, self.layout, bool(cfg.execution.rts))
-        self.loss_scaling = float(cfg.execution.loss_scaling)
+        self.scale = LossScale.from_config(cfg)
+        self.loss_scaling = self.scale.scale
         self.dropout = cfg.model.dropout_prob > 0
         self.store = VariableStore(self.device, offload=cfg.execution.offload)
         self.buffers = ActivationBuffers(self.store, offload=cfg.execution.activation_offload)
@@ -143,6 +153,7 @@ class PhasedEngine:
         before_h2d, before_d2h = dict(self.store.traffic.h2d), dict(self.store.traffic.d2h)
         self.store.ledger.reset_peak()
         self.updates += 1
+        self.loss_scaling = self.scale.scale
         batch = Batch(batch.input_ids.to(self.device), batch.labels.to(self.device))
         self.store.traffic.h2d["data"] += 2 * batch.tokens * batch.input_ids.element_size()
         state = _StepState(batch, lr, torch.zeros((), dtype=torch.float32, device=self.device))
@@ -151,6 +162,9 @@ class PhasedEngine:
             self._prefetch(phase, phases[i + 1] if i + 1 < len(phases) else None)
             self._run(phase, state)
         self.buffers.clear()
+        if state.skip:
+            self.updates -= 1  # Adam's bias correction counts updates that happened
+        self.scale.update(overflow=state.skip)
         loss = torch.stack(state.losses).mean()
         if self.layout.data_parallel > 1:
             dist.all_reduce(loss, group=self.layout.dp_group)
@@ -166,6 +180,8 @@ class PhasedEngine:
             d2h_bytes=sum(traffic["d2h"].values()),
             device_peak_bytes=self.store.ledger.peak,
             traffic=traffic,
+            skipped=state.skip,
+            loss_scale=self.loss_scaling,
         )
 
     def _prefetch(self, current: Phase, following: Phase | None) -> None:
@@ -203,11 +219,16 @@ class PhasedEngine:
                 if self.layout.distributed:
                     dist.all_reduce(st.norm_sq)
                 st.grad_norm = st.norm_sq.sqrt().item()
-            elif op is Op.OPTIMIZER_STEP:
+                # A non-finite loss makes a non-finite gradient; the norm is reduced over every rank, so
+                # all of them agree to skip the update.
+                st.skip = not math.isfinite(st.grad_norm)
+            elif op is Op.OPTIMIZER_STEP and not st.skip:
                 self._optimizer_step(phase, loaded["fwd"], loaded["optim"], grads, st)
         if weights is not None:
             self.store.ledger.release(gathered)
         for group in phase.stores:
+            if st.skip and group != "grad":
+                continue  # a skipped step leaves weights and optimizer state untouched
             self.store.save(unit, group, grads if group == "grad" else loaded[group])
         for group, tensors in loaded.items():
             self.store.release(unit, group, tensors)
@@ -320,7 +341,20 @@ class PhasedEngine:
         """Every unit's weights as this rank stores them (host tensors when offloaded)."""
         return self.store.state("fwd")
 
-    def full_weights(self) -> dict[str, Tensors]:
-        """Every unit's full weights, gathered over DP and TP. Every rank must call it."""
-        return {unit: {n: self.placed[unit_role(unit)][n].full(t.to(self.device)).cpu() for n, t in w.items()}
-                for unit, w in self.weights().items()}
+    def full_weights(self, group: str = "fwd") -> dict[str, Tensors]:
+        """Every unit's full weights (or, with ``group="optim"``, optimizer state, named
+        ``<variable>.<state>``), gathered over DP and TP. Every rank must call it."""
+        out = {}
+        for unit, tensors in self.store.state(group).items():
+            placed = self.placed[unit_role(unit)]
+            out[unit] = {n: placed[n.rsplit(".", 1)[0] if group == "optim" else n].full(t.to(self.device)).cpu()
+                         for n, t in tensors.items()}
+        return out
+
+    def load_full(self, group: str, units: dict[str, Tensors]) -> None:
+        """Replace ``group`` of every unit from full tensors (a checkpoint's), in this rank's stored form."""
+        for unit, tensors in units.items():
+            placed = self.placed[unit_role(unit)]
+            stored = self.store.entries[unit][group]
+            for n, t in tensors.items():
+                stored[n].copy_(placed[n.rsplit(".", 1)[0] if group == "optim" else n].to_stored(t))

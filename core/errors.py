@@ -27,6 +27,20 @@ class CheckpointError(IpuftError):
     """A checkpoint or Hugging Face directory is missing, unreadable, or of another model's shape."""
 
 
+class TrainingError(IpuftError):
+    """Training cannot go on (for example, too many skipped steps in a row)."""
+
+    exit_code = 1
+
+
+class Stopped(IpuftError):
+    """A SIGINT or SIGTERM stopped training cleanly; the exit code is 128 + the signal's number."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
 def choices(values: Iterable[str]) -> str:
     """Format a list of valid choices for an error message."""
     values = sorted(values)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import threading
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
@@ -17,16 +19,26 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from ipuft.config import to_yaml
 from ipuft.data import SampleData
 from ipuft.datasets import TokenDataset, data_source
 from ipuft.engine import PhasedEngine, StepResult
-from ipuft.errors import ConfigError
-from ipuft.checkpoint import checkpoint_initializer, checkpoint_root, find_checkpoint, save_checkpoint
-from ipuft.engine import Initializer
+from ipuft.errors import ConfigError, Stopped, TrainingError
+from ipuft.checkpoint import (
+    DEFAULT_SAVE,
+    OPTIM,
+    checkpoint_initializer,
+    checkpoint_root,
+    find_checkpoint,
+    read_meta,
+    restore_rng,
+    save_checkpoint,
+)
+from ipuft.components import VariableSpec
+from ipuft.engine import Initializer, unit_role
 from ipuft.hf_checkpoint import hf_initializer
 from ipuft.model import ModelParts, build_model
 from ipuft.parallel import DistributedError, Layout, init_layout
@@ -80,14 +92,76 @@ def tokenizer_file(cfg: DictConfig) -> Path | None:
     return path / "tokenizer.json" if path.is_dir() else path
 
 
-def save(engine: PhasedEngine, cfg: DictConfig, root: Path | None, step: int) -> Path | None:
-    """Every rank gathers; rank 0 writes the checkpoint."""
+def save(engine: PhasedEngine, cfg: DictConfig, root: Path | None, step: int, data=None) -> Path | None:
+    """Every rank gathers the full weights (and optimizer state); rank 0 writes the checkpoint."""
     if root is None:
         return None
     weights = engine.full_weights()
+    optim = engine.full_weights("optim") if cfg.checkpoint.optim_state else None
     if not engine.layout.is_main:
         return None
-    return save_checkpoint(weights, cfg, root, step, tokenizer_file(cfg), keep=cfg.checkpoint.to_keep)
+    state = {"updates": engine.updates, "loss_scale": engine.scale.state_dict(),
+             "data": data.state_dict() if hasattr(data, "state_dict") else {"step": step}}
+    return save_checkpoint(weights, cfg, root, step, tokenizer_file(cfg), keep=cfg.checkpoint.to_keep,
+                           optim=optim, state=state)
+
+
+def resolve_load(cfg: DictConfig) -> DictConfig:
+    """``checkpoint.load=latest``: the newest checkpoint of this run's checkpoint directory."""
+    if cfg.checkpoint.load != "latest":
+        return cfg
+    if cfg.output_dir is None and cfg.checkpoint.save in (None, DEFAULT_SAVE):
+        raise ConfigError("checkpoint.load=latest: set output_dir to the run to resume (or checkpoint.save)")
+    root = checkpoint_root(cfg, Path(cfg.output_dir or ".")) or Path(cfg.output_dir) / "checkpoints"
+    return OmegaConf.merge(cfg, {"checkpoint": {"load": str(find_checkpoint(root))}})
+
+
+def restore(engine: PhasedEngine, cfg: DictConfig, checkpoint: Path, data) -> int:
+    """Resume a run's state from ``checkpoint`` (weights are already loaded); return its step."""
+    meta = read_meta(checkpoint)
+    if cfg.checkpoint.optim_state and meta.get("optim_state"):
+        state_of = checkpoint_initializer(checkpoint, OPTIM)
+        for unit in engine.program.units():
+            variables = engine.parts.variables[unit_role(unit)]
+            specs = [VariableSpec(f"{v.name}.{s.name}", v.shape, s.dtype)
+                     for v in variables for s in engine.optimizer.state_specs(v)]
+            engine.load_full("optim", {unit: state_of(unit, specs)})
+    engine.updates = int(meta.get("updates", meta["step"]))
+    if "loss_scale" in meta:
+        engine.scale.load_state_dict(meta["loss_scale"])
+    if hasattr(data, "load_state_dict") and "rows" in meta.get("data", {}):
+        data.load_state_dict(meta["data"])
+    restore_rng(checkpoint)
+    return int(meta["step"])
+
+
+class _Signals:
+    """SIGINT and SIGTERM during training ask for a clean stop after the current step."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> _Signals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def agreed(self, layout: Layout) -> int | None:
+        """The signal, if any rank received one (every rank must stop at the same step)."""
+        if not layout.distributed:
+            return self.received
+        flag = torch.tensor([self.received or 0], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag) or None
 
 
 def replica_batch(cfg: DictConfig, data: SampleData | TokenDataset, step: int, layout: Layout):
@@ -110,7 +184,9 @@ def collective_errors(layout: Layout):
 
 
 def check_output_dir(cfg: DictConfig) -> None:
-    """Refuse an ``output_dir`` that already holds a run (checked on every rank, before any work)."""
+    """Refuse an ``output_dir`` that already holds a run, unless resuming it (checked on every rank)."""
+    if cfg.checkpoint.load is not None:
+        return
     if cfg.output_dir is not None and (Path(cfg.output_dir) / "metrics.jsonl").exists():
         raise ConfigError(f"output_dir: {cfg.output_dir} already holds a run (metrics.jsonl); choose another directory")
 
@@ -136,14 +212,32 @@ def metrics_record(step: int, result: StepResult, lr: float, tokens: int, second
     return record
 
 
-def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[dict]:
-    """Train for ``training.steps`` optimizer steps; return the metrics of every step.
+def _metrics_file(out: Path, start: int):
+    """metrics.jsonl, keeping only the records up to ``start`` when resuming."""
+    path = out / "metrics.jsonl"
+    kept = []
+    if start and path.exists():
+        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= start]
+    f = open(path, "w")
+    f.writelines(line + "\n" for line in kept)
+    return f
 
+
+def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[dict]:
+    """Train until ``training.steps``; return the metrics of the steps run.
+
+    With ``checkpoint.load`` the run resumes where the checkpoint stopped: weights, optimizer state,
+    update count, loss scale, data position and RNG, so the result is that of an uninterrupted run.
     Under torchrun every rank trains its share; rank 0 alone prints progress and writes the run directory.
+    A non-finite loss or gradient norm skips the update; ``training.max_consecutive_skips`` in a row stop
+    the run. SIGINT or SIGTERM saves a checkpoint (when saving is on) and stops with exit code 130 or 143.
     """
+    cfg = resolve_load(cfg)
     data = data_source(cfg)
     check_output_dir(cfg)
     engine = build_engine(cfg, hooks)
+    resumed = Path(cfg.checkpoint.load) if cfg.checkpoint.load is not None else None
+    start = restore(engine, cfg, find_checkpoint(resumed), data) if resumed is not None else 0
     main = engine.layout.is_main
     out = run_directory(cfg) if main else None
     if main:
@@ -151,27 +245,43 @@ def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[di
     root = checkpoint_root(cfg, out) if main else (None if cfg.checkpoint.save is None else Path("."))
     steps = cfg.training.steps
     tokens = cfg.training.global_batch_size * cfg.model.sequence_length
-    records = []
-    bar = tqdm(range(steps), desc="train", unit="step", disable=not (progress and main), dynamic_ncols=True)
-    with open(out / "metrics.jsonl", "w") if main else nullcontext() as metrics, collective_errors(engine.layout):
+    records, skips, saved = [], 0, None
+    bar = tqdm(range(start, steps), desc="train", unit="step", disable=not (progress and main), dynamic_ncols=True,
+               initial=start, total=steps)
+    with (_metrics_file(out, start) if main else nullcontext()) as metrics, collective_errors(engine.layout), \
+            _Signals() as signals:
         for step in bar:
             lr = learning_rate(step, steps, cfg.training.optimizer.learning_rate)
             batch = replica_batch(cfg, data, step, engine.layout)
-            start = time.perf_counter()
+            began = time.perf_counter()
             result = engine.step(batch, lr)
-            record = metrics_record(step + 1, result, lr, tokens, time.perf_counter() - start)
+            record = metrics_record(step + 1, result, lr, tokens, time.perf_counter() - began)
             records.append(record)
             if main:
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
             bar.set_postfix(loss=f"{result.loss:.3f}", gnorm=f"{result.grad_norm:.2f}", lr=f"{lr:.2e}",
                             tok_s=f"{record['tokens_per_s']:.0f}")
+            skips = skips + 1 if result.skipped else 0
+            if result.skipped and main:
+                tqdm.write(f"step {step + 1}: non-finite loss or gradient norm; update skipped (loss scale "
+                           f"{result.loss_scale:g} -> {engine.scale.scale:g})")
+            if skips >= cfg.training.max_consecutive_skips:
+                raise TrainingError(f"{skips} optimizer steps in a row were skipped for a non-finite loss or gradient "
+                                    f"norm (last at step {step + 1}); lower the learning rate or set "
+                                    f"execution.loss_scaling=dynamic")
+            received = signals.agreed(engine.layout)
+            if received is not None:
+                saved = save(engine, cfg, root, step + 1, data)
+                where = f"; checkpoint {saved}" if saved else ""
+                raise Stopped(f"stopped by {signal.Signals(received).name} after step {step + 1}{where}", received)
             every = cfg.checkpoint.steps
             if every and (step + 1) % every == 0 and step + 1 < steps:
-                save(engine, cfg, root, step + 1)
-        saved = save(engine, cfg, root, steps)
+                save(engine, cfg, root, step + 1, data)
+        if start < steps or resumed is None:
+            saved = save(engine, cfg, root, steps, data)
     if progress and main and records:
-        tqdm.write(f"loss {records[0]['loss']:.3f} -> {records[-1]['loss']:.3f} over {steps} steps; "
+        tqdm.write(f"loss {records[0]['loss']:.3f} -> {records[-1]['loss']:.3f} over steps {start + 1}-{steps}; "
                    f"run directory {out}" + (f"; checkpoint {saved}" if saved else ""))
     return records
 

@@ -100,3 +100,13 @@ def collectives(rank: int, out: str) -> None:
     results["gather"] = (y.detach(), x.grad.clone())
     results["max"] = max_over_tensor_parallel(torch.tensor([r, 3.0 - r]))
     torch.save(results, Path(out) / f"collectives.rank{rank}.pt")
+
+
+def train_run(rank: int, overrides: list[str]) -> None:
+    """``ipuft train`` on every rank, in process."""
+    from ipuft.config import load_config
+    from ipuft.plugins import create_plugin_manager
+    from ipuft.train import train
+
+    hooks = create_plugin_manager()
+    train(load_config("tiny", overrides, hooks.registrations.config_sections), hooks, progress=False)

@@ -63,7 +63,7 @@ def test_shapes_from_config_json_and_every_mismatch_listed(hooks, tmp_path):
         load_config("small-cpu", [f"model.hf_checkpoint={src}"], hooks.registrations.config_sections)
     message = str(info.value)
     for fragment in ("model.layers=4 but the checkpoint has n_layer=2", "model.hidden_size=128 but the checkpoint "
-                     "has n_embd=64", "model.embedding.vocab_size=256 but the checkpoint has vocab_size=128"):
+                     "has n_embd=64", "model.embedding.vocab_size=512 but the checkpoint has vocab_size=128"):
         assert fragment in message
     assert "\n" not in message
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Optional
+from typing import Any, Optional
 
 
 class Precision(str, Enum):
@@ -94,6 +94,8 @@ class TrainingConfig:
     steps: int = 1
     global_batch_size: int = 32
     stochastic_rounding: bool = True
+    # Stop when this many optimizer steps in a row are skipped for a non-finite loss or gradient norm.
+    max_consecutive_skips: int = 10
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
 
 
@@ -103,7 +105,11 @@ class ExecutionConfig:
     data_parallel: int = 1
     tensor_parallel: int = 1
     device_iterations: int = 1
-    loss_scaling: float = 1.0
+    # A fixed scale (the reference used 4096 with float16), or "dynamic": halve on overflow, double after
+    # loss_scaling_growth_interval clean steps, starting from loss_scaling_initial.
+    loss_scaling: Any = 1.0
+    loss_scaling_initial: float = 65536.0
+    loss_scaling_growth_interval: int = 1000
     attention_serialisation: int = 1
     device: Device = Device.auto
     # Keep weights, optimizer state and gradients in host memory and stream them per phase.

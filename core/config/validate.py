@@ -42,7 +42,13 @@ def derive_and_validate(cfg: DictConfig) -> None:
     _require(0.0 <= model.dropout_prob < 1.0, "model.dropout_prob", f"must be in [0, 1), got {model.dropout_prob}")
     _require(model.precision == Precision.float32, "model.precision",
              f"only float32 is implemented so far (mixed precision is planned), got {model.precision.value}")
-    _require(execution.loss_scaling > 0, "execution.loss_scaling", f"must be > 0, got {execution.loss_scaling}")
+    scaling = execution.loss_scaling
+    _require(scaling == "dynamic" or (isinstance(scaling, (int, float)) and not isinstance(scaling, bool)
+                                      and scaling > 0), "execution.loss_scaling",
+             f"must be a number > 0 or 'dynamic', got {scaling!r}")
+    _require(execution.loss_scaling_initial > 0, "execution.loss_scaling_initial", "must be > 0")
+    _require(execution.loss_scaling_growth_interval > 0, "execution.loss_scaling_growth_interval", "must be > 0")
+    _require(cfg.training.max_consecutive_skips > 0, "training.max_consecutive_skips", "must be > 0")
     _require(0.0 <= optim.learning_rate.warmup_proportion <= 1.0, "training.optimizer.learning_rate.warmup_proportion",
              f"must be in [0, 1], got {optim.learning_rate.warmup_proportion}")
     for beta in ("beta1", "beta2"):

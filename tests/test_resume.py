@@ -1,0 +1,208 @@
+"""Checkpoints: exact resume, resume under another layout, loss scaling and skips, signals, kills."""
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import dist_workers
+from distributed import spawn
+from ipuft.checkpoint import checkpoint_initializer, checkpoints, find_checkpoint, read_meta
+from ipuft.config import load_config
+from ipuft.errors import CheckpointError, TrainingError
+from ipuft.train import build_engine, train
+
+MNLI = ["data.path=mnli-sample", "data.tokenizer=sample", "model.embedding.vocab_size=512",
+        "model.sequence_length=32", "training.global_batch_size=4", "training.optimizer.learning_rate.maximum=1e-3",
+        "training.optimizer.learning_rate.warmup_proportion=0.3", "training.optimizer.learning_rate.schedule=cosine"]
+
+
+def run(hooks, *overrides):
+    return train(load_config("tiny", [*MNLI, *overrides], hooks.registrations.config_sections), hooks, progress=False)
+
+
+def final_weights(run_dir):
+    ckpt = find_checkpoint(run_dir)
+    from safetensors.torch import load_file
+
+    return load_file(str(ckpt / "model.safetensors")), load_file(str(ckpt / "optim.safetensors"))
+
+
+def test_exact_resume_is_bit_identical(hooks, tmp_path):
+    full = run(hooks, "training.steps=6", f"output_dir={tmp_path}/full")
+    run(hooks, "training.steps=6", "checkpoint.steps=3", f"output_dir={tmp_path}/crashed")
+    # The run "crashed" after its step-3 checkpoint: keep only that one and resume from it.
+    step3 = tmp_path / "step3"
+    shutil.copytree(tmp_path / "crashed" / "checkpoints" / "step-00000003", step3)
+    assert read_meta(step3)["step"] == 3 and read_meta(step3)["data"]["samples_seen"] == 12
+    resumed = run(hooks, "training.steps=6", f"checkpoint.load={step3}", f"output_dir={tmp_path}/resumed")
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in full[3:]]
+    assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in full[3:]]
+    for a, b in zip(final_weights(tmp_path / "full"), final_weights(tmp_path / "resumed")):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_latest_in_the_same_run_directory_keeps_its_metrics(hooks, tmp_path):
+    out = tmp_path / "run"
+    run(hooks, "training.steps=2", f"output_dir={out}")
+    run(hooks, "training.steps=4", "checkpoint.load=latest", f"output_dir={out}")
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+    assert [c.name for c in checkpoints(out / "checkpoints")] == ["step-00000002", "step-00000004"]
+
+
+@pytest.mark.parametrize("direction", ["parallel_to_single", "single_to_parallel"])
+def test_resume_under_another_layout(hooks, tmp_path, direction):
+    base = ["model.embedding.vocab_size=100", "execution.micro_batch_size=1", "training.global_batch_size=4",
+            "training.steps=5", "training.optimizer.learning_rate.maximum=2e-3", "training.optimizer.eps=1e-4"]
+    parallel = ["execution.data_parallel=2", "execution.tensor_parallel=2", "execution.rts=true"]
+    reference = train(load_config("tiny", [*base, f"output_dir={tmp_path}/ref"], hooks.registrations.config_sections),
+                      hooks, progress=False)
+    first, second = (parallel, []) if direction == "parallel_to_single" else ([], parallel)
+    first_cfg = [*base, *first, "checkpoint.steps=3", f"output_dir={tmp_path}/first"]
+    if first:
+        spawn(4, dist_workers.train_run, first_cfg, tmp=tmp_path)
+    else:
+        train(load_config("tiny", first_cfg, hooks.registrations.config_sections), hooks, progress=False)
+    step3 = tmp_path / "first" / "checkpoints" / "step-00000003"
+    second_cfg = [*base, *second, f"checkpoint.load={step3}", f"output_dir={tmp_path}/second"]
+    if second:
+        spawn(4, dist_workers.train_run, second_cfg, tmp=tmp_path)
+    else:
+        train(load_config("tiny", second_cfg, hooks.registrations.config_sections), hooks, progress=False)
+    resumed = [json.loads(line) for line in (tmp_path / "second" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in resumed] == [4, 5]
+    for got, want in zip(resumed, reference[3:], strict=True):
+        assert abs(got["loss"] - want["loss"]) / want["loss"] <= 1e-5
+        assert abs(got["grad_norm"] - want["grad_norm"]) / want["grad_norm"] <= 1e-5
+
+
+def test_dynamic_loss_scaling_skips_and_rescales(hooks):
+    cfg = load_config("tiny", ["execution.loss_scaling=dynamic", "execution.loss_scaling_initial=1024",
+                               "execution.loss_scaling_growth_interval=2", "training.global_batch_size=2"],
+                      hooks.registrations.config_sections)
+    engine = build_engine(cfg, hooks)
+    from ipuft.datasets import data_source
+
+    data = data_source(cfg)
+    batches = [data.batch(s, 2, 1) for s in range(5)]
+    overflow_at = {2}
+    add = engine._add_to_norm
+    calls = {"step": 0}
+
+    def add_to_norm(placed, grads, st):
+        add(placed, grads, st)
+        if calls["step"] in overflow_at:
+            st.norm_sq += float("inf")
+
+    engine._add_to_norm = add_to_norm
+    scales, skipped = [], []
+    for s, batch in enumerate(batches, start=1):
+        calls["step"] = s
+        before = {u: {n: t.clone() for n, t in w.items()} for u, w in engine.weights().items()}
+        optim = {u: {n: t.clone() for n, t in w.items()} for u, w in engine.store.state("optim").items()}
+        result = engine.step(batch, 1e-3)
+        scales.append(result.loss_scale)
+        skipped.append(result.skipped)
+        unchanged = all(torch.equal(t, before[u][n]) for u, w in engine.weights().items() for n, t in w.items())
+        optim_unchanged = all(torch.equal(t, optim[u][n]) for u, w in engine.store.state("optim").items()
+                              for n, t in w.items())
+        assert unchanged == optim_unchanged == result.skipped
+    assert skipped == [False, True, False, False, False]
+    assert scales == [1024, 1024, 512, 512, 1024]  # halved on overflow, doubled after 2 clean steps
+    assert engine.updates == 4  # Adam's step count ignores the skipped step
+
+
+def test_consecutive_skips_stop_the_run(hooks, tmp_path, monkeypatch):
+    from ipuft import engine as engine_module
+
+    def always_overflow(self, placed, grads, st):
+        st.norm_sq += float("nan")
+
+    monkeypatch.setattr(engine_module.PhasedEngine, "_add_to_norm", always_overflow)
+    cfg = load_config("tiny", ["training.steps=20", "training.max_consecutive_skips=3", "training.global_batch_size=2",
+                               f"output_dir={tmp_path}/run"], hooks.registrations.config_sections)
+    with pytest.raises(TrainingError, match=r"3 optimizer steps in a row were skipped .*\(last at step 3\)"):
+        train(cfg, hooks, progress=False)
+
+
+def _env():
+    # The same thread count as this process, so that float sums match bit for bit.
+    return {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+
+
+def _wait_for_steps(out, proc, n, timeout=90):
+    deadline = time.time() + timeout
+    while True:
+        metrics = out / "metrics.jsonl"
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= n:
+            return
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.time() < deadline, "training did not progress"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_saves_then_resume_continues_exactly(hooks, tmp_path, signum, code):
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "ipuft.cli.main", "train", "--config", "tiny", *MNLI,
+            "training.optimizer.learning_rate.schedule=constant", "training.optimizer.learning_rate.warmup_proportion=0"]
+    proc = subprocess.Popen([*args, "training.steps=100000", f"output_dir={out}"], env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _wait_for_steps(out, proc, 2)
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"ipuft: error: stopped by {signal.Signals(signum).name} after step ")
+    done = read_meta(find_checkpoint(out))["step"]
+    assert done >= 2 and f"after step {done};" in last
+    # Resume in the same run directory for two more steps; compare with an uninterrupted run.
+    common = ["training.optimizer.learning_rate.schedule=constant", "training.optimizer.learning_rate.warmup_proportion=0"]
+    resumed = run(hooks, *common, f"training.steps={done + 2}", "checkpoint.load=latest", f"output_dir={out}")
+    straight = run(hooks, *common, f"training.steps={done + 2}", f"output_dir={tmp_path}/straight")
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight[done:]]
+    for a, b in zip(final_weights(out), final_weights(tmp_path / "straight")):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sigkill_during_saves_never_breaks_the_latest_checkpoint(tmp_path):
+    """Checkpoints are written every step; kill the trainer at random moments, ten times."""
+    out = tmp_path / "run"
+    rng = random.Random(0)
+    args = [sys.executable, "-m", "ipuft.cli.main", "train", "--config", "tiny", "training.global_batch_size=2",
+            "training.steps=100000", "checkpoint.steps=1", "checkpoint.to_keep=2", f"output_dir={out}"]
+    for trial in range(10):
+        resume = ["checkpoint.load=latest"] if trial else []
+        proc = subprocess.Popen([*args, *resume], env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True)
+        _wait_for_steps(out, proc, trial + 2, timeout=120)
+        time.sleep(rng.uniform(0.0, 0.5))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        latest = find_checkpoint(out)  # never a half-written directory under a final name
+        meta = read_meta(latest)
+        initial = checkpoint_initializer(latest)  # verifies the manifest's checksums
+        from ipuft.components import VariableSpec
+
+        assert initial("head", [VariableSpec("norm.weight", (64,))])["norm.weight"].shape == (64,)
+        assert meta["step"] >= trial + 1
+
+
+def test_a_corrupted_checkpoint_is_refused(hooks, tmp_path):
+    run(hooks, "training.steps=1", f"output_dir={tmp_path}/run")
+    ckpt = find_checkpoint(tmp_path / "run")
+    weights = ckpt / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-10] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="model.safetensors does not match its checksum"):
+        checkpoint_initializer(ckpt)
