@@ -10,7 +10,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from ipuft.checkpoint import WEIGHTS, find_checkpoint, read_meta
+from ipuft.checkpoint import WEIGHTS, find_checkpoint, read_meta, verify
 from ipuft.config import load_config
 from ipuft.errors import CheckpointError
 from ipuft.hf import unit_mappings
@@ -48,6 +48,7 @@ def export_hf(path: str | Path, out: str | Path, hooks: PluginHooks, shard_bytes
     from safetensors.torch import save_file
 
     checkpoint = find_checkpoint(path)
+    verify(checkpoint)
     read_meta(checkpoint)
     out = Path(out)
     if out.exists() and any(out.iterdir()):

@@ -1,0 +1,169 @@
+"""The bad-input corpus: each case exits non-zero with one clear line, no traceback, and damages nothing."""
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_reference import hf_gptj
+from ipuft.cli.main import main
+from ipuft.config import load_config
+from ipuft.plugins import create_plugin_manager
+from ipuft.train import train
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A finished tiny run with a checkpoint, and a tiny Hugging Face directory."""
+    root = tmp_path_factory.mktemp("corpus")
+    hooks = create_plugin_manager()
+    train(load_config("tiny", ["training.steps=1", "training.global_batch_size=2", f"output_dir={root}/run"],
+                      hooks.registrations.config_sections), hooks, progress=False)
+    hf_gptj(load_config("tiny", [])).save_pretrained(root / "hf")
+    return root
+
+
+def _checkpoint(tmp, trained):
+    shutil.copytree(trained / "run", tmp / "run")
+    return next((tmp / "run" / "checkpoints").glob("step-*"))
+
+
+def _truncate(path: Path, keep: int = 100) -> None:
+    path.write_bytes(path.read_bytes()[:keep])
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _rows(tmp, name, rows):
+    path = tmp / name
+    path.write_text("".join((json.dumps(r) if not isinstance(r, str) else r) + "\n" for r in rows))
+    return path
+
+
+MNLI = {"premise": "a cat sleeps", "hypothesis": "a cat rests", "label": 0}
+SAMPLE = ["data.tokenizer=sample", "model.embedding.vocab_size=512", "model.sequence_length=32"]
+
+# (id, setup(tmp, trained) -> CLI arguments, a fragment the one-line message must contain)
+CASES = [
+    ("not-key-value", lambda t, r: ["train", "layers"], "is not KEY=VALUE"),
+    ("unknown-key", lambda t, r: ["train", "model.layerz=2"], "unknown config key model.layerz"),
+    ("wrong-type-int", lambda t, r: ["train", "training.steps=many"], "training.steps"),
+    ("wrong-type-bool", lambda t, r: ["train", "execution.offload=sometimes"], "execution.offload"),
+    ("unknown-preset", lambda t, r: ["train", "--config", "huge"], "unknown preset 'huge'"),
+    ("bad-yaml-preset", lambda t, r: ["train", "--config", str(_write(t / "p.yaml", "model: [1, 2"))], "not valid YAML"),
+    ("unknown-component", lambda t, r: ["train", "model.decoder=llama"], "unknown decoder component 'llama'"),
+    ("unknown-optimizer", lambda t, r: ["train", "training.optimizer.name=lion"], "unknown optimizer 'lion'"),
+    ("bad-choice", lambda t, r: ["train", "training.optimizer.learning_rate.schedule=step"], "expected one of"),
+    ("batch-not-divisible", lambda t, r: ["train", "training.global_batch_size=15", "execution.micro_batch_size=4"],
+     "is not divisible"),
+    ("derived-key", lambda t, r: ["train", "gradient_accumulation=2"], "is derived"),
+    ("negative-lr", lambda t, r: ["train", "training.optimizer.learning_rate.maximum=-1"], "must be >= 0"),
+    ("bad-loss-scaling", lambda t, r: ["train", "execution.loss_scaling=lots"], "must be a number > 0 or 'dynamic'"),
+    ("tp-does-not-divide", lambda t, r: ["plan", "execution.tensor_parallel=3"], "not divisible by execution.tensor_parallel=3"),
+    ("dp-tp-world-mismatch", lambda t, r: ["train", "--config", "tiny", "execution.data_parallel=2"],
+     "but 1 process was launched"),
+    ("checkpoint-missing", lambda t, r: ["train", "--config", "tiny", f"checkpoint.load={t}/nope"], "does not exist"),
+    ("checkpoint-empty-dir", lambda t, r: ["train", "--config", "tiny", f"checkpoint.load={_mkdir(t / 'empty')}"],
+     "neither an ipuft checkpoint"),
+    ("checkpoint-truncated", lambda t, r: ["eval", "--checkpoint", str(_damaged(t, r, "model.safetensors", _truncate)),
+                                           "data.path=mnli-sample", *SAMPLE], "does not match its checksum"),
+    ("checkpoint-corrupted", lambda t, r: ["export", "--checkpoint", str(_damaged(t, r, "optim.safetensors", _flip)),
+                                           "--hf", str(t / "out")], "does not match its checksum"),
+    ("checkpoint-meta-garbage", lambda t, r: ["train", "--config", "tiny",
+                                              f"checkpoint.load={_damaged(t, r, 'meta.json', _garbage)}"], "meta.json"),
+    ("checkpoint-other-shape", lambda t, r: ["train", "--config", "tiny", "model.layers=3",
+                                             f"checkpoint.load={_checkpoint(t, r)}"], "lacks decoder.2"),
+    ("checkpoint-no-manifest", lambda t, r: ["train", "--config", "tiny",
+                                             f"checkpoint.load={_damaged(t, r, 'manifest.json', Path.unlink)}"],
+     "has no manifest.json"),
+    ("hf-no-config", lambda t, r: ["train", f"model.hf_checkpoint={_mkdir(t / 'hf')}"], "has no config.json"),
+    ("hf-other-model", lambda t, r: ["train", f"model.hf_checkpoint={_hf_other(t)}"], "model_type 'llama'"),
+    ("hf-shape-mismatch", lambda t, r: ["train", f"model.hf_checkpoint={r / 'hf'}"],
+     "model.layers=4 but the checkpoint has n_layer=2"),
+    ("data-missing-file", lambda t, r: ["train", f"data.path={t}/missing.jsonl"], "does not exist"),
+    ("data-template-field", lambda t, r: ["train", "--config", "tiny", *SAMPLE,
+                                          f"data.path={_rows(t, 'd.jsonl', [MNLI, {'premise': 'x', 'label': 1}])}"],
+     "row 2: template field 'hypothesis' is missing"),
+    ("data-empty", lambda t, r: ["train", "--config", "tiny", *SAMPLE, f"data.path={_rows(t, 'e.jsonl', [])}"],
+     "the dataset is empty"),
+    ("data-row-too-long", lambda t, r: ["train", "--config", "tiny", *SAMPLE, "data.packing=false",
+                                        f"data.path={_rows(t, 'l.jsonl', [MNLI, dict(MNLI, premise='word ' * 200)])}"],
+     "row 2"),
+    ("data-bad-json", lambda t, r: ["train", "--config", "tiny", *SAMPLE,
+                                    f"data.path={_rows(t, 'b.jsonl', [MNLI, '{not json'])}"], "line 2"),
+    ("data-token-out-of-vocab", lambda t, r: ["train", "--config", "tiny", "data.format=tokens",
+                                              f"data.path={_rows(t, 't.jsonl', [{'input_ids': [1] * 8 + [999]}])}"],
+     "model.embedding.vocab_size"),
+    ("data-unknown-suffix", lambda t, r: ["train", f"data.path={_write(t / 'd.xml', '<rows/>')}"], ".xml"),
+    ("output-dir-holds-a-run", lambda t, r: ["train", "--config", "tiny", f"output_dir={_checkpoint(t, r).parent.parent}"],
+     "already holds a run"),
+    ("export-not-empty", lambda t, r: ["export", "--checkpoint", str(_checkpoint(t, r)),
+                                       "--hf", str(_write(t / "full" / "x", "mine").parent)], "exists and is not empty"),
+]
+
+
+def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _garbage(path: Path) -> None:
+    path.write_text("{ not json")
+
+
+def _damaged(tmp, trained, name, damage):
+    checkpoint = _checkpoint(tmp, trained)
+    damage(checkpoint / name)
+    return checkpoint
+
+
+def _hf_other(tmp):
+    return _write(tmp / "other" / "config.json", json.dumps({"model_type": "llama"})).parent
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+            for p in sorted(root.rglob("*"))}
+
+
+@pytest.mark.parametrize(("args", "fragment"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_one_clear_line(tmp_path, trained, capsys, monkeypatch, args, fragment):
+    monkeypatch.chdir(tmp_path)
+    argv = args(tmp_path, trained)
+    before = snapshot(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    _, err = capsys.readouterr()
+    assert info.value.code not in (0, None)
+    assert err.count("\n") == 1 and err.startswith("ipuft: error: "), err
+    assert fragment in err, err
+    assert "Traceback" not in err
+    assert snapshot(tmp_path) == before  # nothing written, nothing damaged
+
+
+def test_plugin_that_raises_on_import(fake_dist, capsys):
+    fake_dist("ipuft-bad-import", {"bad_import": "bad_import_plugin"},
+              {"bad_import_plugin": "raise ImportError('needs libfoo')\n"})
+    with pytest.raises(SystemExit) as info:
+        main(["train"])
+    _, err = capsys.readouterr()
+    assert info.value.code == 2
+    assert err == ("ipuft: error: plugin 'bad_import' (distribution ipuft-bad-import 0.1.0) failed to import: "
+                   "ImportError: needs libfoo; fix or uninstall it, or set IPUFT_DISABLE_PLUGINS=bad_import\n")
+
+
+def test_corpus_is_large_enough():
+    assert len(CASES) + 1 >= 25
