@@ -179,19 +179,21 @@ def checkpoint_initializer(checkpoint: Path, file: str = WEIGHTS) -> Callable[[s
         raise CheckpointError(f"{checkpoint / file} cannot be read: {type(exc).__name__}: {exc}") from None
 
     def initial(unit: str, specs: list[VariableSpec]) -> dict[str, torch.Tensor]:
-        out = {}
-        for spec in specs:
-            name = f"{unit}.{spec.name}"
-            if name not in names:
-                raise CheckpointError(f"checkpoint {checkpoint} lacks {name}: it is of another model")
-            tensor = handle.get_tensor(name)
-            if tuple(tensor.shape) != spec.shape:
-                raise CheckpointError(f"checkpoint {checkpoint}: {name} has shape {tuple(tensor.shape)}, the model "
-                                      f"expects {spec.shape}")
-            out[spec.name] = tensor.to(spec.dtype)
-        return out
+        names_of = {spec.name: f"{unit}.{spec.name}" for spec in specs}
+        return {spec.name: checked(spec, names_of[spec.name], handle.get_tensor if names_of[spec.name] in names
+                                   else None, f"checkpoint {checkpoint}") for spec in specs}
 
     return initial
+
+
+def checked(spec: VariableSpec, name: str, get: Callable[[str], torch.Tensor] | None, source: str) -> torch.Tensor:
+    """Variable ``spec``, read as ``name`` from ``source`` by ``get`` (``None``: absent), checked and cast."""
+    if get is None:
+        raise CheckpointError(f"{source} lacks {name}: it is of another model")
+    tensor = get(name)
+    if tuple(tensor.shape) != spec.shape:
+        raise CheckpointError(f"{source}: {name} has shape {tuple(tensor.shape)}, the model expects {spec.shape}")
+    return tensor.to(spec.dtype)
 
 
 def restore_rng(checkpoint: Path) -> None:

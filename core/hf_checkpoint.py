@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from ipuft.checkpoint import checked
 from ipuft.components import VariableSpec
 from ipuft.errors import CheckpointError, ConfigError
 from ipuft.hf import unit_mappings
@@ -134,16 +135,8 @@ def hf_initializer(directory: str | Path, modules, layers: int) -> Callable[[str
     mappings = unit_mappings(modules, layers)
 
     def initial(unit: str, specs: list[VariableSpec]) -> dict[str, torch.Tensor]:
-        out = {}
-        for spec in specs:
-            name = mappings[unit][spec.name]
-            if name not in weights:
-                raise CheckpointError(f"model.hf_checkpoint: {weights.directory} lacks {name}")
-            tensor = weights.get(name)
-            if tuple(tensor.shape) != spec.shape:
-                raise CheckpointError(f"model.hf_checkpoint: {name} has shape {tuple(tensor.shape)}, "
-                                      f"the model expects {spec.shape}")
-            out[spec.name] = tensor.to(spec.dtype)
-        return out
+        hf_names = mappings[unit]
+        return {spec.name: checked(spec, hf_names[spec.name], weights.get if hf_names[spec.name] in weights else None,
+                                   f"model.hf_checkpoint {weights.directory}") for spec in specs}
 
     return initial

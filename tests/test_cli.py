@@ -5,16 +5,7 @@ import subprocess
 import sys
 
 import pytest
-
-from ipuft.cli.main import main
-
-
-def run_cli(capsys, *args):
-    with pytest.raises(SystemExit) as info:
-        main(list(args))
-        raise SystemExit(0)
-    out, err = capsys.readouterr()
-    return info.value.code or 0, out, err
+from cli_helpers import run_cli
 
 
 @pytest.mark.parametrize("command", [[], ["train"], ["plan"], ["bench"], ["eval"], ["export"], ["generate"], ["config"],

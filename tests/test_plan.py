@@ -2,19 +2,14 @@
 
 import json
 
-import pytest
-
-from ipuft.cli.main import main
+from cli_helpers import run_cli
 
 GPTJ_6B_PARAMETERS = 6_050_882_784
 
 
 def plan(capsys, *args):
-    with pytest.raises(SystemExit) as info:
-        main(["plan", *args])
-        raise SystemExit(0)
-    out, err = capsys.readouterr()
-    assert (info.value.code or 0) == 0, err
+    code, out, err = run_cli(capsys, "plan", *args)
+    assert code == 0, err
     return out
 
 

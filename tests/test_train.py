@@ -5,21 +5,14 @@ import math
 
 import pytest
 import yaml
-from omegaconf import OmegaConf
-
-from ipuft.cli.main import main
+from cli_helpers import run_cli as cli
 from ipuft.data import SampleData
 from ipuft.schedule import learning_rate
+from omegaconf import OmegaConf
 
 METRIC_KEYS = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "h2d_bytes", "d2h_bytes", "device_peak_bytes"}
 
 
-def cli(capsys, *args):
-    with pytest.raises(SystemExit) as info:
-        main(list(args))
-        raise SystemExit(0)
-    out, err = capsys.readouterr()
-    return info.value.code or 0, out, err
 
 
 def read_metrics(path):
