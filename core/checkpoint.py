@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from ipuft import __version__
 from ipuft.components import VariableSpec
 from ipuft.errors import CheckpointError
 
@@ -47,11 +48,11 @@ def checkpoint_root(cfg: DictConfig, run_dir: Path) -> Path | None:
 
 
 def _versions() -> dict[str, str]:
-    out = {}
-    for dist in metadata.distributions():
-        name = dist.metadata["Name"] or ""
-        if name == "ipuft" or name.startswith("ipuft-"):
-            out[name] = dist.version
+    """ipuft's version and that of every distribution that declares an ipuft plugin."""
+    out = {"ipuft": __version__}
+    for ep in metadata.entry_points(group="ipuft"):
+        if ep.dist is not None:
+            out[ep.dist.metadata["Name"]] = ep.dist.version
     return out
 
 

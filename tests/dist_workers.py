@@ -110,3 +110,16 @@ def train_run(rank: int, overrides: list[str]) -> None:
 
     hooks = create_plugin_manager()
     train(load_config("tiny", overrides, hooks.registrations.config_sections), hooks, progress=False)
+
+
+def hf_load(rank: int, overrides: list[str], out: str) -> None:
+    """Load a Hugging Face directory into this rank's shards; rank 0 saves the gathered weights."""
+    from ipuft.config import load_config
+    from ipuft.plugins import create_plugin_manager
+    from ipuft.train import build_engine
+
+    hooks = create_plugin_manager()
+    engine = build_engine(load_config(None, overrides, hooks.registrations.config_sections), hooks)
+    stored = sum(t.numel() for w in engine.weights().values() for t in w.values())
+    full = engine.full_weights()
+    torch.save({"stored": stored, "weights": full if rank == 0 else None}, Path(out) / f"hf.rank{rank}.pt")

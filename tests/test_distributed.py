@@ -123,6 +123,26 @@ def test_dropout_seeds_agree_within_tp_and_differ_across_dp(hooks):
     assert not torch.equal(draws[0], draws[2])
 
 
+def test_hf_checkpoint_streams_into_each_ranks_shards(hooks, tmp_path):
+    from ipuft.hf import to_hf
+    from ipuft.model import build_model
+
+    cfg = load_config("tiny", ["model.embedding.vocab_size=100"])
+    model = hf_gptj(cfg, seed=7)
+    model.save_pretrained(tmp_path / "hf")
+    overrides = [f"model.hf_checkpoint={tmp_path / 'hf'}", "model.sequence_length=8", "training.global_batch_size=4",
+                 "execution.data_parallel=2", "execution.tensor_parallel=2", "execution.rts=true"]
+    spawn(4, dist_workers.hf_load, overrides, str(tmp_path), tmp=tmp_path)
+    parts = build_model(load_config("tiny", ["model.embedding.vocab_size=100"], hooks.registrations.config_sections),
+                        hooks)
+    gathered = to_hf(parts.modules, cfg.model.layers, torch.load(tmp_path / "hf.rank0.pt")["weights"])
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(gathered[name], tensor), name
+    total = sum(t.numel() for t in model.state_dict().values())
+    for rank in range(4):  # each rank holds about a quarter (TP × RTS), not a copy of the model
+        assert torch.load(tmp_path / f"hf.rank{rank}.pt")["stored"] < 0.3 * total
+
+
 def test_collectives_with_rank_dependent_values(tmp_path):
     spawn(2, dist_workers.collectives, str(tmp_path), tmp=tmp_path)
     for rank in range(2):
