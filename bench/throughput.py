@@ -16,7 +16,6 @@ import time
 
 import torch
 import torch.nn.functional as F
-
 from ipuft.config import load_config
 from ipuft.data import SampleData
 from ipuft.engine import PhasedEngine

@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-
 from ipuft.store import VariableStore
 
 KINDS = ("x", "dx")

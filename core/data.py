@@ -3,13 +3,13 @@
 A fixed lexicon of short "words" (random token strings, drawn once from ``data.seed``) is sampled into
 sentences. Within a word every token is predictable from the previous ones, so the loss falls visibly
 from ``ln(vocab)`` towards the entropy of word boundaries. Batch ``k`` depends only on ``(seed, k)``, so
-a run's data position is just its step count. Real datasets come with the data issue.
+a run's data position is just its step count. It is used when ``data.path`` is null; real datasets
+are read by :mod:`ipuft.datasets`.
 """
 
 from __future__ import annotations
 
 import torch
-
 from ipuft.engine import Batch
 
 LEXICON_WORDS = 48

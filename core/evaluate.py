@@ -12,18 +12,23 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
-
-from ipuft.datasets import TokenDataset, data_source, load_tokenizer, read_rows, resolve_data_path
-from ipuft.errors import DataError
-from ipuft.generate import generate
-from ipuft.plugins import PluginHooks
-from ipuft.templates import resolve_template
 from ipuft.checkpoint import find_checkpoint
 from ipuft.config import load_config
+from ipuft.datasets import (
+    TokenDataset,
+    data_source,
+    load_tokenizer,
+    read_rows,
+    resolve_data_path,
+)
 from ipuft.engine import initial_values
+from ipuft.errors import DataError
+from ipuft.generate import generate
 from ipuft.model import ModelParts, build_model
+from ipuft.plugins import PluginHooks
+from ipuft.templates import resolve_template
 from ipuft.train import build_engine, collective_errors, initializer
+from omegaconf import DictConfig
 
 EOS = "<|endoftext|>"
 

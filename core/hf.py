@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-
 from ipuft.errors import IpuftError
 
 

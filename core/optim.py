@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-
 from ipuft.components import VariableSpec
 from ipuft.errors import PluginError, choices
 

@@ -16,9 +16,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
-
 from ipuft.errors import ConfigError, IpuftError
+from omegaconf import DictConfig
 
 
 class DistributedError(IpuftError):

@@ -19,14 +19,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
-from tqdm import tqdm
-
-from ipuft.config import to_yaml
-from ipuft.data import SampleData
-from ipuft.datasets import TokenDataset, data_source
-from ipuft.engine import PhasedEngine, StepResult
-from ipuft.errors import ConfigError, Stopped, TrainingError
 from ipuft.checkpoint import (
     DEFAULT_SAVE,
     OPTIM,
@@ -38,12 +30,18 @@ from ipuft.checkpoint import (
     save_checkpoint,
 )
 from ipuft.components import VariableSpec
-from ipuft.engine import Initializer, unit_role
+from ipuft.config import to_yaml
+from ipuft.data import SampleData
+from ipuft.datasets import TokenDataset, data_source
+from ipuft.engine import Initializer, PhasedEngine, StepResult, unit_role
+from ipuft.errors import ConfigError, Stopped, TrainingError
 from ipuft.hf_checkpoint import hf_initializer
 from ipuft.model import ModelParts, build_model
 from ipuft.parallel import DistributedError, Layout, init_layout
 from ipuft.plugins import PluginHooks
 from ipuft.schedule import learning_rate
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
 
 
 def select_device(cfg: DictConfig) -> torch.device:
@@ -120,7 +118,7 @@ def restore(engine: PhasedEngine, cfg: DictConfig, checkpoint: Path, data) -> in
     """Resume a run's state from ``checkpoint`` (weights are already loaded); return its step."""
     meta = read_meta(checkpoint)
     if cfg.checkpoint.optim_state and meta.get("optim_state"):
-        state_of = checkpoint_initializer(checkpoint, OPTIM)
+        state_of = checkpoint_initializer(checkpoint, OPTIM, verify_files=False)  # verified with the weights
         for unit in engine.program.units():
             variables = engine.parts.variables[unit_role(unit)]
             specs = [VariableSpec(f"{v.name}.{s.name}", v.shape, s.dtype)

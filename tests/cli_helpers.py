@@ -1,7 +1,6 @@
 """Run the ``ipuft`` command line in process, as the console script would."""
 
 import pytest
-
 from ipuft.cli.main import main
 
 

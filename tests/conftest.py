@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from ipuft.config import load_config
 from ipuft.plugins import create_plugin_manager
 

@@ -6,7 +6,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from hf_reference import hf_gptj
 from ipuft.cli.main import main
 from ipuft.config import load_config

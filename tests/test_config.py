@@ -1,7 +1,6 @@
 """Config: presets, merge order, derived values and the one-line errors of bad input."""
 
 import pytest
-
 from ipuft.config import load_config, preset_names
 from ipuft.errors import ConfigError
 

@@ -3,7 +3,6 @@ training as the CPU. Skipped where no GPU is available."""
 
 import pytest
 import torch
-
 from test_engine import EQUIVALENCE, batches, make_engine, max_rel, run_engine
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -7,14 +7,19 @@ import json
 
 import pytest
 import torch
-from omegaconf import OmegaConf
-
 from ipuft.components import IGNORE_INDEX
 from ipuft.config import load_config
 from ipuft.data import SampleData
-from ipuft.datasets import (TokenDataset, data_source, load_tokenizer, read_rows, resolve_data_path)
+from ipuft.datasets import (
+    TokenDataset,
+    data_source,
+    load_tokenizer,
+    read_rows,
+    resolve_data_path,
+)
 from ipuft.errors import DataError
 from ipuft.templates import TEMPLATES, Template, resolve_template
+from omegaconf import OmegaConf
 
 tokenizers = pytest.importorskip("tokenizers")
 

@@ -6,10 +6,9 @@ import subprocess
 import sys
 import time
 
+import dist_workers
 import pytest
 import torch
-
-import dist_workers
 from distributed import free_port, spawn
 from hf_reference import hf_gptj
 from ipuft.config import load_config

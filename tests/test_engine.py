@@ -5,7 +5,6 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from hf_reference import hf_gptj
 from ipuft.data import SampleData
 from ipuft.engine import PhasedEngine

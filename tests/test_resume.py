@@ -9,12 +9,16 @@ import subprocess
 import sys
 import time
 
+import dist_workers
 import pytest
 import torch
-
-import dist_workers
 from distributed import spawn
-from ipuft.checkpoint import checkpoint_initializer, checkpoints, find_checkpoint, read_meta
+from ipuft.checkpoint import (
+    checkpoint_initializer,
+    checkpoints,
+    find_checkpoint,
+    read_meta,
+)
 from ipuft.config import load_config
 from ipuft.errors import CheckpointError, TrainingError
 from ipuft.train import build_engine, train

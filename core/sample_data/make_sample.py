@@ -15,9 +15,8 @@ import json
 import random
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
 from ipuft.templates import TEMPLATES
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 HERE = Path(__file__).parent
 ROWS = 300

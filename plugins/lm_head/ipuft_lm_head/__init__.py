@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig
-
 from ipuft import hookimpl
-from ipuft.components import IGNORE_INDEX, ComponentRegistry, Init, VariableSpec, specs_from_module
+from ipuft.components import (
+    IGNORE_INDEX,
+    ComponentRegistry,
+    Init,
+    VariableSpec,
+    specs_from_module,
+)
 from ipuft.parallel import (
     copy_to_tensor_parallel,
     gather_from_tensor_parallel,
@@ -22,6 +26,7 @@ from ipuft.parallel import (
 )
 from ipuft.program import Op, Phase, Stage, StepProgram
 from ipuft.sharding import ShardSpec
+from omegaconf import DictConfig
 
 NAME = "gptj"
 VOCAB_SPEC = ShardSpec(tp_dim=0, pad_multiple=16)
