@@ -323,10 +323,11 @@ class PhasedEngine:
 
     def _add_to_norm(self, placed: dict[str, Placement], grads: Tensors, st: _StepState) -> None:
         """Add the squared norm of the unscaled, reduced gradient; each element counts once in the world."""
-        with torch.no_grad():
-            for name, g in grads.items():
-                if placed[name].norm_weight():
-                    st.norm_sq += g.float().div(self.loss_scaling).square().sum()
+        counted = [g.float() for name, g in grads.items() if placed[name].norm_weight()]
+        if counted:
+            with torch.no_grad():
+                norms = torch.stack(torch._foreach_norm(counted))
+                st.norm_sq += norms.square().sum() / self.loss_scaling**2
 
     def _optimizer_step(self, phase: Phase, weights: Tensors, optim: Tensors, grads: Tensors, st: _StepState):
         ctx = StepContext(lr=st.lr, global_norm=st.grad_norm, loss_scaling=self.loss_scaling, step=self.updates)
