@@ -150,7 +150,7 @@ def generate(hooks: PluginHooks, path: str, max_new_tokens: int, temperature: fl
         raise click.UsageError("the prompt is empty after tokenization")
     new = run_generate(parts.modules, weights, cfg.model.layers, ids, max_new_tokens, temperature=temperature,
                        top_k=top_k, top_p=top_p, eos_id=tokenizer.token_to_id(EOS),
-                       generator=torch.Generator().manual_seed(seed))
+                       generator=torch.Generator(next(iter(weights["head"].values())).device).manual_seed(seed))
     click.echo(prompt + tokenizer.decode(new, skip_special_tokens=False))
 
 

@@ -27,7 +27,7 @@ from ipuft.generate import generate
 from ipuft.model import ModelParts, build_model
 from ipuft.plugins import PluginHooks
 from ipuft.templates import resolve_template
-from ipuft.train import build_engine, collective_errors, initializer
+from ipuft.train import build_engine, collective_errors, initializer, select_device
 from omegaconf import DictConfig
 
 EOS = "<|endoftext|>"
@@ -71,10 +71,13 @@ def inference_config(path: str, hooks: PluginHooks, overrides: list[str] | tuple
 
 
 def inference_model(cfg: DictConfig, hooks: PluginHooks) -> tuple[ModelParts, dict[str, dict[str, torch.Tensor]]]:
-    """The components and every unit's full weights in host memory (no optimizer state), at TP=1."""
+    """The components and every unit's full weights (no optimizer state), at TP=1, on the configured
+    device (``execution.device``: a GPU when one is available), loaded unit by unit."""
     parts = build_model(cfg, hooks)
+    device = select_device(cfg)
     init = initializer(cfg, parts) or (lambda unit, specs: initial_values(unit, specs, cfg.model.seed))
-    weights = {unit: init(unit, parts.variables[unit.split(".")[0]]) for unit in parts.program.units()}
+    weights = {unit: {n: t.to(device) for n, t in init(unit, parts.variables[unit.split(".")[0]]).items()}
+               for unit in parts.program.units()}
     return parts, weights
 
 
