@@ -87,8 +87,9 @@ def save_checkpoint(full_weights: dict[str, dict[str, torch.Tensor]], cfg: DictC
 
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:08d}"
+    for stale in root.glob(".tmp-step-*"):  # left by a writer that was killed; never a finished checkpoint
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".tmp-step-{step:08d}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     save_file(_flat(full_weights), str(tmp / WEIGHTS), metadata={"format": FORMAT})
     if optim is not None:

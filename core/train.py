@@ -215,7 +215,13 @@ def _metrics_file(out: Path, start: int):
     path = out / "metrics.jsonl"
     kept = []
     if start and path.exists():
-        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= start]
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # the last line of a run killed while writing it
+            if record["step"] <= start:
+                kept.append(line)
     f = open(path, "w")
     f.writelines(line + "\n" for line in kept)
     return f

@@ -199,6 +199,17 @@ def test_sigkill_during_saves_never_breaks_the_latest_checkpoint(tmp_path):
 
         assert initial("head", [VariableSpec("norm.weight", (64,))])["norm.weight"].shape == (64,)
         assert meta["step"] >= trial + 1
+        assert len(list((out / "checkpoints").glob(".tmp-step-*"))) <= 1  # a killed writer's leftovers are cleared
+
+
+def test_a_torn_metrics_line_does_not_stop_a_resume(hooks, tmp_path):
+    out = tmp_path / "run"
+    run(hooks, "training.steps=2", f"output_dir={out}")
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "loss": 1.')  # killed mid-write
+    run(hooks, "training.steps=3", "checkpoint.load=latest", f"output_dir={out}")
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
 
 
 def test_a_corrupted_checkpoint_is_refused(hooks, tmp_path):
