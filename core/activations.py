@@ -23,14 +23,16 @@ class ActivationBuffers:
     def __init__(self, store: VariableStore, offload: bool) -> None:
         self.store = store
         self.offload = offload
+        # Pinned host buffers make the copies asynchronous on CUDA, whether or not variables are offloaded.
+        self.pin = offload and store.compute.type == "cuda"
         self._slots: dict[tuple[str, int, int], torch.Tensor] = {}
 
     def write(self, kind: str, row: int, mb: int, tensor: torch.Tensor) -> None:
         """Keep ``tensor`` (on the compute device) as ``kind[row][mb]``."""
         size = tensor.numel() * tensor.element_size()
         if self.offload:
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.store.pin)
-            host.copy_(tensor, non_blocking=self.store.pin)
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.pin)
+            host.copy_(tensor, non_blocking=self.pin)
             self.store.traffic.d2h["activation"] += size
             tensor = host
         else:
@@ -44,7 +46,7 @@ class ActivationBuffers:
         stored = self._slots.pop(key) if consume else self._slots[key]
         size = stored.numel() * stored.element_size()
         if self.offload:
-            tensor = stored.to(self.store.compute, non_blocking=self.store.pin, copy=True)
+            tensor = stored.to(self.store.compute, non_blocking=self.pin, copy=True)
             self.store.traffic.h2d["activation"] += size
             self.store.ledger.acquire(size)
         else:
