@@ -16,6 +16,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+
 from ipuft.config import load_config
 from ipuft.data import SampleData
 from ipuft.engine import PhasedEngine

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable
 
 import click
+
 from ipuft.config import load_config, preset_names, to_yaml
 from ipuft.errors import IpuftError
 from ipuft.plugins import PluginHooks, create_plugin_manager
@@ -139,6 +140,7 @@ def generate(hooks: PluginHooks, path: str, max_new_tokens: int, temperature: fl
              seed: int, prompt: str) -> None:
     """Continue PROMPT with a KV cache, greedily or by sampling; stops at <|endoftext|>."""
     import torch
+
     from ipuft.evaluate import EOS, inference_config, inference_model, tokenizer_for
     from ipuft.generate import generate as run_generate
 

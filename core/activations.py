@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+
 from ipuft.store import VariableStore
 
 KINDS = ("x", "dx")

@@ -25,10 +25,11 @@ from importlib import metadata
 from pathlib import Path
 
 import torch
+from omegaconf import DictConfig, OmegaConf
+
 from ipuft import __version__
 from ipuft.components import VariableSpec
 from ipuft.errors import CheckpointError
-from omegaconf import DictConfig, OmegaConf
 
 FORMAT = "ipuft-checkpoint"
 DEFAULT_SAVE = "<output_dir>/checkpoints"

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
+
 from ipuft.errors import PluginError, choices
 
 if TYPE_CHECKING:

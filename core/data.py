@@ -10,6 +10,7 @@ are read by :mod:`ipuft.datasets`.
 from __future__ import annotations
 
 import torch
+
 from ipuft.engine import Batch
 
 LEXICON_WORDS = 48

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+
 from ipuft.components import IGNORE_INDEX
 from ipuft.config.schema import DataFormat
 from ipuft.data import SampleData

@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from omegaconf import DictConfig
+from torch.func import functional_call
+
 from ipuft.activations import ActivationBuffers, working_set
 from ipuft.components import IGNORE_INDEX, VariableSpec, recompute
 from ipuft.model import ModelParts
@@ -30,8 +33,6 @@ from ipuft.placement import Placement
 from ipuft.program import Op, Phase
 from ipuft.scaling import LossScale
 from ipuft.store import Tensors, VariableStore, nbytes
-from omegaconf import DictConfig
-from torch.func import functional_call
 
 
 @dataclass

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from omegaconf import DictConfig
+
 from ipuft.checkpoint import find_checkpoint
 from ipuft.config import load_config
 from ipuft.datasets import (
@@ -28,7 +30,6 @@ from ipuft.model import ModelParts, build_model
 from ipuft.plugins import PluginHooks
 from ipuft.templates import resolve_template
 from ipuft.train import build_engine, collective_errors, initializer, select_device
-from omegaconf import DictConfig
 
 EOS = "<|endoftext|>"
 

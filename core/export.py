@@ -8,13 +8,14 @@ import math
 import shutil
 from pathlib import Path
 
+from omegaconf import DictConfig
+
 from ipuft.checkpoint import WEIGHTS, find_checkpoint, read_meta, verify
 from ipuft.config import load_config
 from ipuft.errors import CheckpointError
 from ipuft.hf import unit_mappings
 from ipuft.model import build_model
 from ipuft.plugins import PluginHooks
-from omegaconf import DictConfig
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
 

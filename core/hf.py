@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+
 from ipuft.errors import IpuftError
 
 

@@ -10,11 +10,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from omegaconf import DictConfig, OmegaConf
+
 from ipuft.checkpoint import checked
 from ipuft.components import VariableSpec
 from ipuft.errors import CheckpointError, ConfigError
 from ipuft.hf import unit_mappings
-from omegaconf import DictConfig, OmegaConf
 
 # config.json key → ipuft config key; each must agree with the run's config.
 HF_SHAPES = {

@@ -12,6 +12,7 @@ import pluggy
 
 if TYPE_CHECKING:
     import click
+
     from ipuft.components import ComponentRegistry, VariableSpec
     from ipuft.config.sections import ConfigSectionRegistry
     from ipuft.optim import OptimizerRegistry

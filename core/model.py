@@ -14,12 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from omegaconf import DictConfig, OmegaConf
+
 from ipuft.components import ROLES, Component, ComponentBuilder, VariableSpec
 from ipuft.errors import PluginError
 from ipuft.plugins import PluginHooks
 from ipuft.program import StepProgram
 from ipuft.sharding import ShardSpec, resolve_shard_specs
-from omegaconf import DictConfig, OmegaConf
 
 
 @dataclass

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
 from ipuft.components import VariableSpec
 from ipuft.errors import PluginError, choices
 

@@ -16,8 +16,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from ipuft.errors import ConfigError, IpuftError
 from omegaconf import DictConfig
+
+from ipuft.errors import ConfigError, IpuftError
 
 
 class DistributedError(IpuftError):

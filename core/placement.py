@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
 from ipuft.components import VariableSpec
 from ipuft.parallel import Layout
 from ipuft.sharding import ShardSpec

@@ -11,6 +11,9 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
+from omegaconf import DictConfig
+from torch.func import functional_call
+
 from ipuft.components import VariableSpec
 from ipuft.engine import optimizer_state_specs, placements, unit_role
 from ipuft.model import ModelParts
@@ -18,8 +21,6 @@ from ipuft.optim import Optimizer
 from ipuft.parallel import Layout
 from ipuft.plugins import PluginHooks
 from ipuft.program import Op
-from omegaconf import DictConfig
-from torch.func import functional_call
 
 TOKEN_BYTES = torch.empty((), dtype=torch.int64).element_size()
 

@@ -13,16 +13,18 @@ from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
 import pluggy
+from omegaconf import DictConfig
+
 from ipuft import hookspecs
 from ipuft.components import ROLES, ComponentRegistry, VariableSpec
 from ipuft.config.sections import ConfigSectionRegistry
 from ipuft.errors import IpuftError, PluginError
 from ipuft.optim import OptimizerRegistry
 from ipuft.sharding import ShardSpec
-from omegaconf import DictConfig
 
 if TYPE_CHECKING:
     import click
+
     from ipuft.program import StepProgram
 
 ENTRY_POINT_GROUP = hookspecs.PROJECT

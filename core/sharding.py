@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+
 from ipuft.components import VariableSpec
 from ipuft.errors import ConfigError, PluginError
 

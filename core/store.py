@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
+
 from ipuft.components import VariableSpec
 
 GROUPS = ("fwd", "optim", "grad")

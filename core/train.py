@@ -19,6 +19,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
 from ipuft.checkpoint import (
     DEFAULT_SAVE,
     OPTIM,
@@ -40,8 +43,6 @@ from ipuft.model import ModelParts, build_model
 from ipuft.parallel import DistributedError, Layout, init_layout
 from ipuft.plugins import PluginHooks
 from ipuft.schedule import learning_rate
-from omegaconf import DictConfig, OmegaConf
-from tqdm import tqdm
 
 
 def select_device(cfg: DictConfig) -> torch.device:

@@ -1,6 +1,7 @@
 """Run the ``ipuft`` command line in process, as the console script would."""
 
 import pytest
+
 from ipuft.cli.main import main
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from ipuft.config import load_config
 from ipuft.plugins import create_plugin_manager
 

@@ -47,13 +47,14 @@ def train_configs(rank: int, configs: dict[str, list[str]], steps: int, out: str
 
 def tp_logits(rank: int, overrides: list[str], hf_state: dict, ids: torch.Tensor, out: str) -> None:
     """Forward logits at this layout from the given Hugging Face weights, gathered over TP."""
+    from torch.func import functional_call
+
     from ipuft.config import load_config
     from ipuft.engine import placements
     from ipuft.hf import from_hf
     from ipuft.model import build_model
     from ipuft.parallel import init_layout
     from ipuft.plugins import create_plugin_manager
-    from torch.func import functional_call
 
     hooks = create_plugin_manager()
     cfg = load_config("tiny", overrides, hooks.registrations.config_sections)
@@ -75,6 +76,7 @@ def tp_logits(rank: int, overrides: list[str], hf_state: dict, ids: torch.Tensor
 def collectives(rank: int, out: str) -> None:
     """Each paired collective, forward and backward, with rank-dependent values (TP group of 2)."""
     import torch.distributed as dist
+
     from ipuft.parallel import (
         Layout,
         activate,

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from hf_reference import hf_gptj
+
 from ipuft.cli.main import main
 from ipuft.config import load_config
 from ipuft.plugins import create_plugin_manager

@@ -1,6 +1,7 @@
 """Config: presets, merge order, derived values and the one-line errors of bad input."""
 
 import pytest
+
 from ipuft.config import load_config, preset_names
 from ipuft.errors import ConfigError
 

@@ -7,6 +7,8 @@ import json
 
 import pytest
 import torch
+from omegaconf import OmegaConf
+
 from ipuft.components import IGNORE_INDEX
 from ipuft.config import load_config
 from ipuft.data import SampleData
@@ -19,7 +21,6 @@ from ipuft.datasets import (
 )
 from ipuft.errors import DataError
 from ipuft.templates import TEMPLATES, Template, resolve_template
-from omegaconf import OmegaConf
 
 tokenizers = pytest.importorskip("tokenizers")
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from distributed import free_port, spawn
 from hf_reference import hf_gptj
+
 from ipuft.config import load_config
 from ipuft.datasets import data_source
 from ipuft.schedule import learning_rate

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hf_reference import hf_gptj
+
 from ipuft.data import SampleData
 from ipuft.engine import PhasedEngine
 from ipuft.hf import to_hf

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from cli_helpers import run_cli as cli
 from hf_reference import hf_gptj
+
 from ipuft.config import load_config
 
 SAMPLE_TOKENIZER = resources.files("ipuft.sample_data") / "tokenizer.json"
@@ -83,9 +84,10 @@ def test_mnli_accuracy_matches_transformers_generation(capsys, tmp_path):
 
     code, _, err = cli(capsys, "export", "--checkpoint", str(run), "--hf", str(tmp_path / "hf"))
     assert code == 0, err
+    from transformers import GPTJForCausalLM
+
     from ipuft.datasets import load_tokenizer
     from ipuft.templates import resolve_template
-    from transformers import GPTJForCausalLM
 
     model = GPTJForCausalLM.from_pretrained(tmp_path / "hf").eval()
     tokenizer = load_tokenizer(str(tmp_path / "hf"))

@@ -3,6 +3,7 @@
 import pytest
 import torch
 from hf_reference import hf_gptj
+
 from ipuft.generate import KVCache, forward_logits, generate
 from ipuft.hf import from_hf
 from ipuft.model import build_model

@@ -5,12 +5,13 @@ import json
 import pytest
 import torch
 from hf_reference import hf_gptj
+from safetensors.torch import load_file
+
 from ipuft.checkpoint import find_checkpoint
 from ipuft.config import load_config
 from ipuft.errors import CheckpointError, ConfigError
 from ipuft.export import export_hf
 from ipuft.train import build_engine, train
-from safetensors.torch import load_file
 
 
 def save_hf(tmp_path, cfg, how="safetensors", name="hf"):

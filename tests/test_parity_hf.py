@@ -3,10 +3,11 @@
 import pytest
 import torch
 from hf_reference import hf_gptj
+from torch.func import functional_call
+
 from ipuft.components import IGNORE_INDEX
 from ipuft.hf import from_hf, to_hf
 from ipuft.model import build_model
-from torch.func import functional_call
 
 
 def ipuft_forward(parts, units, ids, labels=None):

@@ -4,11 +4,12 @@ import inspect
 
 import pytest
 import torch
+from torch.func import functional_call
+
 from ipuft import hookspecs
 from ipuft.errors import PluginError
 from ipuft.model import build_model
 from ipuft.plugins import create_plugin_manager
-from torch.func import functional_call
 
 SHIPPED = {"ipuft-embeddings", "ipuft-decoder", "ipuft-lm-head", "ipuft-optim-adam"}
 

@@ -1,6 +1,7 @@
 """The step program: the reference's order, and dataflow validation of what plugins emit."""
 
 import pytest
+
 from ipuft.errors import PluginError
 from ipuft.model import build_model
 from ipuft.program import Op, Phase, Stage, StepProgram

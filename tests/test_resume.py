@@ -13,6 +13,7 @@ import dist_workers
 import pytest
 import torch
 from distributed import spawn
+
 from ipuft.checkpoint import (
     checkpoint_initializer,
     checkpoints,

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from ipuft.components import VariableSpec
 from ipuft.errors import ConfigError, PluginError
 from ipuft.model import build_model

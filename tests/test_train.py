@@ -6,9 +6,10 @@ import math
 import pytest
 import yaml
 from cli_helpers import run_cli as cli
+from omegaconf import OmegaConf
+
 from ipuft.data import SampleData
 from ipuft.schedule import learning_rate
-from omegaconf import OmegaConf
 
 METRIC_KEYS = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "h2d_bytes", "d2h_bytes", "device_peak_bytes"}
 

@@ -11,12 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
 from ipuft.config.schema import Config
 from ipuft.config.sections import ConfigSectionRegistry
 from ipuft.config.validate import derive_and_validate
 from ipuft.errors import ConfigError, choices
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 
 def preset_names() -> list[str]:

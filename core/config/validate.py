@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from omegaconf import DictConfig
+
 from ipuft.config.schema import Precision
 from ipuft.errors import ConfigError
-from omegaconf import DictConfig
 
 _POSITIVE = (
     "model.layers", "model.hidden_size", "model.sequence_length", "model.embedding.vocab_size",

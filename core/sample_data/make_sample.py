@@ -15,8 +15,9 @@ import json
 import random
 from pathlib import Path
 
-from ipuft.templates import TEMPLATES
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from ipuft.templates import TEMPLATES
 
 HERE = Path(__file__).parent
 ROWS = 300

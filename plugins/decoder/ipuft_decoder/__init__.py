@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from omegaconf import DictConfig
+
 from ipuft import hookimpl
 from ipuft.components import ComponentRegistry, VariableSpec
 from ipuft.config import ConfigSectionRegistry
 from ipuft.program import Op, Phase, Stage, StepProgram
 from ipuft.sharding import ShardSpec
-from omegaconf import DictConfig
-
 from ipuft_decoder.block import GPTJDecoderBlock
 
 NAME = "gptj"

@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from ipuft.components import Init, VariableSpec, recomputing, specs_from_module
 from ipuft.parallel import copy_to_tensor_parallel, reduce_from_tensor_parallel
-from torch import nn
 
 if TYPE_CHECKING:
     from ipuft.generate import LayerKVCache

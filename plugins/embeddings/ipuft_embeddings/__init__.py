@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from omegaconf import DictConfig
+
 from ipuft import hookimpl
 from ipuft.components import ComponentRegistry, Init, VariableSpec, specs_from_module
 from ipuft.parallel import reduce_from_tensor_parallel, tensor_parallel_rank
 from ipuft.program import Op, Phase, Stage, StepProgram
 from ipuft.sharding import ShardSpec
-from omegaconf import DictConfig
 
 NAME = "gptj"
 # The reference pads the vocabulary up to a multiple of TP × 16 before sharding it.

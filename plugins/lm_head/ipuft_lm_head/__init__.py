@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from omegaconf import DictConfig
+
 from ipuft import hookimpl
 from ipuft.components import (
     IGNORE_INDEX,
@@ -26,7 +28,6 @@ from ipuft.parallel import (
 )
 from ipuft.program import Op, Phase, Stage, StepProgram
 from ipuft.sharding import ShardSpec
-from omegaconf import DictConfig
 
 NAME = "gptj"
 VOCAB_SPEC = ShardSpec(tp_dim=0, pad_multiple=16)

@@ -13,10 +13,11 @@ from __future__ import annotations
 import math
 
 import torch
+from omegaconf import DictConfig
+
 from ipuft import hookimpl
 from ipuft.components import Init, VariableSpec
 from ipuft.optim import Optimizer, OptimizerRegistry, StepContext
-from omegaconf import DictConfig
 
 NO_DECAY = ("norm", "bias")
 
