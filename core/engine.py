@@ -73,6 +73,7 @@ class StepResult:
 class _StepState:
     batch: Batch
     lr: float
+    loss_scale: float
     norm_sq: torch.Tensor
     losses: list[torch.Tensor] = field(default_factory=list)
     grad_norm: float = float("nan")
@@ -119,7 +120,6 @@ class PhasedEngine:
         self.layout = layout or active()
         self.placed = placements(parts, self.layout, bool(cfg.execution.rts))
         self.scale = LossScale.from_config(cfg)
-        self.loss_scaling = self.scale.scale
         self.dropout = cfg.model.dropout_prob > 0
         self.store = VariableStore(self.device, offload=cfg.execution.offload)
         self.buffers = ActivationBuffers(self.store, offload=cfg.execution.activation_offload)
@@ -153,10 +153,9 @@ class PhasedEngine:
         before_h2d, before_d2h = dict(self.store.traffic.h2d), dict(self.store.traffic.d2h)
         self.store.ledger.reset_peak()
         self.updates += 1
-        self.loss_scaling = self.scale.scale
         batch = Batch(batch.input_ids.to(self.device), batch.labels.to(self.device))
         self.store.traffic.h2d["data"] += 2 * batch.tokens * batch.input_ids.element_size()
-        state = _StepState(batch, lr, torch.zeros((), dtype=torch.float32, device=self.device))
+        state = _StepState(batch, lr, self.scale.scale, torch.zeros((), dtype=torch.float32, device=self.device))
         phases = self.program.phases
         for i, phase in enumerate(phases):
             self._prefetch(phase, phases[i + 1] if i + 1 < len(phases) else None)
@@ -181,7 +180,7 @@ class PhasedEngine:
             device_peak_bytes=self.store.ledger.peak,
             traffic=traffic,
             skipped=state.skip,
-            loss_scale=self.loss_scaling,
+            loss_scale=state.loss_scale,
         )
 
     def _prefetch(self, current: Phase, following: Phase | None) -> None:
@@ -208,7 +207,7 @@ class PhasedEngine:
             weights, gathered = self._gather(phase, loaded["fwd"])
         for op in phase.ops:
             if op is Op.FORWARD:
-                self._forward(phase, module, weights, st)
+                self._forward(phase, module, weights, st.batch)
             elif op in (Op.LOSS_BACKWARD, Op.BACKWARD):
                 self.store.ledger.acquire(nbytes(weights.values()))  # the gradients autograd will fill
                 local = self._backward(phase, module, weights, st)
@@ -248,7 +247,7 @@ class PhasedEngine:
                 weights, gathered = self._gather(phase, stored)
                 module = self.modules[phase.role]
                 if Op.FORWARD in phase.ops:
-                    self._forward(phase, module, weights, _StepState(batch, 0.0, total))
+                    self._forward(phase, module, weights, batch)
                 else:
                     x_in, _ = self.program.activation_rows(phase)
                     for mb in range(batch.micro_batches):
@@ -280,13 +279,13 @@ class PhasedEngine:
 
         return seeded()
 
-    def _forward(self, phase: Phase, module: torch.nn.Module, weights: Tensors, st: _StepState) -> None:
+    def _forward(self, phase: Phase, module: torch.nn.Module, weights: Tensors, batch: Batch) -> None:
         x_in, x_out = self.program.activation_rows(phase)
         with torch.no_grad():
-            for mb in range(st.batch.micro_batches):
+            for mb in range(batch.micro_batches):
                 if x_in is None:
                     with self._rng(phase.unit, mb):
-                        out = functional_call(module, weights, (st.batch.input_ids[mb],))
+                        out = functional_call(module, weights, (batch.input_ids[mb],))
                 else:
                     with self.buffers.read("x", x_in, mb) as x, self._rng(phase.unit, mb):
                         out = functional_call(module, weights, (x,))
@@ -296,7 +295,7 @@ class PhasedEngine:
         """Loss-backward (head) or recompute-backward (decoder, embeddings) of every micro-batch; returns
         the unit's gradients, summed over micro-batches by autograd itself (into the leaves' ``.grad``)."""
         x_in, x_out = self.program.activation_rows(phase)
-        seed_scale = self.loss_scaling / st.batch.micro_batches
+        seed_scale = st.loss_scale / st.batch.micro_batches
         params = {n: t.detach().requires_grad_() for n, t in weights.items()}
         for mb in range(st.batch.micro_batches):
             with contextlib.ExitStack() as stack:
@@ -328,13 +327,16 @@ class PhasedEngine:
         if counted:
             with torch.no_grad():
                 norms = torch.stack(torch._foreach_norm(counted))
-                st.norm_sq += norms.square().sum() / self.loss_scaling**2
+                st.norm_sq += norms.square().sum() / st.loss_scale**2
 
     def _optimizer_step(self, phase: Phase, weights: Tensors, optim: Tensors, grads: Tensors, st: _StepState):
-        ctx = StepContext(lr=st.lr, global_norm=st.grad_norm, loss_scaling=self.loss_scaling, step=self.updates)
+        ctx = StepContext(lr=st.lr, global_norm=st.grad_norm, loss_scaling=st.loss_scale, step=self.updates)
+        states: dict[str, dict[str, torch.Tensor]] = {name: {} for name in weights}
+        for key, t in optim.items():
+            name, state = key.rsplit(".", 1)
+            states[name][state] = t
         for name, w in weights.items():
-            state = {key.rsplit(".", 1)[1]: t for key, t in optim.items() if key.rsplit(".", 1)[0] == name}
-            self.optimizer.step(f"{phase.unit}.{name}", w, grads[name], state, ctx)
+            self.optimizer.step(f"{phase.unit}.{name}", w, grads[name], states[name], ctx)
 
     # ---- whole-model views ----
 
@@ -342,20 +344,20 @@ class PhasedEngine:
         """Every unit's weights as this rank stores them (host tensors when offloaded)."""
         return self.store.state("fwd")
 
+    def _placement(self, unit: str, group: str, name: str) -> Placement:
+        """The placement of ``name`` in ``group``; optimizer state ``<variable>.<state>`` is placed like its
+        variable."""
+        return self.placed[unit_role(unit)][name.rsplit(".", 1)[0] if group == "optim" else name]
+
     def full_weights(self, group: str = "fwd") -> dict[str, Tensors]:
         """Every unit's full weights (or, with ``group="optim"``, optimizer state, named
         ``<variable>.<state>``), gathered over DP and TP. Every rank must call it."""
-        out = {}
-        for unit, tensors in self.store.state(group).items():
-            placed = self.placed[unit_role(unit)]
-            out[unit] = {n: placed[n.rsplit(".", 1)[0] if group == "optim" else n].full(t.to(self.device)).cpu()
-                         for n, t in tensors.items()}
-        return out
+        return {unit: {n: self._placement(unit, group, n).full(t.to(self.device)).cpu() for n, t in tensors.items()}
+                for unit, tensors in self.store.state(group).items()}
 
     def load_full(self, group: str, units: dict[str, Tensors]) -> None:
         """Replace ``group`` of every unit from full tensors (a checkpoint's), in this rank's stored form."""
         for unit, tensors in units.items():
-            placed = self.placed[unit_role(unit)]
             stored = self.store.entries[unit][group]
             for n, t in tensors.items():
-                stored[n].copy_(placed[n.rsplit(".", 1)[0] if group == "optim" else n].to_stored(t))
+                stored[n].copy_(self._placement(unit, group, n).to_stored(t))

@@ -130,8 +130,6 @@ def device_peak_estimate(cfg: DictConfig, parts: ModelParts, sizes: dict[str, di
             acts = (layers + 2) * ga * act  # the x rows of every layer boundary, and dx in flight
         computing = any(op in (Op.FORWARD, Op.LOSS_BACKWARD, Op.BACKWARD) for op in phase.ops)
         phase_peak = resident_vars + loaded + grads + (acts + working[phase.role] if computing else 0)
-        if cfg.execution.offload and cfg.execution.device.value != "cpu":
-            phase_peak += 0  # prefetch of the next phase is counted in the next phase's own loads
         peak = max(peak, phase_peak)
     return peak
 
