@@ -48,16 +48,21 @@ ENCODE_CHUNK = 1024
 # -- Files ---------------------------------------------------------------------------------------------
 
 
+def tokenizer_path(spec: str) -> Path:
+    """Where the tokenizer.json named by ``spec`` is: ``"sample"`` (shipped with ipuft), a directory
+    holding it, or the file itself (which may not exist)."""
+    if spec == SAMPLE_TOKENIZER:
+        return Path(str(resources.files("ipuft.sample_data") / "tokenizer.json"))
+    path = Path(spec)
+    return path / "tokenizer.json" if path.is_dir() else path
+
+
 def load_tokenizer(spec: str, key: str = "data.tokenizer") -> Tokenizer:
     """A ``tokenizers.Tokenizer`` from ``"sample"`` (shipped with ipuft), a directory holding
     ``tokenizer.json``, or the file itself. ``key`` names the config key in error messages."""
     from tokenizers import Tokenizer
 
-    if spec == SAMPLE_TOKENIZER:
-        return Tokenizer.from_str((resources.files("ipuft.sample_data") / "tokenizer.json").read_text())
-    path = Path(spec)
-    if path.is_dir():
-        path = path / "tokenizer.json"
+    path = tokenizer_path(spec)
     if not path.is_file():
         raise DataError(f"{key}: no tokenizer.json at {path}; give a directory holding tokenizer.json "
                         f"or the file itself")

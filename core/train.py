@@ -35,7 +35,7 @@ from ipuft.checkpoint import (
 from ipuft.components import VariableSpec
 from ipuft.config import to_yaml
 from ipuft.data import SampleData
-from ipuft.datasets import TokenDataset, data_source
+from ipuft.datasets import TokenDataset, data_source, tokenizer_path
 from ipuft.engine import Initializer, PhasedEngine, StepResult, unit_role
 from ipuft.errors import ConfigError, Stopped, TrainingError
 from ipuft.hf_checkpoint import hf_initializer
@@ -83,12 +83,7 @@ def tokenizer_file(cfg: DictConfig) -> Path | None:
     spec = cfg.data.tokenizer or cfg.model.hf_checkpoint
     if spec is None or cfg.data.path is None:
         return None
-    if spec == "sample":
-        from importlib import resources
-
-        return Path(str(resources.files("ipuft.sample_data") / "tokenizer.json"))
-    path = Path(spec)
-    return path / "tokenizer.json" if path.is_dir() else path
+    return tokenizer_path(spec)
 
 
 def save(engine: PhasedEngine, cfg: DictConfig, root: Path | None, step: int, data=None) -> Path | None:

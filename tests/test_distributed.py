@@ -11,6 +11,7 @@ import pytest
 import torch
 from distributed import free_port, spawn
 from hf_reference import hf_gptj
+from test_engine import max_rel
 
 from ipuft.config import load_config
 from ipuft.datasets import data_source
@@ -45,10 +46,6 @@ def single_process(hooks, gbs):
 
 def rel(a, b):
     return abs(a - b) / abs(b)
-
-
-def max_rel(a, b):
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
 @pytest.mark.parametrize(("dp", "tp"), [(2, 1), (1, 2), (2, 2)], ids=["dp2", "tp2", "dp2xtp2"])
