@@ -53,6 +53,8 @@ SAMPLE = ["data.tokenizer=sample", "model.embedding.vocab_size=512", "model.sequ
 CASES = [
     ("not-key-value", lambda t, r: ["train", "layers"], "is not KEY=VALUE"),
     ("unknown-key", lambda t, r: ["train", "model.layerz=2"], "unknown config key model.layerz"),
+    ("reference-only-key", lambda t, r: ["train", "execution.attention_serialisation=2"],
+     "execution.attention_serialisation is a setting of the PopXL reference with no ipuft equivalent"),
     ("wrong-type-int", lambda t, r: ["train", "training.steps=many"], "training.steps"),
     ("wrong-type-bool", lambda t, r: ["train", "execution.offload=sometimes"], "execution.offload"),
     ("unknown-preset", lambda t, r: ["train", "--config", "huge"], "unknown preset 'huge'"),

@@ -63,9 +63,21 @@ def _valid_keys(schema: DictConfig, parent: str) -> list[str]:
     return list(node.keys()) if isinstance(node, DictConfig) else []
 
 
+# Keys of the reference's PopXL config that have no meaning in ipuft, and why.
+REFERENCE_ONLY = {
+    "execution.device_iterations": "PopXL runs several steps per host call; ipuft's host drives every step",
+    "execution.attention_serialisation": "PopXL splits attention to bound its memory; "
+                                         "scaled_dot_product_attention never materialises the T×T scores",
+    "training.stochastic_rounding": "an IPU float16 rounding mode; ipuft computes in float32",
+}
+
+
 def _explain(exc: OmegaConfBaseException, schema: DictConfig, source: str) -> ConfigError:
     """Turn an OmegaConf error into one line naming the key and what would be right."""
     key = getattr(exc, "full_key", "") or ""
+    if key in REFERENCE_ONLY:
+        return ConfigError(f"{source}: {key} is a setting of the PopXL reference with no ipuft equivalent "
+                           f"({REFERENCE_ONLY[key]}); remove it")
     if isinstance(exc, ConfigKeyError) or "not in struct" in str(exc):
         parent = key.rpartition(".")[0]
         where = f"in {parent}" if parent else "at the top level"

@@ -93,7 +93,6 @@ class OptimizerConfig:
 class TrainingConfig:
     steps: int = 1
     global_batch_size: int = 32
-    stochastic_rounding: bool = True
     # Stop when this many optimizer steps in a row are skipped for a non-finite loss or gradient norm.
     max_consecutive_skips: int = 10
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -104,13 +103,11 @@ class ExecutionConfig:
     micro_batch_size: int = 1
     data_parallel: int = 1
     tensor_parallel: int = 1
-    device_iterations: int = 1
     # A fixed scale (the reference used 4096 with float16), or "dynamic": halve on overflow, double after
     # loss_scaling_growth_interval clean steps, starting from loss_scaling_initial.
     loss_scaling: Any = 1.0
     loss_scaling_initial: float = 65536.0
     loss_scaling_growth_interval: int = 1000
-    attention_serialisation: int = 1
     device: Device = Device.auto
     # Keep weights, optimizer state and gradients in host memory and stream them per phase.
     offload: bool = True

@@ -11,7 +11,7 @@ _POSITIVE = (
     "model.layers", "model.hidden_size", "model.sequence_length", "model.embedding.vocab_size",
     "model.attention.heads", "model.attention.rotary_dim", "training.global_batch_size",
     "execution.micro_batch_size", "execution.data_parallel", "execution.tensor_parallel",
-    "execution.device_iterations", "execution.attention_serialisation", "checkpoint.to_keep",
+    "checkpoint.to_keep",
 )  # fmt: skip
 _NON_NEGATIVE = (
     "training.steps", "training.optimizer.learning_rate.maximum", "training.optimizer.weight_decay",
