@@ -180,7 +180,7 @@ def checkpoint_initializer(checkpoint: Path, file: str = WEIGHTS,
     try:
         handle = safe_open(str(checkpoint / file), framework="pt", device="cpu")
         names = set(handle.keys())
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 (safetensors' own errors, reported as one line)
         raise CheckpointError(f"{checkpoint / file} cannot be read: {type(exc).__name__}: {exc}") from None
 
     def initial(unit: str, specs: list[VariableSpec]) -> dict[str, torch.Tensor]:

@@ -68,7 +68,7 @@ def load_tokenizer(spec: str, key: str = "data.tokenizer") -> Tokenizer:
                         f"or the file itself")
     try:
         return Tokenizer.from_file(str(path))
-    except Exception as exc:  # the Rust side raises plain Exceptions
+    except Exception as exc:  # noqa: BLE001 (the Rust side raises plain Exceptions)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DataError(f"{key}: {path} is not a valid tokenizer.json ({first})") from None
 
@@ -112,8 +112,8 @@ def read_rows(path: str | Path, name: str | None = None) -> Iterator[tuple[int, 
         yield from _read_parquet(path, name)
     else:
         with path.open(encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                line = line.rstrip("\r\n")
+            for number, raw in enumerate(f, 1):
+                line = raw.rstrip("\r\n")
                 if line.strip():
                     yield number, {"text": line}
 
@@ -156,7 +156,7 @@ def _read_parquet(path: Path, name: str) -> Iterator[tuple[int, dict[str, Any]]]
         raise DataError(f"{name}: reading .parquet files needs pyarrow; pip install ipuft[parquet]") from None
     try:
         table = pq.ParquetFile(path)
-    except Exception as exc:  # pyarrow's ArrowInvalid and friends
+    except Exception as exc:  # noqa: BLE001 (pyarrow's ArrowInvalid and friends)
         raise DataError(f"{name}: not a readable parquet file ({str(exc).splitlines()[0]})") from None
     number = 0
     for record_batch in table.iter_batches():

@@ -149,7 +149,8 @@ class PhasedEngine:
     def step(self, batch: Batch, lr: float) -> StepResult:
         """Run one optimizer step over this replica's ``batch`` with learning rate ``lr``."""
         if batch.micro_batches != self.cfg.gradient_accumulation:
-            raise ValueError(f"batch has {batch.micro_batches} micro-batches, expected {self.cfg.gradient_accumulation}")
+            raise ValueError(f"batch has {batch.micro_batches} micro-batches, "
+                             f"expected {self.cfg.gradient_accumulation}")
         before_h2d, before_d2h = dict(self.store.traffic.h2d), dict(self.store.traffic.d2h)
         self.store.ledger.reset_peak()
         self.updates += 1

@@ -117,7 +117,7 @@ class HFWeights:
                     self._open[file] = safe_open(str(file), framework="pt", device="cpu")
                 else:  # never unpickle arbitrary objects; memory-map so the file is not read whole
                     self._open[file] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-            except Exception as exc:  # a truncated or corrupted file: one line, naming it
+            except Exception as exc:  # noqa: BLE001 (a truncated or corrupted file: one line, naming it)
                 raise CheckpointError(f"{file} cannot be read: {type(exc).__name__}: {exc}") from None
         return self._open[file]
 

@@ -68,7 +68,7 @@ def active() -> Layout:
 
 
 def activate(layout: Layout) -> Layout:
-    global _ACTIVE
+    global _ACTIVE  # noqa: PLW0603 (the one process-wide layout)
     _ACTIVE = layout
     return layout
 

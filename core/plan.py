@@ -99,7 +99,7 @@ def traffic(cfg: DictConfig, parts: ModelParts, sizes: dict[str, dict[str, int]]
 
 def _activation_io(parts: ModelParts, phase) -> tuple[int, int]:
     """How many activation rows a phase reads and writes (each row is GA micro-batches)."""
-    x_in, x_out = parts.program.activation_rows(phase)
+    x_in, _ = parts.program.activation_rows(phase)
     reads = writes = 0
     for op in phase.ops:
         if op is Op.FORWARD:
@@ -124,10 +124,8 @@ def device_peak_estimate(cfg: DictConfig, parts: ModelParts, sizes: dict[str, di
         unit = sizes[phase.unit]
         loaded = sum(unit[g] for g in phase.loads) if cfg.execution.offload else 0
         grads = unit["fwd"] if phase.computes_gradient and (cfg.execution.offload or not unit["grad"]) else 0
-        if cfg.execution.activation_offload:
-            acts = 3 * act
-        else:
-            acts = (layers + 2) * ga * act  # the x rows of every layer boundary, and dx in flight
+        # Offloaded: one row in, one out and a gradient in flight; else the x rows of every layer boundary, and dx.
+        acts = 3 * act if cfg.execution.activation_offload else (layers + 2) * ga * act
         computing = any(op in (Op.FORWARD, Op.LOSS_BACKWARD, Op.BACKWARD) for op in phase.ops)
         phase_peak = resident_vars + loaded + grads + (acts + working[phase.role] if computing else 0)
         peak = max(peak, phase_peak)

@@ -73,7 +73,7 @@ def create_plugin_manager(
             )
         try:
             plugin = ep.load()
-        except Exception as exc:  # any import failure is the plugin's, reported as one line
+        except Exception as exc:  # noqa: BLE001 (any import failure is the plugin's, reported as one line)
             raise PluginError(
                 f"plugin {ep.name!r} (distribution {dist_name} {dist_version}) failed to import: "
                 f"{type(exc).__name__}: {exc}; fix or uninstall it, or set {DISABLE_ENV}={ep.name}"
@@ -130,7 +130,7 @@ class PluginHooks:
                 impl.function(**{arg: registry for arg in impl.argnames})
             except IpuftError:
                 raise
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 (the plugin's bug, reported as one line naming it)
                 raise PluginError(
                     f"plugin {impl.plugin_name!r} failed in {hook_name}: {type(exc).__name__}: {exc}"
                 ) from None

@@ -99,8 +99,8 @@ class VariableStore:
     def put(self, unit: str, group: str, tensors: Tensors) -> None:
         """Keep ``tensors`` as ``unit``'s ``group``, moved to their home memory (pinned for CUDA)."""
         home = {}
-        for name, t in tensors.items():
-            t = t.to(self.home)
+        for name, tensor in tensors.items():
+            t = tensor.to(self.home)
             home[name] = t.pin_memory() if self.pin else t
         self.entries[unit][group] = home
         if not self.offload:

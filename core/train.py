@@ -218,7 +218,7 @@ def _metrics_file(out: Path, start: int):
                 continue  # the last line of a run killed while writing it
             if record["step"] <= start:
                 kept.append(line)
-    f = open(path, "w")
+    f = open(path, "w")  # noqa: SIM115 (the caller owns the handle for the rest of the run)
     f.writelines(line + "\n" for line in kept)
     return f
 

@@ -41,6 +41,6 @@ def spawn(world: int, target, *args, tmp: Path) -> None:
     try:
         mp.start_processes(_entry, args=(world, free_port(), target, args, errors), nprocs=world,
                            start_method="spawn", join=True)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 (any failure: show the failing rank's own report)
         reports = sorted(errors.glob("rank*.txt"))
         raise AssertionError(reports[0].read_text() if reports else str(exc)) from None

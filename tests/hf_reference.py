@@ -23,5 +23,5 @@ def hf_gptj(cfg: DictConfig, seed: int = 0):
     with torch.no_grad():  # non-trivial norms and biases, so that a mapping mistake cannot hide
         for name, p in model.named_parameters():
             if "ln" in name or "bias" in name:
-                p.normal_(1.0 if name.endswith("ln_1.weight") or name.endswith("ln_f.weight") else 0.0, 0.1)
+                p.normal_(1.0 if name.endswith(("ln_1.weight", "ln_f.weight")) else 0.0, 0.1)
     return model

@@ -47,7 +47,7 @@ def test_config_show_prints_the_6b_config(capsys):
     ],
 )
 def test_user_errors_are_one_line_with_exit_code_2(capsys, args, message):
-    code, out, err = run_cli(capsys, *args)
+    code, _, err = run_cli(capsys, *args)
     assert code == 2
     assert err.count("\n") == 1 and err.startswith("ipuft: error: "), err
     assert message in err
@@ -62,13 +62,15 @@ def test_broken_plugin_through_the_console_script(tmp_path):
     (info / "entry_points.txt").write_text("[ipuft]\nbroken = ipuft_broken_mod\n")
     (tmp_path / "ipuft_broken_mod.py").write_text("import no_such_module\n")
     env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-m", "ipuft.cli.main", "plugins"], capture_output=True, text=True, env=env)
+    proc = subprocess.run([sys.executable, "-m", "ipuft.cli.main", "plugins"], capture_output=True, text=True, env=env,
+                          check=False)
     assert proc.returncode == 2
     assert proc.stderr == ("ipuft: error: plugin 'broken' (distribution ipuft-broken 0.1.0) failed to import: "
                            "ModuleNotFoundError: No module named 'no_such_module'; fix or uninstall it, "
                            "or set IPUFT_DISABLE_PLUGINS=broken\n")
     env["IPUFT_DISABLE_PLUGINS"] = "broken"
-    proc = subprocess.run([sys.executable, "-m", "ipuft.cli.main", "plugins"], capture_output=True, text=True, env=env)
+    proc = subprocess.run([sys.executable, "-m", "ipuft.cli.main", "plugins"], capture_output=True, text=True, env=env,
+                          check=False)
     assert proc.returncode == 0 and "gptj_decoder" in proc.stdout
 
 

@@ -1,6 +1,7 @@
 """Config: presets, merge order, derived values and the one-line errors of bad input."""
 
 import pytest
+from omegaconf.errors import ReadonlyConfigError
 
 from ipuft.config import load_config, preset_names
 from ipuft.errors import ConfigError
@@ -50,7 +51,7 @@ def test_derived_values(make_config):
 
 def test_resolved_config_is_read_only(make_config):
     cfg = make_config()
-    with pytest.raises(Exception):
+    with pytest.raises(ReadonlyConfigError):
         cfg.model.layers = 3
 
 

@@ -202,7 +202,7 @@ def test_torchrun_end_to_end(hooks, tmp_path):
     """The README's launch: torchrun starts two ranks of the real console script."""
     out = tmp_path / "run"
     overrides = ["training.global_batch_size=4", "training.steps=3", "training.optimizer.learning_rate.maximum=1e-3"]
-    proc = subprocess.run(
+    proc = subprocess.run(  # noqa: PLW1510 (the exit code is asserted below)
         ["torchrun", "--nproc-per-node=2", f"--master-port={free_port()}", "--no-python", "ipuft", "train",
          "--config", "tiny", "execution.data_parallel=2", *overrides, f"output_dir={out}"],
         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -73,7 +73,7 @@ def test_bad_hf_directories(hooks, tmp_path):
     with pytest.raises(CheckpointError, match="is not a directory"):
         load_config(None, [f"model.hf_checkpoint={tmp_path}/nope"], sections)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(CheckpointError, match="has no config.json"):
+    with pytest.raises(CheckpointError, match=r"has no config\.json"):
         load_config(None, [f"model.hf_checkpoint={tmp_path}/empty"], sections)
     (tmp_path / "llama").mkdir()
     (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "llama"}))
@@ -85,7 +85,7 @@ def test_bad_hf_directories(hooks, tmp_path):
     weights.write_bytes(weights.read_bytes()[:1000])  # truncated
     cfg = load_config(None, [f"model.hf_checkpoint={src}", "model.sequence_length=8",
                              "training.global_batch_size=2"], sections)
-    with pytest.raises(CheckpointError, match="model.safetensors cannot be read"):
+    with pytest.raises(CheckpointError, match=r"model\.safetensors cannot be read"):
         build_engine(cfg, hooks)
 
 

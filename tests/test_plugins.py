@@ -65,8 +65,8 @@ def test_duplicate_component_is_refused(fake_dist):
         def ipuft_register_components(registry):
             registry.add("decoder", "gptj", lambda cfg: None)
     """})
-    with pytest.raises(PluginError, match="decoder component 'gptj' is registered twice: by plugin '.*' and by plugin '.*'"):
-        create_plugin_manager().registrations
+    with pytest.raises(PluginError, match=r"decoder component 'gptj' is registered twice: by plugin '.*' and by plugin '.*'"):
+        _ = create_plugin_manager().registrations
 
 
 def test_plugin_that_fails_to_import(fake_dist, monkeypatch):
@@ -98,7 +98,7 @@ def test_plugin_error_during_registration_is_attributed(fake_dist):
             raise KeyError("oops")
     """})
     with pytest.raises(PluginError, match="plugin 'bad' failed in ipuft_register_optimizers: KeyError"):
-        create_plugin_manager().registrations
+        _ = create_plugin_manager().registrations
 
 
 def test_uninstalled_plugin_makes_its_component_unavailable(monkeypatch, make_config):
@@ -139,7 +139,7 @@ def test_every_hook_is_prefixed_documented_and_called(make_config):
     hooks = create_plugin_manager()
     called = set()
     hooks.pm.add_hookcall_monitoring(lambda name, impls, kwargs: called.add(name), lambda *a: None)
-    hooks.registrations  # registration hooks are called impl by impl, so record them from the impls
+    _ = hooks.registrations  # registration hooks are called impl by impl, so record them from the impls
     called |= {name for name in specs if name.startswith("ipuft_register_") and name != "ipuft_register_commands"
                and getattr(hooks.pm.hook, name).get_hookimpls()}
     hooks.register_commands(click.Group())

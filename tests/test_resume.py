@@ -220,5 +220,5 @@ def test_a_corrupted_checkpoint_is_refused(hooks, tmp_path):
     data = bytearray(weights.read_bytes())
     data[-10] ^= 0xFF
     weights.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match="model.safetensors does not match its checksum"):
+    with pytest.raises(CheckpointError, match=r"model\.safetensors does not match its checksum"):
         checkpoint_initializer(ckpt)

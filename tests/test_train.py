@@ -1,5 +1,6 @@
 """The training loop and ``ipuft train``: run directory, metrics, schedules, sample data."""
 
+import itertools
 import json
 import math
 
@@ -28,7 +29,7 @@ def test_train_writes_config_and_metrics(tmp_path, capsys):
     records = read_metrics(out)
     assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:
-        assert METRIC_KEYS <= r.keys()
+        assert r.keys() >= METRIC_KEYS
         assert math.isfinite(r["loss"]) and r["grad_norm"] > 0 and r["h2d_bytes"] > 0 and r["device_peak_bytes"] > 0
     saved = yaml.safe_load((out / "config.yaml").read_text())
     assert saved["training"]["steps"] == 3 and saved["output_dir"] == str(out)
@@ -74,7 +75,7 @@ def test_reference_schedule_warms_up_linearly_from_1e_7_then_stays():
 def test_decay_schedules(schedule):
     lrs = [learning_rate(s, 100, lr_cfg(schedule, warmup=0.1)) for s in range(100)]
     assert lrs[10] == pytest.approx(1e-3)
-    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+    assert all(a >= b for a, b in itertools.pairwise(lrs[10:]))
     assert lrs[55] == pytest.approx(5e-4, rel=1e-9)  # halfway through the decay, for both shapes
     assert lrs[99] < 2e-5
 

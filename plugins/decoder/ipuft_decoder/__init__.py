@@ -17,7 +17,7 @@ from ipuft_decoder.block import GPTJDecoderBlock
 NAME = "gptj"
 SECTION = "gptj_decoder"
 
-__all__ = ["GPTJDecoderBlock", "DecoderOptions"]
+__all__ = ["DecoderOptions", "GPTJDecoderBlock"]
 
 
 class AttentionKernel(str, Enum):
