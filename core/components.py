@@ -2,9 +2,9 @@
 
 A component is a plain ``torch.nn.Module`` that knows nothing of distribution or of where its
 variables live. It *describes* its variables (:class:`VariableSpec`) so that the engine can own them:
-the engine allocates them in the variable store and runs the module with
-``torch.func.functional_call``. One module instance of the decoder serves every layer, as one
-compiled graph served every layer in the reference.
+the engine allocates them in the variable store and runs the module with one unit's tensors bound in
+place of its parameters (:func:`bound`, the semantics of ``torch.func.functional_call``). One module
+instance of the decoder serves every layer, as one compiled graph served every layer in the reference.
 
 Module call conventions, by role:
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextvars
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -83,7 +83,7 @@ class Component(Protocol):
     """What the engine needs from a component module besides ``forward``."""
 
     def variable_specs(self) -> list[VariableSpec]:
-        """Every variable the module's forward uses, by the name ``functional_call`` expects."""
+        """Every variable the module's forward uses, named as in ``named_parameters()``."""
         ...
 
     def hf_mapping(self, layer: int | None) -> dict[str, str]:
@@ -112,6 +112,41 @@ def recompute() -> Iterator[None]:
         yield
     finally:
         _RECOMPUTING.reset(token)
+
+
+@contextmanager
+def bound(module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> Iterator[torch.nn.Module]:
+    """``module`` computing with ``tensors`` in place of its parameters (named as in ``named_parameters()``)
+    until the block ends, as ``torch.func.functional_call`` would for each call.
+
+    A phase binds its unit once for all of its micro-batches; rebinding per call costs more Python time
+    than a small layer's arithmetic. Every name must be one of the module's parameters.
+    """
+    slots = _parameter_slots(module)
+    swapped = []
+    try:
+        for name, tensor in tensors.items():
+            if name not in slots:
+                raise KeyError(f"{type(module).__name__} has no parameter {name!r}")
+            owner, leaf = slots[name]
+            swapped.append((owner, leaf, owner._parameters[leaf]))
+            owner._parameters[leaf] = tensor
+        yield module
+    finally:
+        for owner, leaf, original in reversed(swapped):
+            owner._parameters[leaf] = original
+
+
+def _parameter_slots(module: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str]]:
+    """Each parameter's owning submodule and local name, computed once per module."""
+    slots = module.__dict__.get("_ipuft_parameter_slots")
+    if slots is None:
+        slots = {}
+        for name, _ in module.named_parameters():
+            owner, _, leaf = name.rpartition(".")
+            slots[name] = (module.get_submodule(owner), leaf)
+        module.__dict__["_ipuft_parameter_slots"] = slots
+    return slots
 
 
 def specs_from_module(module: torch.nn.Module, inits: dict[str, Init]) -> list[VariableSpec]:

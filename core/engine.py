@@ -22,10 +22,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
-from torch.func import functional_call
 
 from ipuft.activations import ActivationBuffers, working_set
-from ipuft.components import IGNORE_INDEX, VariableSpec, recompute
+from ipuft.components import IGNORE_INDEX, VariableSpec, bound, recompute
 from ipuft.model import ModelParts
 from ipuft.optim import Optimizer, StepContext
 from ipuft.parallel import Layout, active
@@ -251,11 +250,12 @@ class PhasedEngine:
                     self._forward(phase, module, weights, batch)
                 else:
                     x_in, _ = self.program.activation_rows(phase)
-                    for mb in range(batch.micro_batches):
-                        labels = batch.labels[mb]
-                        with self.buffers.read("x", x_in, mb, consume=True) as x:
-                            loss = functional_call(module, weights, (x, labels))
-                        total += loss.double() * (labels != IGNORE_INDEX).sum()
+                    with bound(module, weights):
+                        for mb in range(batch.micro_batches):
+                            labels = batch.labels[mb]
+                            with self.buffers.read("x", x_in, mb, consume=True) as x:
+                                loss = module(x, labels)
+                            total += loss.double() * (labels != IGNORE_INDEX).sum()
                 self.store.ledger.release(gathered)
                 self.store.release(phase.unit, "fwd", stored)
         self.buffers.clear()
@@ -282,45 +282,50 @@ class PhasedEngine:
 
     def _forward(self, phase: Phase, module: torch.nn.Module, weights: Tensors, batch: Batch) -> None:
         x_in, x_out = self.program.activation_rows(phase)
-        with torch.no_grad():
+        with torch.no_grad(), bound(module, weights):
             for mb in range(batch.micro_batches):
                 if x_in is None:
                     with self._rng(phase.unit, mb):
-                        out = functional_call(module, weights, (batch.input_ids[mb],))
+                        out = module(batch.input_ids[mb])
                 else:
                     with self.buffers.read("x", x_in, mb) as x, self._rng(phase.unit, mb):
-                        out = functional_call(module, weights, (x,))
+                        out = module(x)
                 self.buffers.write("x", x_out, mb, out)
 
     def _backward(self, phase: Phase, module, weights: Tensors, st: _StepState) -> Tensors:
         """Loss-backward (head) or recompute-backward (decoder, embeddings) of every micro-batch; returns
         the unit's gradients, summed over micro-batches by autograd itself (into the leaves' ``.grad``)."""
-        x_in, x_out = self.program.activation_rows(phase)
-        seed_scale = st.loss_scale / st.batch.micro_batches
         params = {n: t.detach().requires_grad_() for n, t in weights.items()}
-        for mb in range(st.batch.micro_batches):
-            with contextlib.ExitStack() as stack:
-                if x_in is None:
-                    inputs, args = [], (st.batch.input_ids[mb],)
-                else:
-                    x = stack.enter_context(self.buffers.read("x", x_in, mb, consume=True)).detach().requires_grad_()
-                    inputs, args = [x], (x,)
-                if x_out is None:  # the head: loss, and the gradient that seeds the backward
-                    args = (*args, st.batch.labels[mb])
-                    seed = None
-                else:
-                    seed = stack.enter_context(self.buffers.read("dx", x_out, mb, consume=True))
-                    stack.enter_context(recompute())  # only the gradient of this forward is used
-                stack.enter_context(working_set(self.store, list(params.values()) + inputs))
-                with self._rng(phase.unit, mb):
-                    out = functional_call(module, params, args)
-                if seed is None:
-                    st.losses.append(out.detach())
-                    out = out * seed_scale
-                torch.autograd.backward(out, seed, inputs=inputs + list(params.values()))
-            if inputs:
-                self.buffers.write("dx", x_in, mb, inputs[0].grad)
+        with bound(module, params):
+            for mb in range(st.batch.micro_batches):
+                self._backward_micro_batch(phase, module, list(params.values()), mb, st)
         return {n: p.grad for n, p in params.items()}
+
+    def _backward_micro_batch(self, phase: Phase, module, params: list[torch.Tensor], mb: int, st: _StepState):
+        """Run micro-batch ``mb``'s forward with gradient (the head's loss, or a recompute seeded by
+        ``dx``), backpropagate into ``params``, and keep the gradient of the unit's input as ``dx``."""
+        x_in, x_out = self.program.activation_rows(phase)
+        with contextlib.ExitStack() as stack:
+            if x_in is None:
+                inputs, args = [], (st.batch.input_ids[mb],)
+            else:
+                x = stack.enter_context(self.buffers.read("x", x_in, mb, consume=True)).detach().requires_grad_()
+                inputs, args = [x], (x,)
+            if x_out is None:  # the head: loss, and the gradient that seeds the backward
+                args = (*args, st.batch.labels[mb])
+                seed = None
+            else:
+                seed = stack.enter_context(self.buffers.read("dx", x_out, mb, consume=True))
+                stack.enter_context(recompute())  # only the gradient of this forward is used
+            stack.enter_context(working_set(self.store, params + inputs))
+            with self._rng(phase.unit, mb):
+                out = module(*args)
+            if seed is None:
+                st.losses.append(out.detach())
+                out = out * (st.loss_scale / st.batch.micro_batches)
+            torch.autograd.backward(out, seed, inputs=inputs + params)
+        if inputs:
+            self.buffers.write("dx", x_in, mb, inputs[0].grad)
 
     def _add_to_norm(self, placed: dict[str, Placement], grads: Tensors, st: _StepState) -> None:
         """Add the squared norm of the unscaled, reduced gradient; each element counts once in the world."""

@@ -58,6 +58,37 @@ def output_projection(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
+_GELU_K, _GELU_A = math.sqrt(2.0 / math.pi), 0.044715
+
+
+class _CpuGeluNew(torch.autograd.Function):
+    """``gelu_new`` on float32 CPU tensors, about twice as fast as ATen's tanh-GELU kernel there.
+
+    ATen's CPU kernel for ``gelu(approximate="tanh")`` runs several times slower than its vectorised
+    ``tanh``; composing the formula from ``addcmul``, in-place multiplies and ``tanh_`` makes fewer
+    slow passes. The backward is ATen's own ``gelu_backward``, exactly as ``F.gelu`` would give.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        k = torch.tensor(_GELU_K, dtype=x.dtype)
+        inner = torch.addcmul(k, x, x, value=_GELU_K * _GELU_A).mul_(x)  # √(2/π)·(x + 0.044715·x³)
+        return inner.tanh_().add_(1.0).mul_(x).mul_(0.5)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return torch.ops.aten.gelu_backward(grad, x, approximate="tanh")
+
+
+def gelu_new(x: torch.Tensor) -> torch.Tensor:
+    """GPT-J's activation, ``0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))``."""
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        return _CpuGeluNew.apply(x)
+    return F.gelu(x, approximate="tanh")
+
+
 def rotary_rotor(positions: int, head_dim: int, rotary_dim: int, base: float, device: torch.device) -> torch.Tensor:
     """Unit complex numbers ``[positions, 1, head_dim // 2]``, one per pair of dimensions.
 
@@ -137,7 +168,7 @@ class GPTJMLP(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """fc_out without its bias (partial under TP): the block adds the bias once, after the reduce."""
-        return output_projection(self.fc_out.weight, F.gelu(self.fc_in(h), approximate="tanh"))  # gelu_new
+        return output_projection(self.fc_out.weight, gelu_new(self.fc_in(h)))
 
 
 class GPTJDecoderBlock(nn.Module):
