@@ -89,23 +89,26 @@ def gelu_new(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-def rotary_rotor(positions: int, head_dim: int, rotary_dim: int, base: float, device: torch.device) -> torch.Tensor:
-    """Unit complex numbers ``[positions, 1, head_dim // 2]``, one per pair of dimensions.
-
-    Pair ``i < rotary_dim / 2`` turns by ``position · base^(-2i/rotary_dim)``; the other pairs pass
-    through (angle 0).
-    """
+def rotary_rotor(positions: int, rotary_dim: int, base: float, device: torch.device) -> torch.Tensor:
+    """Unit complex numbers ``[positions, 1, rotary_dim // 2]``: pair ``i`` of a head's first
+    ``rotary_dim`` dimensions turns by ``position · base^(-2i/rotary_dim)``."""
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device).float() / rotary_dim
-    angles = torch.zeros(positions, head_dim // 2, device=device)
-    angles[:, : rotary_dim // 2] = torch.outer(torch.arange(positions, device=device).float(), 1.0 / (base**exponents))
+    angles = torch.outer(torch.arange(positions, device=device).float(), 1.0 / (base**exponents))
     return torch.polar(torch.ones_like(angles), angles)[:, None, :]
 
 
 def apply_interleaved_rotary(x: torch.Tensor, rotor: torch.Tensor) -> torch.Tensor:
-    """Rotate each adjacent pair ``(x[2i], x[2i+1])`` of ``x[B, T, heads, head_dim]`` by its angle,
-    GPT-J's interleaved ("rotate every two") rotary, as one complex multiplication per pair."""
-    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())
-    return torch.view_as_real(pairs * rotor).flatten(-2).to(x.dtype)
+    """Rotate each adjacent pair ``(x[2i], x[2i+1])``, ``i < rotary_dim / 2``, of ``x[B, T, heads, head_dim]``
+    by its angle: GPT-J's interleaved ("rotate every two") rotary, as one complex multiplication per pair.
+
+    ``x`` is a projection's fresh output, which nothing else reads, so float32 is rotated in place; the
+    pairs past ``rotary_dim`` are left as they are.
+    """
+    if x.dtype != torch.float32:
+        return apply_interleaved_rotary(x.float(), rotor).to(x.dtype)
+    pairs = torch.view_as_complex(x.unflatten(-1, (-1, 2)))
+    pairs[..., : rotor.shape[-1]] *= rotor
+    return x
 
 
 class GPTJAttention(nn.Module):
@@ -131,7 +134,7 @@ class GPTJAttention(nn.Module):
         size = length if start == 0 else 1 << (start + length - 1).bit_length()
         key = (size, device)
         if key not in self._rotors:
-            self._rotors[key] = rotary_rotor(size, self.head_dim, self.rotary_dim, self.rotary_base, device)
+            self._rotors[key] = rotary_rotor(size, self.rotary_dim, self.rotary_base, device)
         return self._rotors[key][start : start + length]
 
     def forward(self, h: torch.Tensor, cache: LayerKVCache | None = None) -> torch.Tensor:
