@@ -1,0 +1,81 @@
+"""How the engine runs a component (``bound``) and the decoder's CPU kernels, against plain references."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call
+
+from ipuft.components import bound
+from ipuft_decoder.block import GPTJDecoderBlock, apply_interleaved_rotary, gelu_new
+
+
+def _block_and_weights():
+    torch.manual_seed(0)
+    block = GPTJDecoderBlock(hidden_size=32, heads=4, head_dim=8, intermediate_size=64, rotary_dim=4)
+    weights = {n: torch.randn_like(p) * 0.1 for n, p in block.named_parameters()}
+    return block, weights
+
+
+def test_bound_computes_like_functional_call_and_gradients_reach_the_bound_tensors():
+    block, weights = _block_and_weights()
+    x = torch.randn(2, 6, 32)
+    seed = torch.randn(2, 6, 32)
+
+    reference = {n: w.clone().requires_grad_() for n, w in weights.items()}
+    expected = functional_call(block, reference, (x,))
+    expected.backward(seed)
+
+    leaves = {n: w.clone().requires_grad_() for n, w in weights.items()}
+    with bound(block, leaves):
+        out = block(x)
+        out.backward(seed)
+        again = block(x)  # one binding serves every call in the block
+    assert torch.equal(out, expected) and torch.equal(again, expected)
+    for name, leaf in leaves.items():
+        assert torch.equal(leaf.grad, reference[name].grad), name
+
+
+def test_bound_restores_the_parameters_even_when_the_block_raises():
+    block, weights = _block_and_weights()
+    before = dict(block.named_parameters())
+    with pytest.raises(RuntimeError, match="inside"), bound(block, weights):
+        assert block.attn.q_proj.weight is weights["attn.q_proj.weight"]
+        raise RuntimeError("inside")
+    assert all(p is before[n] for n, p in block.named_parameters())
+
+
+def test_bound_rejects_a_name_the_module_does_not_have_and_changes_nothing():
+    block, weights = _block_and_weights()
+    before = dict(block.named_parameters())
+    with pytest.raises(KeyError, match=r"no parameter 'attn\.qkv\.weight'"), \
+            bound(block, {**weights, "attn.qkv.weight": torch.zeros(1)}):
+        pass
+    assert all(p is before[n] for n, p in block.named_parameters())
+
+
+def test_gelu_new_matches_transformers_and_has_atens_exact_gradient():
+    from transformers.activations import NewGELUActivation
+
+    x = (torch.randn(4, 1000, dtype=torch.float64) * 4).float().requires_grad_()
+    y = gelu_new(x)
+    assert (y - NewGELUActivation()(x)).abs().max() < 1e-6
+    assert (y - F.gelu(x, approximate="tanh")).abs().max() < 1e-6
+    seed = torch.randn_like(x)
+    (ours,) = torch.autograd.grad(y, x, seed)
+    (aten,) = torch.autograd.grad(F.gelu(x, approximate="tanh"), x, seed)
+    assert torch.equal(ours, aten)
+
+
+def test_rotary_turns_only_the_rotary_pairs():
+    block, _ = _block_and_weights()
+    q = torch.randn(1, 5, 4, 8)
+    rotated = q.clone()
+    apply_interleaved_rotary(rotated, block.attn._rotor(0, 5, q.device))
+    assert torch.equal(rotated[..., 4:], q[..., 4:])  # past rotary_dim: untouched
+    assert torch.equal(rotated[:, 0], q[:, 0])  # position 0 turns by angle 0
+    # Position p, pair i turns by p·10000^(-2i/rotary_dim): (a, b) → (a·cos - b·sin, a·sin + b·cos).
+    p, i = 3, 1
+    angle = torch.tensor(p * 10000.0 ** (-2 * i / 4))
+    a, b = q[0, p, :, 2 * i], q[0, p, :, 2 * i + 1]
+    torch.testing.assert_close(rotated[0, p, :, 2 * i], a * angle.cos() - b * angle.sin(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(rotated[0, p, :, 2 * i + 1], a * angle.sin() + b * angle.cos(), rtol=0, atol=1e-6)
