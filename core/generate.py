@@ -1,9 +1,10 @@
 """Text generation from the three components, with a key/value cache.
 
-The modules are the engine's own (possibly on the meta device): they are always run with
-``torch.func.functional_call`` and the per-unit weights (``embeddings``, ``decoder.{n}``, ``head``), as in
-training. A decoder that supports caching takes ``forward(hidden, cache=LayerKVCache)``: it rotates the new
-tokens from position ``cache.length``, appends their keys and values and attends over all of them.
+The modules are the engine's own (possibly on the meta device): they are always run with the per-unit
+weights (``embeddings``, ``decoder.{n}``, ``head``) bound in place of their parameters
+(:func:`ipuft.components.bound`), as in training. A decoder that supports caching takes
+``forward(hidden, cache=LayerKVCache)``: it rotates the new tokens from position ``cache.length``, appends
+their keys and values and attends over all of them.
 
 Decoding is one sequence at a time: the prompt is run once (prefill), then one token per step.
 """
@@ -15,7 +16,8 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
-from torch.func import functional_call
+
+from ipuft.components import bound
 
 
 class LayerKVCache:
@@ -85,13 +87,16 @@ def forward_logits(
 
     With a ``cache`` the ids continue the cached positions, and the cache is extended by them.
     """
-    hidden = functional_call(modules["embeddings"], weights["embeddings"], (input_ids,))
+    with bound(modules["embeddings"], weights["embeddings"]) as embeddings:
+        hidden = embeddings(input_ids)
     for n in range(layers):
         kwargs = {} if cache is None else {"cache": cache[n]}
-        hidden = functional_call(modules["decoder"], weights[f"decoder.{n}"], (hidden,), kwargs)
+        with bound(modules["decoder"], weights[f"decoder.{n}"]) as decoder:
+            hidden = decoder(hidden, **kwargs)
     if last_only:
         hidden = hidden[:, -1:]
-    return functional_call(modules["head"], weights["head"], (hidden,))
+    with bound(modules["head"], weights["head"]) as head:
+        return head(hidden)
 
 
 def next_token(

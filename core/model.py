@@ -2,7 +2,8 @@
 its variable specs, its shard specs, and the step program its plugins emit.
 
 Modules are built on the meta device: they hold no memory. The engine owns the variables and runs the
-modules with ``torch.func.functional_call``, so even GPT-J-6B assembles (and plans) in seconds.
+modules with a unit's tensors bound in place of their parameters (:func:`ipuft.components.bound`), so even
+GPT-J-6B assembles (and plans) in seconds.
 
 Each component is built twice under tensor parallelism: at TP=1 for the full variables (what the store
 initialises, checkpoints and Hugging Face see) and at the run's TP for the module each rank computes with.
