@@ -203,7 +203,7 @@ class PhasedEngine:
         loaded = {group: self.store.load(unit, group) for group in phase.loads}
         grads = loaded.get("grad")
         weights = None
-        if any(op in (Op.FORWARD, Op.LOSS_BACKWARD, Op.BACKWARD) for op in phase.ops):
+        if phase.computes:
             weights, gathered = self._gather(phase, loaded["fwd"])
         for op in phase.ops:
             if op is Op.FORWARD:

@@ -119,15 +119,14 @@ def device_peak_estimate(cfg: DictConfig, parts: ModelParts, sizes: dict[str, di
     layers = cfg.model.layers
     resident_vars = 0 if cfg.execution.offload else sum(sum(s.values()) for s in sizes.values())
     working = {role: working_bytes(parts, role, cfg) for role in ("embeddings", "decoder", "head")}
+    # Offloaded: one row in, one out and a gradient in flight; else the x rows of every layer boundary, and dx.
+    acts = 3 * act if cfg.execution.activation_offload else (layers + 2) * ga * act
     peak = 0
     for phase in parts.program:
         unit = sizes[phase.unit]
         loaded = sum(unit[g] for g in phase.loads) if cfg.execution.offload else 0
         grads = unit["fwd"] if phase.computes_gradient and (cfg.execution.offload or not unit["grad"]) else 0
-        # Offloaded: one row in, one out and a gradient in flight; else the x rows of every layer boundary, and dx.
-        acts = 3 * act if cfg.execution.activation_offload else (layers + 2) * ga * act
-        computing = any(op in (Op.FORWARD, Op.LOSS_BACKWARD, Op.BACKWARD) for op in phase.ops)
-        phase_peak = resident_vars + loaded + grads + (acts + working[phase.role] if computing else 0)
+        phase_peak = resident_vars + loaded + grads + (acts + working[phase.role] if phase.computes else 0)
         peak = max(peak, phase_peak)
     return peak
 

@@ -71,6 +71,11 @@ class Phase:
         return any(op in _GRADIENT_OPS for op in self.ops)
 
     @property
+    def computes(self) -> bool:
+        """Runs the unit on micro-batches (forward, or a backward), so needs its weights in compute form."""
+        return any(op in (Op.FORWARD, *_GRADIENT_OPS) for op in self.ops)
+
+    @property
     def loads(self) -> tuple[str, ...]:
         """The variable groups brought to the device: ``fwd``, ``optim``, ``grad``."""
         groups = ["fwd"] if self.ops != (Op.GLOBAL_NORM,) else []
