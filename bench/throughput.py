@@ -19,14 +19,14 @@ import torch.nn.functional as F
 
 from ipuft.config import load_config
 from ipuft.data import SampleData
-from ipuft.engine import PhasedEngine
-from ipuft.model import build_model
 from ipuft.plugins import create_plugin_manager
+from ipuft.train import build_engine
 
 # A CPU-sized GPT-J: big enough that compute, not Python, dominates.
 DEFAULTS = ["model.layers=4", "model.hidden_size=256", "model.attention.heads=8", "model.attention.rotary_dim=16",
             "model.sequence_length=256", "model.embedding.vocab_size=2048", "training.global_batch_size=8",
-            "execution.micro_batch_size=2", "training.optimizer.weight_decay=0.01"]
+            "execution.micro_batch_size=2", "training.optimizer.weight_decay=0.01",
+            "execution.device=cpu"]  # the transformers baseline runs on the CPU too
 
 
 def hf_model(cfg):
@@ -65,9 +65,7 @@ def baseline_step_fn(cfg, checkpointing: bool = False):
 
 
 def ipuft_step_fn(cfg, hooks):
-    parts = build_model(cfg, hooks)
-    optimizer = hooks.registrations.optimizers.get(cfg.training.optimizer.name).build(cfg)
-    engine = PhasedEngine(cfg, parts, optimizer, torch.device("cpu"))
+    engine = build_engine(cfg, hooks)
     lr = cfg.training.optimizer.learning_rate.maximum
     return lambda batch: engine.step(batch, lr)
 

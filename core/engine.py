@@ -92,10 +92,10 @@ def placements(parts: ModelParts, layout: Layout, rts: bool) -> dict[str, dict[s
             for role, specs in parts.variables.items()}
 
 
-def optimizer_state_specs(placed: dict[str, Placement], optimizer: Optimizer) -> list[VariableSpec]:
-    """The ``optim`` group of a unit, in stored form, named ``<variable>.<state>``."""
-    return [VariableSpec(f"{name}.{s.name}", s.shape, s.dtype, s.init)
-            for name, p in placed.items() for s in optimizer.state_specs(p.stored_spec())]
+def optimizer_state_specs(variables: list[VariableSpec], optimizer: Optimizer) -> list[VariableSpec]:
+    """The ``optim`` group of a unit with these variables (stored or full), named ``<variable>.<state>``."""
+    return [VariableSpec(f"{v.name}.{s.name}", s.shape, s.dtype, s.init)
+            for v in variables for s in optimizer.state_specs(v)]
 
 
 def initial_values(unit: str, specs: list[VariableSpec], seed: int) -> Tensors:
@@ -131,7 +131,7 @@ class PhasedEngine:
     # ---- setup ----
 
     def _allocate(self, initializer: Initializer) -> None:
-        stores_grad = {p.unit for p in self.program if p.computes_gradient and "grad" in p.stores}
+        stores_grad = self.program.grad_units()
         for unit in self.program.units():
             role = unit_role(unit)
             placed = self.placed[role]
@@ -139,9 +139,10 @@ class PhasedEngine:
             full = initializer(unit, self.parts.variables[role])
             self.store.put(unit, "fwd", {n: placed[n].to_stored(t) for n, t in full.items()})
             del full
-            self.store.allocate(unit, "optim", optimizer_state_specs(placed, self.optimizer))
+            stored = [p.stored_spec() for p in placed.values()]
+            self.store.allocate(unit, "optim", optimizer_state_specs(stored, self.optimizer))
             if unit in stores_grad:
-                self.store.allocate(unit, "grad", [p.stored_spec() for p in placed.values()])
+                self.store.allocate(unit, "grad", stored)
 
     # ---- one step ----
 

@@ -23,7 +23,7 @@ from ipuft.datasets import (
     read_rows,
     resolve_data_path,
 )
-from ipuft.engine import initial_values
+from ipuft.engine import unit_role
 from ipuft.errors import DataError
 from ipuft.generate import generate
 from ipuft.model import ModelParts, build_model
@@ -76,8 +76,8 @@ def inference_model(cfg: DictConfig, hooks: PluginHooks) -> tuple[ModelParts, di
     device (``execution.device``: a GPU when one is available), loaded unit by unit."""
     parts = build_model(cfg, hooks)
     device = select_device(cfg)
-    init = initializer(cfg, parts) or (lambda unit, specs: initial_values(unit, specs, cfg.model.seed))
-    weights = {unit: {n: t.to(device) for n, t in init(unit, parts.variables[unit.split(".")[0]]).items()}
+    init = initializer(cfg, parts)
+    weights = {unit: {n: t.to(device) for n, t in init(unit, parts.variables[unit_role(unit)]).items()}
                for unit in parts.program.units()}
     return parts, weights
 

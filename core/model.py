@@ -35,9 +35,9 @@ class ModelParts:
     program: StepProgram
 
 
-def build_component(cfg: DictConfig, builder: ComponentBuilder, device: str | torch.device = "meta"):
-    """Build one component module on ``device`` and check that it follows the component contract."""
-    with torch.device(device):
+def build_component(cfg: DictConfig, builder: ComponentBuilder):
+    """Build one component module on the meta device and check that it follows the component contract."""
+    with torch.device("meta"):
         module = builder.build(cfg)
     if not isinstance(module, torch.nn.Module) or not isinstance(module, Component):
         raise PluginError(
@@ -47,17 +47,17 @@ def build_component(cfg: DictConfig, builder: ComponentBuilder, device: str | to
     return module
 
 
-def build_model(cfg: DictConfig, hooks: PluginHooks, device: str | torch.device = "meta") -> ModelParts:
+def build_model(cfg: DictConfig, hooks: PluginHooks) -> ModelParts:
     """Build every component named by ``model.embeddings``, ``model.decoder`` and ``model.head``."""
     components = hooks.registrations.components
     builders = {role: components.get(role, cfg.model[role]) for role in ROLES}
-    modules = {role: build_component(cfg, b, device) for role, b in builders.items()}
+    modules = {role: build_component(cfg, b) for role, b in builders.items()}
     tp = cfg.execution.tensor_parallel
     if tp == 1:
         variables = {role: m.variable_specs() for role, m in modules.items()}
     else:
         single = OmegaConf.merge(cfg, {"execution": {"tensor_parallel": 1}})
-        variables = {role: build_component(single, b, "meta").variable_specs() for role, b in builders.items()}
+        variables = {role: build_component(single, b).variable_specs() for role, b in builders.items()}
     shard_specs = {}
     for role, b in builders.items():
         who = f"{role} component {b.name!r}"

@@ -37,13 +37,13 @@ def rank_layout(cfg: DictConfig) -> Layout:
 def group_bytes(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer) -> dict[str, dict[str, int]]:
     """Bytes one rank stores of each variable group of each unit (``grad`` only where the program stores
     gradients): its TP shard, and with RTS its 1/DP slice of that."""
-    stores_grad = {p.unit for p in parts.program if p.computes_gradient and "grad" in p.stores}
+    stores_grad = parts.program.grad_units()
     placed = placements(parts, rank_layout(cfg), bool(cfg.execution.rts))
     out = {}
     for unit in parts.program.units():
         role = unit_role(unit)
-        sizes = {"fwd": _bytes([p.stored_spec() for p in placed[role].values()]),
-                 "optim": _bytes(optimizer_state_specs(placed[role], optimizer))}
+        stored = [p.stored_spec() for p in placed[role].values()]
+        sizes = {"fwd": _bytes(stored), "optim": _bytes(optimizer_state_specs(stored, optimizer))}
         sizes["grad"] = sizes["fwd"] if unit in stores_grad else 0
         out[unit] = sizes
     return out
@@ -133,7 +133,7 @@ def device_peak_estimate(cfg: DictConfig, parts: ModelParts, sizes: dict[str, di
 
 def estimate(cfg: DictConfig, parts: ModelParts, hooks: PluginHooks) -> dict:
     """Everything ``ipuft plan`` prints, as a JSON-ready dict; memory and traffic are per rank."""
-    optimizer = hooks.registrations.optimizers.get(cfg.training.optimizer.name).build(cfg)
+    optimizer = hooks.registrations.build_optimizer(cfg)
     sizes = group_bytes(cfg, parts, optimizer)
     moved = traffic(cfg, parts, sizes)
     host_vars = sum(sum(s.values()) for s in sizes.values()) if cfg.execution.offload else 0

@@ -19,7 +19,7 @@ from ipuft import hookspecs
 from ipuft.components import ROLES, ComponentRegistry, VariableSpec
 from ipuft.config.sections import ConfigSectionRegistry
 from ipuft.errors import IpuftError, PluginError
-from ipuft.optim import OptimizerRegistry
+from ipuft.optim import Optimizer, OptimizerRegistry
 from ipuft.sharding import ShardSpec
 
 if TYPE_CHECKING:
@@ -110,6 +110,10 @@ class Registrations:
         for role in ROLES:
             self.components.get(role, cfg.model[role])
         self.optimizers.get(cfg.training.optimizer.name)
+
+    def build_optimizer(self, cfg: DictConfig) -> Optimizer:
+        """The optimizer ``training.optimizer.name`` names, built from ``cfg``."""
+        return self.optimizers.get(cfg.training.optimizer.name).build(cfg)
 
 
 class PluginHooks:

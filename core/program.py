@@ -125,6 +125,10 @@ class StepProgram:
         """Every unit of the model: the embeddings, each decoder layer, the head."""
         return ["embeddings", *(f"decoder.{n}" for n in range(self.layers)), "head"]
 
+    def grad_units(self) -> set[str]:
+        """The units whose gradients are stored between their backward and their optimizer step."""
+        return {p.unit for p in self.phases if p.computes_gradient and "grad" in p.stores}
+
     def activation_rows(self, phase: Phase) -> tuple[int | None, int | None]:
         """The rows of ``x``/``dx`` a phase's unit reads and writes: (input row, output row).
 

@@ -32,11 +32,10 @@ from ipuft.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from ipuft.components import VariableSpec
 from ipuft.config import to_yaml
 from ipuft.data import SampleData
 from ipuft.datasets import TokenDataset, data_source, tokenizer_path
-from ipuft.engine import Initializer, PhasedEngine, StepResult, unit_role
+from ipuft.engine import Initializer, PhasedEngine, StepResult, initial_values, optimizer_state_specs, unit_role
 from ipuft.errors import ConfigError, Stopped, TrainingError
 from ipuft.hf_checkpoint import hf_initializer
 from ipuft.model import ModelParts, build_model
@@ -59,13 +58,14 @@ def select_device(cfg: DictConfig) -> torch.device:
     return torch.device(choice)
 
 
-def initializer(cfg: DictConfig, parts: ModelParts) -> Initializer | None:
-    """Initial weights from ``checkpoint.load`` or ``model.hf_checkpoint``; ``None``: random (seeded)."""
+def initializer(cfg: DictConfig, parts: ModelParts) -> Initializer:
+    """Initial weights from ``checkpoint.load`` or ``model.hf_checkpoint``, else random (seeded by
+    ``model.seed``)."""
     if cfg.checkpoint.load is not None:
         return checkpoint_initializer(find_checkpoint(cfg.checkpoint.load))
     if cfg.model.hf_checkpoint is not None:
         return hf_initializer(cfg.model.hf_checkpoint, parts.modules, cfg.model.layers)
-    return None
+    return lambda unit, specs: initial_values(unit, specs, cfg.model.seed)
 
 
 def build_engine(cfg: DictConfig, hooks: PluginHooks) -> PhasedEngine:
@@ -73,7 +73,7 @@ def build_engine(cfg: DictConfig, hooks: PluginHooks) -> PhasedEngine:
     device = select_device(cfg)
     layout = init_layout(cfg, device)
     parts = build_model(cfg, hooks)
-    optimizer = hooks.registrations.optimizers.get(cfg.training.optimizer.name).build(cfg)
+    optimizer = hooks.registrations.build_optimizer(cfg)
     torch.manual_seed(cfg.model.seed)
     return PhasedEngine(cfg, parts, optimizer, device, layout, initializer(cfg, parts))
 
@@ -116,9 +116,7 @@ def restore(engine: PhasedEngine, cfg: DictConfig, checkpoint: Path, data) -> in
     if cfg.checkpoint.optim_state and meta.get("optim_state"):
         state_of = checkpoint_initializer(checkpoint, OPTIM, verify_files=False)  # verified with the weights
         for unit in engine.program.units():
-            variables = engine.parts.variables[unit_role(unit)]
-            specs = [VariableSpec(f"{v.name}.{s.name}", v.shape, s.dtype)
-                     for v in variables for s in engine.optimizer.state_specs(v)]
+            specs = optimizer_state_specs(engine.parts.variables[unit_role(unit)], engine.optimizer)
             engine.load_full("optim", {unit: state_of(unit, specs)})
     engine.updates = int(meta.get("updates", meta["step"]))
     if "loss_scale" in meta:
@@ -186,8 +184,7 @@ def check_output_dir(cfg: DictConfig) -> None:
 
 
 def run_directory(cfg: DictConfig) -> Path:
-    """``output_dir``, or ``runs/<timestamp>``; never one that already holds a run."""
-    check_output_dir(cfg)
+    """``output_dir``, or ``runs/<timestamp>`` (a fresh one); :func:`check_output_dir` has vetted ``output_dir``."""
     if cfg.output_dir is not None:
         path = Path(cfg.output_dir)
     else:

@@ -24,7 +24,7 @@ EQUIVALENCE = ("training.global_batch_size=8", "execution.micro_batch_size=2",
 
 def make_engine(cfg, hooks):
     parts = build_model(cfg, hooks)
-    optimizer = hooks.registrations.optimizers.get(cfg.training.optimizer.name).build(cfg)
+    optimizer = hooks.registrations.build_optimizer(cfg)
     return PhasedEngine(cfg, parts, optimizer, torch.device("cpu"))
 
 
