@@ -14,6 +14,7 @@ import click
 
 from ipuft.config import load_config, preset_names, to_yaml
 from ipuft.errors import IpuftError
+from ipuft.export import DEFAULT_SHARD_BYTES
 from ipuft.plugins import PluginHooks, create_plugin_manager
 
 DEFAULT_PRESET = "small-cpu"
@@ -36,12 +37,13 @@ def config_arguments(command: Callable) -> Callable:
     @click.pass_obj
     @functools.wraps(command)
     def wrapper(hooks: PluginHooks, preset: str, checkpoint: str | None, overrides: tuple[str, ...], **kwargs):
+        sections = hooks.registrations.config_sections
         if checkpoint is not None:
-            from ipuft.checkpoint import find_checkpoint
+            from ipuft.checkpoint import checkpoint_config
 
-            found = find_checkpoint(checkpoint)
-            preset, overrides = str(found / "config.yaml"), (f"checkpoint.load={found}", *overrides)
-        cfg = load_config(preset, overrides, hooks.registrations.config_sections)
+            cfg = checkpoint_config(checkpoint, sections, overrides)
+        else:
+            cfg = load_config(preset, overrides, sections)
         hooks.registrations.check(cfg)
         return command(hooks, cfg, **kwargs)
 
@@ -95,7 +97,7 @@ def bench(hooks: PluginHooks, cfg, as_json: bool) -> None:
 @click.option("--checkpoint", "checkpoint", required=True, metavar="PATH",
               help="An ipuft checkpoint, or a run directory (its latest checkpoint).")
 @click.option("--hf", "out", required=True, metavar="OUT", help="The Hugging Face directory to write (new or empty).")
-@click.option("--max-shard-size", default=5 * 2**30, show_default=True, type=click.IntRange(min=1),
+@click.option("--max-shard-size", default=DEFAULT_SHARD_BYTES, show_default=True, type=click.IntRange(min=1),
               help="Bytes per safetensors shard; larger models get an index.")
 @click.pass_obj
 def export(hooks: PluginHooks, checkpoint: str, out: str, max_shard_size: int) -> None:
@@ -145,7 +147,7 @@ def generate(hooks: PluginHooks, path: str, max_new_tokens: int, temperature: fl
     from ipuft.generate import generate as run_generate
 
     cfg = inference_config(path, hooks)
-    tokenizer = tokenizer_for(path, cfg)
+    tokenizer = tokenizer_for(cfg)
     parts, weights = inference_model(cfg, hooks)
     ids = tokenizer.encode(prompt, add_special_tokens=False).ids
     if not ids:

@@ -141,6 +141,15 @@ def find_checkpoint(path: str | Path) -> Path:
     raise CheckpointError(f"{path} is neither an ipuft checkpoint (no meta.json) nor a run directory with checkpoints")
 
 
+def checkpoint_config(path: str | Path, sections, overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
+    """The config a checkpoint (or a run directory's latest) was saved with, set to load that checkpoint
+    (``checkpoint.load``), then ``overrides``; ``sections`` are the plugins' config sections."""
+    from ipuft.config import load_config
+
+    found = find_checkpoint(path)
+    return load_config(str(found / "config.yaml"), [f"checkpoint.load={found}", *overrides], sections)
+
+
 def verify(checkpoint: Path) -> None:
     """Check every file of a checkpoint against its manifest; a missing or altered one is an error."""
     try:

@@ -42,6 +42,7 @@ READERS = (".jsonl", ".json", ".csv", ".tsv", ".parquet", ".txt")
 PAD_ID = 0
 # Rows are tokenized this many at a time: encode_batch parallelises within a chunk, and the chunk bounds
 # the Python strings held at once.
+EOS = "<|endoftext|>"  # GPT-J's end-of-text token
 ENCODE_CHUNK = 1024
 
 
@@ -55,6 +56,16 @@ def tokenizer_path(spec: str) -> Path:
         return Path(str(resources.files("ipuft.sample_data") / "tokenizer.json"))
     path = Path(spec)
     return path / "tokenizer.json" if path.is_dir() else path
+
+
+def tokenizer_source(cfg: DictConfig) -> tuple[str, str] | None:
+    """The run's tokenizer: ``(spec, config key)`` of ``data.tokenizer``, else of ``model.hf_checkpoint``
+    (its directory holds tokenizer.json); ``None`` when neither is set."""
+    if cfg.data.tokenizer is not None:
+        return cfg.data.tokenizer, "data.tokenizer"
+    if cfg.model.get("hf_checkpoint") is not None:
+        return cfg.model.hf_checkpoint, "model.hf_checkpoint"
+    return None
 
 
 def load_tokenizer(spec: str, key: str = "data.tokenizer") -> Tokenizer:
@@ -306,9 +317,10 @@ class TokenDataset:
         """
         return self.batch_at(step * global_batch_size, global_batch_size, micro_batch_size, rank, replicas)
 
-    def eval_batches(self, micro_batch_size: int) -> Iterator[Batch]:
-        """Every row once, in order, unshuffled, as batches of one micro-batch (the last may be smaller)."""
-        for start in range(0, len(self), micro_batch_size):
+    def eval_batches(self, micro_batch_size: int, replica: int = 0, replicas: int = 1) -> Iterator[Batch]:
+        """Every row once, in order, unshuffled, as batches of one micro-batch (the last may be smaller);
+        with ``replicas``, only every ``replicas``-th micro-batch, from the ``replica``-th on."""
+        for start in range(replica * micro_batch_size, len(self), micro_batch_size * replicas):
             input_ids, labels = self._rows(torch.arange(start, min(start + micro_batch_size, len(self)))[None])
             yield Batch(input_ids, labels)
 
@@ -426,10 +438,5 @@ def data_source(cfg: DictConfig) -> SampleData | TokenDataset:
     else a :class:`TokenDataset` tokenized by ``data.tokenizer`` (or ``model.hf_checkpoint``'s tokenizer)."""
     if cfg.data.path is None:
         return SampleData(cfg.model.embedding.vocab_size, cfg.model.sequence_length, cfg.data.seed)
-    tokenizer = None
-    if DataFormat(cfg.data.format) is not DataFormat.tokens:
-        if cfg.data.tokenizer is not None:
-            tokenizer = load_tokenizer(cfg.data.tokenizer)
-        elif cfg.model.get("hf_checkpoint") is not None:
-            tokenizer = load_tokenizer(cfg.model.hf_checkpoint, key="model.hf_checkpoint")
-    return TokenDataset.from_config(cfg, tokenizer)
+    source = tokenizer_source(cfg) if DataFormat(cfg.data.format) is not DataFormat.tokens else None
+    return TokenDataset.from_config(cfg, None if source is None else load_tokenizer(*source))

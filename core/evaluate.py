@@ -14,14 +14,16 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from ipuft.checkpoint import find_checkpoint
+from ipuft.checkpoint import checkpoint_config
 from ipuft.config import load_config
 from ipuft.datasets import (
+    EOS,
     TokenDataset,
     data_source,
     load_tokenizer,
     read_rows,
     resolve_data_path,
+    tokenizer_source,
 )
 from ipuft.engine import unit_role
 from ipuft.errors import DataError
@@ -30,8 +32,6 @@ from ipuft.model import ModelParts, build_model
 from ipuft.plugins import PluginHooks
 from ipuft.templates import resolve_template
 from ipuft.train import build_engine, collective_errors, initializer, select_device
-
-EOS = "<|endoftext|>"
 
 
 def evaluate_loss(cfg: DictConfig, hooks: PluginHooks) -> dict:
@@ -44,9 +44,8 @@ def evaluate_loss(cfg: DictConfig, hooks: PluginHooks) -> dict:
     layout = engine.layout
     total = torch.zeros(2, dtype=torch.float64)
     with collective_errors(layout):
-        for i, batch in enumerate(dataset.eval_batches(cfg.execution.micro_batch_size)):
-            if i % layout.data_parallel != layout.dp_rank:
-                continue  # each replica evaluates its own micro-batches
+        # Each replica evaluates its own micro-batches.
+        for batch in dataset.eval_batches(cfg.execution.micro_batch_size, layout.dp_rank, layout.data_parallel):
             loss_sum, tokens = engine.evaluate(batch)
             total += torch.tensor([loss_sum, tokens], dtype=torch.float64)
         if layout.data_parallel > 1:
@@ -58,17 +57,15 @@ def evaluate_loss(cfg: DictConfig, hooks: PluginHooks) -> dict:
     return {"loss": loss, "perplexity": math.exp(loss), "tokens": int(tokens)}
 
 
-def inference_config(path: str, hooks: PluginHooks, overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
+def inference_config(path: str, hooks: PluginHooks) -> DictConfig:
     """The config of a model to run in one process: an ipuft checkpoint's (or a run directory's latest),
     or a Hugging Face directory's shapes."""
-    if (Path(path) / "config.json").exists():
-        base, extra = None, [f"model.hf_checkpoint={path}"]
-    else:
-        checkpoint = find_checkpoint(path)
-        base, extra = str(checkpoint / "config.yaml"), [f"checkpoint.load={checkpoint}"]
+    sections = hooks.registrations.config_sections
     single = ["execution.data_parallel=1", "execution.tensor_parallel=1", "training.global_batch_size=1",
               "execution.micro_batch_size=1"]
-    return load_config(base, [*extra, *single, *overrides], hooks.registrations.config_sections)
+    if (Path(path) / "config.json").exists():
+        return load_config(None, [f"model.hf_checkpoint={path}", *single], sections)
+    return checkpoint_config(path, sections, single)
 
 
 def inference_model(cfg: DictConfig, hooks: PluginHooks) -> tuple[ModelParts, dict[str, dict[str, torch.Tensor]]]:
@@ -82,14 +79,15 @@ def inference_model(cfg: DictConfig, hooks: PluginHooks) -> tuple[ModelParts, di
     return parts, weights
 
 
-def tokenizer_for(path: str, cfg: DictConfig):
-    """The tokenizer next to a checkpoint, else ``data.tokenizer``."""
-    for candidate in (Path(path), find_checkpoint(path) if not (Path(path) / "config.json").exists() else None):
-        if candidate is not None and (candidate / "tokenizer.json").exists():
-            return load_tokenizer(str(candidate / "tokenizer.json"))
+def tokenizer_for(cfg: DictConfig):
+    """The tokenizer saved with the model ``cfg`` loads (in its checkpoint or Hugging Face directory), else
+    ``data.tokenizer``."""
+    home = Path(cfg.checkpoint.load or cfg.model.hf_checkpoint)
+    if (home / "tokenizer.json").exists():
+        return load_tokenizer(str(home / "tokenizer.json"))
     if cfg.data.tokenizer is not None:
         return load_tokenizer(cfg.data.tokenizer)
-    raise DataError(f"{path} holds no tokenizer.json; set data.tokenizer=DIR")
+    raise DataError(f"{home} holds no tokenizer.json; set data.tokenizer=DIR")
 
 
 def evaluate_mnli(cfg: DictConfig, hooks: PluginHooks, max_new_tokens: int = 8) -> dict:
@@ -97,10 +95,10 @@ def evaluate_mnli(cfg: DictConfig, hooks: PluginHooks, max_new_tokens: int = 8) 
     if cfg.data.path is None:
         raise DataError("data.path: eval --task mnli needs MNLI rows (premise, hypothesis, label)")
     template = resolve_template("mnli")
-    spec = cfg.data.tokenizer or cfg.model.hf_checkpoint
-    if spec is None:
+    source = tokenizer_source(cfg)
+    if source is None:
         raise DataError("data.tokenizer: eval --task mnli needs a tokenizer; set data.tokenizer or model.hf_checkpoint")
-    tokenizer = load_tokenizer(spec)
+    tokenizer = load_tokenizer(*source)
     eos_id = tokenizer.token_to_id(EOS)
     parts, weights = inference_model(cfg, hooks)
     path = resolve_data_path(cfg.data.path)

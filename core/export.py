@@ -8,12 +8,13 @@ import math
 import shutil
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from ipuft.checkpoint import WEIGHTS, find_checkpoint, read_meta, verify
-from ipuft.config import load_config
+from ipuft.checkpoint import WEIGHTS, checkpoint_config, find_checkpoint, read_meta, verify
+from ipuft.datasets import EOS, load_tokenizer
 from ipuft.errors import CheckpointError
 from ipuft.hf import unit_mappings
+from ipuft.hf_checkpoint import HF_SHAPES
 from ipuft.model import build_model
 from ipuft.plugins import PluginHooks
 
@@ -21,14 +22,14 @@ DEFAULT_SHARD_BYTES = 5 * 2**30
 
 
 def hf_config(cfg: DictConfig, eos_id: int | None) -> dict:
-    """A transformers GPTJConfig, as JSON, for the run's model."""
-    m = cfg.model
+    """A transformers GPTJConfig, as JSON, for the run's model: the shapes import reads back
+    (:data:`~ipuft.hf_checkpoint.HF_SHAPES`), and GPT-J's fixed settings."""
     config = {
-        "architectures": ["GPTJForCausalLM"], "model_type": "gptj", "vocab_size": m.embedding.vocab_size,
-        "n_positions": max(m.sequence_length, 2048), "n_embd": m.hidden_size, "n_layer": m.layers,
-        "n_head": m.attention.heads, "rotary_dim": m.attention.rotary_dim, "n_inner": m.intermediate_size,
-        "activation_function": "gelu_new", "layer_norm_epsilon": m.layer_norm_epsilon, "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0, "attn_pdrop": 0.0, "tie_word_embeddings": False, "torch_dtype": "float32",
+        "architectures": ["GPTJForCausalLM"], "model_type": "gptj",
+        **{hf: OmegaConf.select(cfg, key) for hf, key in HF_SHAPES.items()},
+        "n_positions": max(cfg.model.sequence_length, 2048), "activation_function": "gelu_new",
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "tie_word_embeddings": False,
+        "torch_dtype": "float32",
     }
     if eos_id is not None:
         config.update(bos_token_id=eos_id, eos_token_id=eos_id)
@@ -36,10 +37,7 @@ def hf_config(cfg: DictConfig, eos_id: int | None) -> dict:
 
 
 def _eos_id(tokenizer: Path) -> int | None:
-    if not tokenizer.exists():
-        return None
-    vocab = json.loads(tokenizer.read_text()).get("model", {}).get("vocab", {})
-    return vocab.get("<|endoftext|>")
+    return load_tokenizer(str(tokenizer)).token_to_id(EOS) if tokenizer.exists() else None
 
 
 def export_hf(path: str | Path, out: str | Path, hooks: PluginHooks, shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
@@ -53,7 +51,7 @@ def export_hf(path: str | Path, out: str | Path, hooks: PluginHooks, shard_bytes
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"--hf {out} exists and is not empty; choose a new directory")
-    cfg = load_config(str(checkpoint / "config.yaml"), [], hooks.registrations.config_sections)
+    cfg = checkpoint_config(checkpoint, hooks.registrations.config_sections)
     parts = build_model(cfg, hooks)
     names = {f"{unit}.{local}": hf for unit, m in unit_mappings(parts.modules, cfg.model.layers).items()
              for local, hf in m.items()}

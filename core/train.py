@@ -34,7 +34,7 @@ from ipuft.checkpoint import (
 )
 from ipuft.config import to_yaml
 from ipuft.data import SampleData
-from ipuft.datasets import TokenDataset, data_source, tokenizer_path
+from ipuft.datasets import TokenDataset, data_source, tokenizer_path, tokenizer_source
 from ipuft.engine import Initializer, PhasedEngine, StepResult, initial_values, optimizer_state_specs, unit_role
 from ipuft.errors import ConfigError, Stopped, TrainingError
 from ipuft.hf_checkpoint import hf_initializer
@@ -80,10 +80,10 @@ def build_engine(cfg: DictConfig, hooks: PluginHooks) -> PhasedEngine:
 
 def tokenizer_file(cfg: DictConfig) -> Path | None:
     """The tokenizer.json the run's data was tokenized with, if any (copied into checkpoints)."""
-    spec = cfg.data.tokenizer or cfg.model.hf_checkpoint
-    if spec is None or cfg.data.path is None:
+    source = tokenizer_source(cfg)
+    if source is None or cfg.data.path is None:
         return None
-    return tokenizer_path(spec)
+    return tokenizer_path(source[0])
 
 
 def save(engine: PhasedEngine, cfg: DictConfig, root: Path | None, step: int, data=None) -> Path | None:
