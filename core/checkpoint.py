@@ -20,7 +20,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from importlib import metadata
 from pathlib import Path
 
@@ -134,8 +134,8 @@ def find_checkpoint(path: str | Path) -> Path:
     if (path / "meta.json").exists():
         return path
     for root in (path / "checkpoints", path):
-        if root.is_dir() and checkpoints(root):
-            return checkpoints(root)[-1]
+        if root.is_dir() and (found := checkpoints(root)):
+            return found[-1]
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist")
     raise CheckpointError(f"{path} is neither an ipuft checkpoint (no meta.json) nor a run directory with checkpoints")
@@ -193,16 +193,16 @@ def checkpoint_initializer(checkpoint: Path, file: str = WEIGHTS,
         raise CheckpointError(f"{checkpoint / file} cannot be read: {type(exc).__name__}: {exc}") from None
 
     def initial(unit: str, specs: list[VariableSpec]) -> dict[str, torch.Tensor]:
-        names_of = {spec.name: f"{unit}.{spec.name}" for spec in specs}
-        return {spec.name: checked(spec, names_of[spec.name], handle.get_tensor if names_of[spec.name] in names
-                                   else None, f"checkpoint {checkpoint}") for spec in specs}
+        return {spec.name: checked(spec, f"{unit}.{spec.name}", names, handle.get_tensor, f"checkpoint {checkpoint}")
+                for spec in specs}
 
     return initial
 
 
-def checked(spec: VariableSpec, name: str, get: Callable[[str], torch.Tensor] | None, source: str) -> torch.Tensor:
-    """Variable ``spec``, read as ``name`` from ``source`` by ``get`` (``None``: absent), checked and cast."""
-    if get is None:
+def checked(spec: VariableSpec, name: str, available: Container[str], get: Callable[[str], torch.Tensor],
+            source: str) -> torch.Tensor:
+    """Variable ``spec``, read as ``name`` from ``source`` by ``get`` (if ``available`` has it), checked and cast."""
+    if name not in available:
         raise CheckpointError(f"{source} lacks {name}: it is of another model")
     tensor = get(name)
     if tuple(tensor.shape) != spec.shape:

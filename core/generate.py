@@ -152,11 +152,10 @@ def generate(
     if not prompt_ids:
         raise ValueError("generate needs a prompt of at least one token")
     device = next(iter(weights["embeddings"].values())).device
-    sequence = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
+    step_ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
     cache = KVCache(layers) if use_cache else None
     new: list[int] = []
     with torch.no_grad(), evaluating(modules):
-        step_ids = sequence
         while len(new) < max_new_tokens:
             logits = forward_logits(modules, weights, layers, step_ids, cache, last_only=True)[0, -1]
             token = next_token(logits, temperature, top_k, top_p, generator)
@@ -164,6 +163,6 @@ def generate(
             if token == eos_id:
                 break
             token_ids = torch.tensor([[token]], dtype=torch.long, device=device)
-            sequence = torch.cat([sequence, token_ids], dim=1)
-            step_ids = token_ids if use_cache else sequence
+            # With the cache only the new token runs; without it, the whole sequence again.
+            step_ids = token_ids if use_cache else torch.cat([step_ids, token_ids], dim=1)
     return new

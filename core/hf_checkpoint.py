@@ -136,7 +136,7 @@ def hf_initializer(directory: str | Path, modules, layers: int) -> Callable[[str
 
     def initial(unit: str, specs: list[VariableSpec]) -> dict[str, torch.Tensor]:
         hf_names = mappings[unit]
-        return {spec.name: checked(spec, hf_names[spec.name], weights.get if hf_names[spec.name] in weights else None,
+        return {spec.name: checked(spec, hf_names[spec.name], weights, weights.get,
                                    f"model.hf_checkpoint {weights.directory}") for spec in specs}
 
     return initial

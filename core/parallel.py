@@ -188,3 +188,9 @@ def max_over_tensor_parallel(x: torch.Tensor) -> torch.Tensor:
 
 def tensor_parallel_rank() -> int:
     return _ACTIVE.tp_rank
+
+
+def vocab_block(ids: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ids`` relative to this TP rank's block of ``rows`` vocabulary rows, and which of them fall in it."""
+    local = ids - tensor_parallel_rank() * rows
+    return local, (local >= 0) & (local < rows)

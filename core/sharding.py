@@ -108,3 +108,8 @@ def resolve_shard_specs(
             raise PluginError(f"{component}: shard spec of {var.name} splits dim {spec.tp_dim} of {var.shape}")
         spec.local_shape(var.shape, tensor_parallel)  # raises when it does not divide
     return {n: answer[n] for n in names}
+
+
+# A vocabulary-indexed variable (embedding table, LM projection): rows sharded over TP, the vocabulary
+# padded up to a multiple of TP × 16 first, as the reference pads it.
+VOCAB_SHARDED = ShardSpec(tp_dim=0, pad_multiple=16)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import string
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from ipuft.errors import DataError
@@ -23,7 +24,7 @@ class Template:
     target: str | None = None
     labels: dict[int, str] = field(default_factory=dict)
 
-    @property
+    @cached_property
     def fields(self) -> list[str]:
         """The row fields the template reads, in order of first appearance."""
         names: list[str] = []

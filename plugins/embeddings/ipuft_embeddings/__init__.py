@@ -12,13 +12,11 @@ from omegaconf import DictConfig
 
 from ipuft import hookimpl
 from ipuft.components import ComponentRegistry, Init, VariableSpec, specs_from_module
-from ipuft.parallel import reduce_from_tensor_parallel, tensor_parallel_rank
+from ipuft.parallel import reduce_from_tensor_parallel, vocab_block
 from ipuft.program import Op, Phase, Stage, StepProgram
-from ipuft.sharding import ShardSpec
+from ipuft.sharding import VOCAB_SHARDED
 
 NAME = "gptj"
-# The reference pads the vocabulary up to a multiple of TP × 16 before sharding it.
-VOCAB_SPEC = ShardSpec(tp_dim=0, pad_multiple=16)
 
 
 class GPTJEmbeddings(torch.nn.Module):
@@ -26,7 +24,7 @@ class GPTJEmbeddings(torch.nn.Module):
 
     def __init__(self, vocab_size: int, hidden_size: int, dropout_prob: float = 0.0, tensor_parallel: int = 1):
         super().__init__()
-        local_rows = VOCAB_SPEC.local_shape((vocab_size, hidden_size), tensor_parallel)[0]
+        local_rows = VOCAB_SHARDED.local_shape((vocab_size, hidden_size), tensor_parallel)[0]
         self.wte = torch.nn.Embedding(local_rows, hidden_size)
         self.dropout_prob = dropout_prob
         self.tensor_parallel = tensor_parallel
@@ -35,8 +33,8 @@ class GPTJEmbeddings(torch.nn.Module):
         if self.tensor_parallel == 1:
             return F.dropout(self.wte(input_ids), self.dropout_prob, self.training)
         rows = self.wte.weight.shape[0]
-        local = input_ids - tensor_parallel_rank() * rows
-        outside = (local < 0) | (local >= rows)
+        local, inside = vocab_block(input_ids, rows)
+        outside = ~inside
         partial = self.wte(local.masked_fill(outside, 0)).masked_fill(outside.unsqueeze(-1), 0.0)
         return F.dropout(reduce_from_tensor_parallel(partial), self.dropout_prob, self.training)
 
@@ -61,7 +59,7 @@ def ipuft_register_components(registry: ComponentRegistry) -> None:
 def ipuft_shard_spec(role: str, name: str, variables: list[VariableSpec], tensor_parallel: int):
     if (role, name) != ("embeddings", NAME):
         return None
-    return {"wte.weight": VOCAB_SPEC}
+    return {"wte.weight": VOCAB_SHARDED}
 
 
 @hookimpl

@@ -25,12 +25,12 @@ from ipuft.parallel import (
     max_over_tensor_parallel,
     reduce_from_tensor_parallel,
     tensor_parallel_rank,
+    vocab_block,
 )
 from ipuft.program import Op, Phase, Stage, StepProgram
-from ipuft.sharding import ShardSpec
+from ipuft.sharding import VOCAB_SHARDED, ShardSpec
 
 NAME = "gptj"
-VOCAB_SPEC = ShardSpec(tp_dim=0, pad_multiple=16)
 
 
 class GPTJLMHead(torch.nn.Module):
@@ -40,7 +40,7 @@ class GPTJLMHead(torch.nn.Module):
                  tensor_parallel: int = 1) -> None:
         super().__init__()
         self.norm = torch.nn.LayerNorm(hidden_size, eps=layer_norm_epsilon)
-        local_rows = VOCAB_SPEC.local_shape((vocab_size, hidden_size), tensor_parallel)[0]
+        local_rows = VOCAB_SHARDED.local_shape((vocab_size, hidden_size), tensor_parallel)[0]
         self.proj = torch.nn.Linear(hidden_size, local_rows)
         self.vocab_size, self.tensor_parallel = vocab_size, tensor_parallel
 
@@ -71,8 +71,7 @@ class GPTJLMHead(torch.nn.Module):
         shift = max_over_tensor_parallel(logits.max(dim=-1, keepdim=True).values)
         shifted = logits - shift
         sum_exp = reduce_from_tensor_parallel(shifted.exp().sum(dim=-1))
-        local = labels - tensor_parallel_rank() * rows
-        mine = (local >= 0) & (local < rows)
+        local, mine = vocab_block(labels, rows)
         target = shifted.gather(-1, local.clamp(0, rows - 1).unsqueeze(-1)).squeeze(-1) * mine
         target = reduce_from_tensor_parallel(target)
         keep = labels != IGNORE_INDEX
@@ -103,7 +102,8 @@ def ipuft_register_components(registry: ComponentRegistry) -> None:
 def ipuft_shard_spec(role: str, name: str, variables: list[VariableSpec], tensor_parallel: int):
     if (role, name) != ("head", NAME):
         return None
-    return {"norm.weight": ShardSpec(), "norm.bias": ShardSpec(), "proj.weight": VOCAB_SPEC, "proj.bias": VOCAB_SPEC}
+    return {"norm.weight": ShardSpec(), "norm.bias": ShardSpec(),
+            "proj.weight": VOCAB_SHARDED, "proj.bias": VOCAB_SHARDED}
 
 
 @hookimpl
