@@ -141,38 +141,161 @@ def find_checkpoint(path: str | Path) -> Path:
     raise CheckpointError(f"{path} is neither an ipuft checkpoint (no meta.json) nor a run directory with checkpoints")
 
 
+# What a checkpoint's config may not decide for the run that reads it: where that run writes.
+_PLACEMENT = ("output_dir", "checkpoint.save")
+
+
 def checkpoint_config(path: str | Path, sections, overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
     """The config a checkpoint (or a run directory's latest) was saved with, set to load that checkpoint
-    (``checkpoint.load``), then ``overrides``; ``sections`` are the plugins' config sections."""
-    from ipuft.config import load_config
+    (``checkpoint.load``), then ``overrides``; ``sections`` are the plugins' config sections.
+
+    The file is untrusted data: it may hold no interpolation (none is ever resolved), and it never
+    chooses where the new run writes: ``output_dir`` and ``checkpoint.save`` fall back to their defaults
+    unless ``overrides`` set them.
+    """
+    from ipuft.config import load_config, read_config_data
 
     found = find_checkpoint(path)
-    return load_config(str(found / "config.yaml"), [f"checkpoint.load={found}", *overrides], sections)
+    source = found / "config.yaml"
+    if _sha256(source) != read_manifest(found)["config.yaml"]:
+        raise CheckpointError(f"checkpoint {found}: config.yaml does not match its checksum (corrupted)")
+    data = read_config_data(source, f"checkpoint {found}: config.yaml")
+    refuse_interpolations(data, str(source))
+    for key in _PLACEMENT:
+        parent, _, leaf = key.rpartition(".")
+        node = data.get(parent) if parent else data
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+    return load_config((str(source), data), [f"checkpoint.load={found}", *overrides], sections)
+
+
+def refuse_interpolations(data, source: str, key: str = "") -> None:
+    """Raise a :class:`CheckpointError` if any string in ``data`` (parsed YAML or JSON) holds an OmegaConf
+    interpolation (``${...}``): a file we read is data, and resolving it could read the environment."""
+    if isinstance(data, dict):
+        for k, v in data.items():
+            refuse_interpolations(v, source, f"{key}.{k}" if key else str(k))
+    elif isinstance(data, list):
+        for i, v in enumerate(data):
+            refuse_interpolations(v, source, f"{key}[{i}]")
+    elif isinstance(data, str) and "${" in data:
+        raise CheckpointError(f"{source}: {key or 'a value'} holds an interpolation ({data[:40]!r}); files read "
+                              f"from checkpoints are data and are never resolved: remove it")
+
+
+REQUIRED = (WEIGHTS, STATE, "config.yaml", "meta.json")
+OPTIONAL = (OPTIM, "tokenizer.json")
+_MANIFEST_LIMIT = 1 << 20  # bytes; a manifest of a few names is far smaller
+
+
+def read_manifest(checkpoint: Path) -> dict[str, str]:
+    """The manifest of ``checkpoint``, checked to name exactly the files the format allows, all present.
+
+    Every entry is one of the checkpoint format's own file names (so never a path that leaves the
+    directory) with a SHA-256 hex digest; every required file is listed, and so is every file the
+    directory holds. Each must be a regular file, not a link.
+    """
+    where = f"checkpoint {checkpoint}"
+    path = checkpoint / MANIFEST
+    try:
+        if path.is_symlink() or not path.is_file():
+            raise FileNotFoundError
+        if path.stat().st_size > _MANIFEST_LIMIT:
+            raise CheckpointError(f"{where}/{MANIFEST} is larger than {_MANIFEST_LIMIT} bytes: not a manifest")
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{where} has no {MANIFEST}: it is incomplete") from None
+    except (OSError, ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{where}/{MANIFEST} cannot be read ({type(exc).__name__}: {exc})") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{where}/{MANIFEST} must be a JSON object of file name -> SHA-256")
+    allowed = REQUIRED + OPTIONAL
+    for name, digest in manifest.items():
+        if name not in allowed:
+            raise CheckpointError(f"{where}/{MANIFEST} lists {name[:80]!r}, which is not a file of the checkpoint "
+                                  f"format ({', '.join(allowed)})")
+        if not (isinstance(digest, str) and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)):
+            raise CheckpointError(f"{where}/{MANIFEST}: the checksum of {name} is not a SHA-256 hex digest")
+    missing = [name for name in REQUIRED if name not in manifest]
+    if missing:
+        raise CheckpointError(f"{where}/{MANIFEST} does not list {', '.join(missing)}: every checkpoint file must "
+                              f"be checksummed")
+    try:
+        present = {p.name for p in checkpoint.iterdir()} - {MANIFEST}
+    except OSError as exc:
+        raise CheckpointError(f"{where} cannot be listed ({exc})") from None
+    unlisted = sorted(present - set(manifest))
+    if unlisted:
+        raise CheckpointError(f"{where} holds {', '.join(unlisted)}, not listed in its {MANIFEST}")
+    for name in manifest:
+        file = checkpoint / name
+        if file.is_symlink() or not file.is_file():
+            what = "a link" if file.is_symlink() else ("missing" if not file.exists() else "not a regular file")
+            raise CheckpointError(f"{where}: {name}, listed in its manifest, is {what}")
+    return manifest
 
 
 def verify(checkpoint: Path) -> None:
-    """Check every file of a checkpoint against its manifest; a missing or altered one is an error."""
-    try:
-        manifest = json.loads((checkpoint / MANIFEST).read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {checkpoint} has no {MANIFEST}: it is incomplete") from None
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"checkpoint {checkpoint}/{MANIFEST} cannot be read ({exc})") from None
-    for name, digest in manifest.items():
-        path = checkpoint / name
-        if not path.is_file():
-            raise CheckpointError(f"checkpoint {checkpoint} lacks {name}, listed in its manifest")
-        if _sha256(path) != digest:
+    """Check every file of a checkpoint against its manifest; a missing, unlisted or altered one is an error."""
+    for name, digest in read_manifest(checkpoint).items():
+        if _sha256(checkpoint / name) != digest:
             raise CheckpointError(f"checkpoint {checkpoint}: {name} does not match its checksum (corrupted)")
 
 
-def read_meta(checkpoint: Path) -> dict:
-    try:
-        meta = json.loads((checkpoint / "meta.json").read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{checkpoint}/meta.json cannot be read ({exc})") from None
+_META_LIMIT = 1 << 20  # bytes
+_MAX_COUNT = 1 << 53  # steps, updates and samples beyond this are not a real run's
+
+
+def _integer(value, low: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= _MAX_COUNT
+
+
+def _meta_problem(meta) -> str | None:
+    """What is wrong with a parsed meta.json, naming the field and what would be right; None if nothing."""
+    if not isinstance(meta, dict):
+        return "must be a JSON object"
     if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{checkpoint}/meta.json is not an ipuft checkpoint (format {meta.get('format')!r})")
+        return f"is not an ipuft checkpoint (format {str(meta.get('format'))[:40]!r})"
+    if not _integer(meta.get("step")):
+        return f"step must be an integer in [0, 2^53], got {str(meta.get('step'))[:40]}"
+    if "updates" in meta and not (_integer(meta["updates"]) and meta["updates"] <= meta["step"]):
+        return f"updates must be an integer in [0, step={meta['step']}], got {str(meta['updates'])[:40]}"
+    if not isinstance(meta.get("units"), list) or not all(isinstance(u, str) for u in meta["units"]):
+        return "units must be a list of unit names"
+    if not isinstance(meta.get("optim_state"), bool):
+        return "optim_state must be true or false"
+    scale = meta.get("loss_scale")
+    if scale is not None:
+        if not (isinstance(scale, dict) and set(scale) == {"scale", "dynamic", "growth_interval", "clean_steps"}):
+            return "loss_scale must be an object of scale, dynamic, growth_interval and clean_steps"
+        number = scale["scale"]
+        if not (isinstance(number, (int, float)) and not isinstance(number, bool) and 0 < number < float("inf")):
+            return f"loss_scale.scale must be a finite number > 0, got {str(number)[:40]}"
+        if not isinstance(scale["dynamic"], bool) or not _integer(scale["growth_interval"], 1) \
+                or not _integer(scale["clean_steps"]):
+            return "loss_scale: dynamic must be a boolean, growth_interval an integer > 0, clean_steps >= 0"
+    data = meta.get("data")
+    if data is not None:
+        if not isinstance(data, dict):
+            return "data must be an object"
+        for key, value in data.items():
+            if not _integer(value):
+                return f"data.{str(key)[:40]} must be an integer >= 0, got {str(value)[:40]}"
+    return None
+
+
+def read_meta(checkpoint: Path) -> dict:
+    """A checkpoint's meta.json, with every field the training state is restored from checked."""
+    path = checkpoint / "meta.json"
+    try:
+        if path.stat().st_size > _META_LIMIT:
+            raise CheckpointError(f"{path} is larger than {_META_LIMIT} bytes: not a checkpoint's meta.json")
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{path} cannot be read ({type(exc).__name__}: {str(exc)[:200]})") from None
+    problem = _meta_problem(meta)
+    if problem is not None:
+        raise CheckpointError(f"{path}: {problem}")
     return meta
 
 

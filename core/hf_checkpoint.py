@@ -29,27 +29,50 @@ HF_SHAPES = {
 }
 
 
+_CONFIG_LIMIT = 1 << 20  # bytes; GPT-J's config.json is about 1 kB
+
+
+def _number_problem(key: str, value) -> str | None:
+    """Why ``value`` cannot be config.json's ``key`` (a positive int; a positive float for the epsilon)."""
+    if isinstance(value, bool):
+        return f"{key} must be a number, got {value!r}"
+    if key == "layer_norm_epsilon":
+        ok = isinstance(value, (int, float)) and 0 < value < 1
+        return None if ok else f"{key} must be a number in (0, 1), got {str(value)[:40]}"
+    ok = isinstance(value, int) and 0 < value <= 1 << 40
+    return None if ok else f"{key} must be a positive integer, got {str(value)[:40]}"
+
+
 def read_hf_config(directory: str | Path) -> dict:
-    """The config.json of a local GPT-J directory, with ``n_inner`` made explicit."""
+    """The config.json of a local GPT-J directory, with ``n_inner`` made explicit, every shape checked."""
     path = Path(directory)
     if not path.is_dir():
         raise CheckpointError(f"model.hf_checkpoint: {path} is not a directory")
     config_file = path / "config.json"
     try:
+        if config_file.stat().st_size > _CONFIG_LIMIT:
+            raise CheckpointError(f"model.hf_checkpoint: {config_file} is larger than {_CONFIG_LIMIT} bytes")
         config = json.loads(config_file.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"model.hf_checkpoint: {path} has no config.json") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"model.hf_checkpoint: {config_file} is not valid JSON ({exc})") from None
+    except (OSError, ValueError, RecursionError) as exc:
+        raise CheckpointError(f"model.hf_checkpoint: {config_file} is not valid JSON "
+                              f"({type(exc).__name__}: {str(exc)[:200]})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"model.hf_checkpoint: {config_file} must be a JSON object")
     if config.get("model_type") != "gptj":
-        raise CheckpointError(f"model.hf_checkpoint: {config_file} has model_type {config.get('model_type')!r}; "
-                              f"ipuft loads GPT-J ('gptj') checkpoints")
+        raise CheckpointError(f"model.hf_checkpoint: {config_file} has model_type "
+                              f"{str(config.get('model_type'))[:40]!r}; ipuft loads GPT-J ('gptj') checkpoints")
     missing = [k for k in HF_SHAPES if k not in config and k not in ("n_inner", "layer_norm_epsilon")]
     if missing:
         raise CheckpointError(f"model.hf_checkpoint: {config_file} lacks {', '.join(missing)}")
     config.setdefault("layer_norm_epsilon", 1e-5)
     if config.get("n_inner") is None:
-        config["n_inner"] = 4 * config["n_embd"]
+        config["n_inner"] = 4 * config["n_embd"] if isinstance(config["n_embd"], int) else config["n_embd"]
+    for key in [*HF_SHAPES, *(["n_positions"] if config.get("n_positions") is not None else [])]:
+        problem = _number_problem(key, config[key])
+        if problem is not None:
+            raise CheckpointError(f"model.hf_checkpoint: {config_file}: {problem}")
     return config
 
 

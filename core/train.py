@@ -176,11 +176,18 @@ def collective_errors(layout: Layout):
 
 
 def check_output_dir(cfg: DictConfig) -> None:
-    """Refuse an ``output_dir`` that already holds a run, unless resuming it (checked on every rank)."""
-    if cfg.checkpoint.load is not None:
+    """Refuse an ``output_dir`` that already holds a run, unless this run resumes from one of that run's
+    own checkpoints (checked on every rank)."""
+    if cfg.output_dir is None or not (Path(cfg.output_dir) / "metrics.jsonl").exists():
         return
-    if cfg.output_dir is not None and (Path(cfg.output_dir) / "metrics.jsonl").exists():
-        raise ConfigError(f"output_dir: {cfg.output_dir} already holds a run (metrics.jsonl); choose another directory")
+    out = Path(cfg.output_dir)
+    if cfg.checkpoint.load is not None:
+        root = checkpoint_root(cfg, out)
+        if root is not None and find_checkpoint(cfg.checkpoint.load).resolve().parent == root.resolve():
+            return
+        raise ConfigError(f"output_dir: {out} already holds a run (metrics.jsonl) and checkpoint.load is not one of "
+                          f"its checkpoints; choose another output_dir")
+    raise ConfigError(f"output_dir: {out} already holds a run (metrics.jsonl); choose another directory")
 
 
 def run_directory(cfg: DictConfig) -> Path:
@@ -230,11 +237,14 @@ def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[di
     the run. SIGINT or SIGTERM saves a checkpoint (when saving is on) and stops with exit code 130 or 143.
     """
     cfg = resolve_load(cfg)
+    resumed = find_checkpoint(cfg.checkpoint.load) if cfg.checkpoint.load is not None else None
+    if resumed is not None and (done := read_meta(resumed)["step"]) >= cfg.training.steps:
+        raise ConfigError(f"training.steps: {resumed} is at step {done} and training.steps={cfg.training.steps}, "
+                          f"so there is nothing to train; raise training.steps")
     data = data_source(cfg)
     check_output_dir(cfg)
     engine = build_engine(cfg, hooks)
-    resumed = Path(cfg.checkpoint.load) if cfg.checkpoint.load is not None else None
-    start = restore(engine, cfg, find_checkpoint(resumed), data) if resumed is not None else 0
+    start = restore(engine, cfg, resumed, data) if resumed is not None else 0
     main = engine.layout.is_main
     out = run_directory(cfg) if main else None
     if main:
@@ -275,8 +285,7 @@ def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[di
             every = cfg.checkpoint.steps
             if every and (step + 1) % every == 0 and step + 1 < steps:
                 save(engine, cfg, root, step + 1, data)
-        if start < steps or resumed is None:
-            saved = save(engine, cfg, root, steps, data)
+        saved = save(engine, cfg, root, steps, data)
     if progress and main and records:
         tqdm.write(f"loss {records[0]['loss']:.3f} -> {records[-1]['loss']:.3f} over steps {start + 1}-{steps}; "
                    f"run directory {out}" + (f"; checkpoint {saved}" if saved else ""))

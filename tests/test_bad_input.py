@@ -105,6 +105,37 @@ CASES = [
     ("data-unknown-suffix", lambda t, r: ["train", f"data.path={_write(t / 'd.xml', '<rows/>')}"], ".xml"),
     ("output-dir-holds-a-run", lambda t, r: ["train", "--config", "tiny", f"output_dir={_checkpoint(t, r).parent.parent}"],
      "already holds a run"),
+    # Security: a checkpoint or Hugging Face directory is untrusted data.
+    ("sec-checkpoint-interpolation", lambda t, r: ["train", "--checkpoint", str(_forged_config(t, r, {
+        "model": {"seed": "${oc.env:IPUFT_TEST_SECRET}"}}))], "holds an interpolation"),
+    ("sec-checkpoint-interpolation-nested", lambda t, r: ["eval", "--checkpoint", str(_forged_config(t, r, {
+        "data": {"template": "{premise} ${oc.env:IPUFT_TEST_SECRET}"}}))], "data.template holds an interpolation"),
+    ("sec-hf-config-interpolation", lambda t, r: ["train", f"model.hf_checkpoint={_hf_config(t, r, n_layer='${oc.env:IPUFT_TEST_SECRET}')}"],
+     "n_layer must be a positive integer"),
+    ("sec-hf-config-wrong-type", lambda t, r: ["train", f"model.hf_checkpoint={_hf_config(t, r, n_embd=[64])}"],
+     "n_embd must be a positive integer"),
+    ("sec-manifest-parent-path", lambda t, r: ["train", "--config", "tiny", f"checkpoint.load={_forged_manifest(t, r, {'../../victim/secret.txt': 'a' * 64})}"],
+     "which is not a file of the checkpoint format"),
+    ("sec-manifest-absolute-path", lambda t, r: ["export", "--checkpoint", str(_forged_manifest(t, r, {'/proc/self/mem': 'a' * 64})),
+                                                 "--hf", str(t / "out")], "which is not a file of the checkpoint format"),
+    ("sec-manifest-symlink", lambda t, r: ["train", "--config", "tiny", f"checkpoint.load={_linked(t, r)}"],
+     "model.safetensors, listed in its manifest, is a link"),
+    ("sec-manifest-empty", lambda t, r: ["train", "--config", "tiny", f"checkpoint.load={_forged_manifest(t, r, {}, keep=False)}"],
+     "does not list model.safetensors"),
+    ("sec-manifest-omits-corrupted-weights", lambda t, r: ["eval", "--checkpoint", str(_unlisted_corruption(t, r, "model.safetensors")),
+                                                           "data.path=mnli-sample", *SAMPLE], "does not list model.safetensors"),
+    ("sec-manifest-omits-corrupted-optim", lambda t, r: ["train", "--config", "tiny", "training.steps=3",
+                                                         f"checkpoint.load={_unlisted_corruption(t, r, 'optim.safetensors')}"],
+     "holds optim.safetensors, not listed in its manifest.json"),
+    ("sec-output-dir-holds-another-run", lambda t, r: ["train", "--config", "tiny", "training.steps=2",
+                                                       f"checkpoint.load={_checkpoint(t, r)}", f"output_dir={_victim(t)}"],
+     "checkpoint.load is not one of its checkpoints"),
+    ("checkpoint-meta-negative-step", lambda t, r: ["train", "--config", "tiny", "training.steps=3",
+                                                    f"checkpoint.load={_forged_meta(t, r, step=-5)}"], "step must be an integer"),
+    ("checkpoint-meta-huge-step", lambda t, r: ["train", "--config", "tiny", "training.steps=3",
+                                                f"checkpoint.load={_forged_meta(t, r, step=1e30)}"], "step must be an integer"),
+    ("checkpoint-nothing-to-do", lambda t, r: ["train", "--config", "tiny", "training.steps=1",
+                                               f"checkpoint.load={_checkpoint(t, r)}"], "nothing to train"),
     ("export-not-empty", lambda t, r: ["export", "--checkpoint", str(_checkpoint(t, r)),
                                        "--hf", str(_write(t / "full" / "x", "mine").parent)], "exists and is not empty"),
 ]
@@ -135,6 +166,74 @@ def _hf_other(tmp):
     return _write(tmp / "other" / "config.json", json.dumps({"model_type": "llama"})).parent
 
 
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _reseal(checkpoint: Path, manifest: dict | None = None) -> Path:
+    """Rewrite the manifest so that it matches the files again, as a forger would."""
+    manifest = manifest if manifest is not None else {p.name: _sha(p) for p in sorted(checkpoint.iterdir())
+                                                      if p.name != "manifest.json"}
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+    return checkpoint
+
+
+def _forged_config(tmp, trained, changes: dict) -> Path:
+    import yaml
+
+    checkpoint = _checkpoint(tmp, trained)
+    config = yaml.safe_load((checkpoint / "config.yaml").read_text())
+    for section, values in changes.items():
+        config.setdefault(section, {}).update(values)
+    (checkpoint / "config.yaml").write_text(yaml.safe_dump(config))
+    return _reseal(checkpoint)
+
+
+def _forged_meta(tmp, trained, **changes) -> Path:
+    checkpoint = _checkpoint(tmp, trained)
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    (checkpoint / "meta.json").write_text(json.dumps({**meta, **changes}))
+    return _reseal(checkpoint)
+
+
+def _forged_manifest(tmp, trained, extra: dict, keep: bool = True) -> Path:
+    checkpoint = _checkpoint(tmp, trained)
+    manifest = json.loads((checkpoint / "manifest.json").read_text()) if keep else {}
+    return _reseal(checkpoint, {**manifest, **extra})
+
+
+def _linked(tmp, trained) -> Path:
+    checkpoint = _checkpoint(tmp, trained)
+    outside = tmp / "outside.safetensors"
+    shutil.move(checkpoint / "model.safetensors", outside)
+    (checkpoint / "model.safetensors").symlink_to(outside)
+    return checkpoint
+
+
+def _unlisted_corruption(tmp, trained, name: str) -> Path:
+    checkpoint = _checkpoint(tmp, trained)
+    _flip(checkpoint / name)
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    del manifest[name]
+    return _reseal(checkpoint, manifest)
+
+
+def _hf_config(tmp, trained, **changes) -> Path:
+    hf = tmp / "hf-forged"
+    shutil.copytree(trained / "hf", hf)
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, **changes}))
+    return hf
+
+
+def _victim(tmp) -> Path:
+    """Another run's directory, which no case may change."""
+    victim = tmp / "victim"
+    _write(victim / "metrics.jsonl", '{"step": 1, "loss": 1.0}\n')
+    _write(victim / "config.yaml", "theirs: true\n")
+    return victim
+
+
 def snapshot(root: Path) -> dict[str, str]:
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
             for p in sorted(root.rglob("*"))}
@@ -153,6 +252,34 @@ def test_bad_input_is_one_clear_line(tmp_path, trained, capsys, monkeypatch, arg
     assert fragment in err, err
     assert "Traceback" not in err
     assert snapshot(tmp_path) == before  # nothing written, nothing damaged
+
+
+def test_checkpoint_config_never_chooses_where_a_run_writes(tmp_path, trained, monkeypatch):
+    """A checkpoint whose config names another run's directory (and checkpoint root) as its output: training
+    from it writes a new run of its own, and the other run is untouched."""
+    monkeypatch.chdir(tmp_path)
+    victim = _victim(tmp_path)
+    forged = _forged_config(tmp_path, trained, {"checkpoint": {"save": str(victim / "checkpoints")}})
+    config = (forged / "config.yaml").read_text() + f"output_dir: {victim}\n"
+    (forged / "config.yaml").write_text(config.replace("output_dir: null\n", ""))
+    _reseal(forged)
+    before = snapshot(victim)
+    main(["train", "--checkpoint", str(forged), "training.steps=2"])
+    assert snapshot(victim) == before
+    runs = list((tmp_path / "runs").iterdir())
+    assert len(runs) == 1 and (runs[0] / "metrics.jsonl").exists()
+    assert [p.name for p in (runs[0] / "checkpoints").iterdir()] == ["step-00000002"]
+
+
+def test_interpolation_in_a_checkpoint_is_never_resolved(tmp_path, trained, monkeypatch, capsys):
+    monkeypatch.setenv("IPUFT_TEST_SECRET", "hunter2")
+    monkeypatch.chdir(tmp_path)
+    forged = _forged_config(tmp_path, trained, {"data": {"template": "${oc.env:IPUFT_TEST_SECRET}"}})
+    with pytest.raises(SystemExit) as info:
+        main(["config", "show", "--checkpoint", str(forged)])
+    out, err = capsys.readouterr()
+    assert info.value.code == 2
+    assert "hunter2" not in out + err and "holds an interpolation" in err
 
 
 def test_plugin_that_raises_on_import(fake_dist, capsys):

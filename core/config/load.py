@@ -26,26 +26,47 @@ def preset_names() -> list[str]:
     return sorted(p.name[: -len(".yaml")] for p in root.iterdir() if p.name.endswith(".yaml"))
 
 
+_PRESET_LIMIT = 1 << 20  # bytes: a config is a few kB; more is not a config
+
+
+def read_config_data(path: Path, source: str) -> dict:
+    """The mapping in YAML file ``path`` (a preset or a checkpoint's config.yaml); ``source`` names it in
+    errors. Size-bounded, and parsed with PyYAML's safe loader: no object is constructed."""
+    try:
+        if path.stat().st_size > _PRESET_LIMIT:
+            raise ConfigError(f"{source}: {path} is larger than {_PRESET_LIMIT} bytes; a config is a few kB")
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{source}: {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{source}: {path} cannot be read as UTF-8 text ({type(exc).__name__})") from None
+    return _parse_yaml(text, source)
+
+
+def _parse_yaml(text: str, source: str) -> dict:
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    except RecursionError:
+        raise ConfigError(f"{source} nests too deeply to be a config") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source} must be a YAML mapping of config keys")
+    return data
+
+
 def _read_preset(preset: str) -> tuple[str, Any]:
-    """The YAML text of a shipped preset, or of a ``.yaml`` file the user names by path."""
+    """The parsed YAML of a shipped preset, or of a ``.yaml`` file the user names by path."""
     if preset.endswith((".yaml", ".yml")):
         path = Path(preset)
         if not path.is_file():
             raise ConfigError(f"--config: preset file {preset} does not exist")
-        text = path.read_text()
-    else:
-        resource = resources.files("ipuft.presets") / f"{preset}.yaml"
-        if not resource.is_file():
-            raise ConfigError(f"--config: unknown preset {preset!r}; presets: {choices(preset_names())} "
-                              f"(or a path to a .yaml file)")
-        text = resource.read_text()
-    try:
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--config: preset {preset} is not valid YAML: {str(exc).splitlines()[0]}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"--config: preset {preset} must be a YAML mapping of config keys")
-    return preset, data
+        return preset, read_config_data(path, f"--config: preset {preset}")
+    resource = resources.files("ipuft.presets") / f"{preset}.yaml"
+    if not resource.is_file():
+        raise ConfigError(f"--config: unknown preset {preset!r}; presets: {choices(preset_names())} "
+                          f"(or a path to a .yaml file)")
+    return preset, _parse_yaml(resource.read_text(), f"--config: preset {preset}")
 
 
 def _schema(sections: ConfigSectionRegistry | None) -> DictConfig:
@@ -103,15 +124,19 @@ def _parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
 
 
 def load_config(
-    preset: str | None = None,
+    preset: str | tuple[str, dict] | None = None,
     overrides: list[str] | tuple[str, ...] = (),
     sections: ConfigSectionRegistry | None = None,
 ) -> DictConfig:
-    """The resolved, validated, read-only config: schema ← preset ← ``key=value`` overrides."""
+    """The resolved, validated, read-only config: schema ← preset ← ``key=value`` overrides.
+
+    ``preset`` is a shipped preset's name, a YAML file's path, or ``(name, data)``: a mapping already
+    read (a checkpoint's config).
+    """
     schema = _schema(sections)
     cfg = schema.copy()
     if preset is not None:
-        name, data = _read_preset(preset)
+        name, data = _read_preset(preset) if isinstance(preset, str) else preset
         try:
             cfg = OmegaConf.merge(cfg, data)
         except OmegaConfBaseException as exc:
