@@ -3,8 +3,9 @@ clip_grad_norm_, on the same config, data and gradient accumulation, in one proc
 
     python bench/throughput.py [--steps N] [--repeats R] [KEY=VALUE ...]
 
-Prints tokens/s of each and the ratio ipuft / baseline, with offload off and on. The runs alternate and
-each figure is the median step time, since these machines are noisy. Not a test.
+Prints tokens/s of each and the ratio ipuft / baseline, with offload off and on in float32, and in bfloat16
+(ipuft with stochastic rounding, offload on) against transformers with its parameters in bfloat16. The runs
+alternate and each figure is the median step time, since these machines are noisy. Not a test.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ DEFAULTS = ["model.layers=4", "model.hidden_size=256", "model.attention.heads=8"
             "execution.device=cpu"]  # the transformers baseline runs on the CPU too
 
 
-def hf_model(cfg):
+def hf_model(cfg, dtype=torch.float32):
     from transformers import GPTJConfig, GPTJForCausalLM
 
     m = cfg.model
@@ -37,11 +38,11 @@ def hf_model(cfg):
                         n_layer=m.layers, n_head=m.attention.heads, rotary_dim=m.attention.rotary_dim,
                         n_inner=m.intermediate_size, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                         bos_token_id=0, eos_token_id=0)
-    return GPTJForCausalLM(hf_cfg).float().train()
+    return GPTJForCausalLM(hf_cfg).to(dtype).train()
 
 
-def baseline_step_fn(cfg, checkpointing: bool = False):
-    model = hf_model(cfg)
+def baseline_step_fn(cfg, checkpointing: bool = False, dtype=torch.float32):
+    model = hf_model(cfg, dtype)
     if checkpointing:  # recomputes each layer in the backward, as ipuft always does
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
             model.activation_checkpointing_enable({"use_reentrant": False})
@@ -56,7 +57,7 @@ def baseline_step_fn(cfg, checkpointing: bool = False):
         ga = batch.micro_batches
         for mb in range(ga):
             logits = model(batch.input_ids[mb]).logits
-            loss = F.cross_entropy(logits.flatten(0, 1), batch.labels[mb].flatten())
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), batch.labels[mb].flatten())
             (loss / ga).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), o.gradient_clipping)
         optimizer.step()
@@ -89,13 +90,15 @@ def main() -> None:
     base = DEFAULTS + args.overrides
     cfgs = {name: load_config("tiny", base + [f"execution.offload={off}"], sections)
             for name, off in (("offload_off", False), ("offload_on", True))}
+    bf16 = load_config("tiny", base + ["model.precision=bfloat16", "training.stochastic_rounding=true"], sections)
     cfg = cfgs["offload_off"]
     data = SampleData(cfg.model.embedding.vocab_size, cfg.model.sequence_length)
     batches = [data.batch(s, cfg.training.global_batch_size, cfg.execution.micro_batch_size) for s in range(args.steps)]
     tokens = cfg.training.global_batch_size * cfg.model.sequence_length
 
     runners = {"baseline": baseline_step_fn(cfg), "baseline_checkpointed": baseline_step_fn(cfg, checkpointing=True),
-               **{n: ipuft_step_fn(c, hooks) for n, c in cfgs.items()}}
+               **{n: ipuft_step_fn(c, hooks) for n, c in cfgs.items()},
+               "baseline_bf16": baseline_step_fn(cfg, dtype=torch.bfloat16), "bf16_sr": ipuft_step_fn(bf16, hooks)}
     for step in runners.values():
         step(batches[0])  # one untimed step each, as the reference's main()
     seconds = {name: [] for name in runners}
@@ -106,6 +109,7 @@ def main() -> None:
     result = {name: tokens / statistics.median(v) for name, v in seconds.items()}
     result.update({f"ratio_{n}": result[n] / result["baseline"] for n in cfgs})
     result.update({f"ratio_{n}_vs_checkpointed": result[n] / result["baseline_checkpointed"] for n in cfgs})
+    result["ratio_bf16_sr"] = result["bf16_sr"] / result["baseline_bf16"]
     result["config"] = {"layers": cfg.model.layers, "hidden": cfg.model.hidden_size, "seq": cfg.model.sequence_length,
                         "gbs": cfg.training.global_batch_size, "ga": cfg.gradient_accumulation,
                         "threads": torch.get_num_threads()}
@@ -119,6 +123,9 @@ def main() -> None:
     for n in cfgs:
         print(f"ipuft {n:<12}: {result[n]:10.1f} tokens/s   ratio {result[f'ratio_{n}']:.2f}x   "
               f"(vs checkpointed {result[f'ratio_{n}_vs_checkpointed']:.2f}x)")
+    print(f"baseline in bfloat16 (parameters and AdamW in bfloat16):        {result['baseline_bf16']:10.1f} tokens/s")
+    print(f"ipuft bfloat16, stochastic rounding, offload on: {result['bf16_sr']:10.1f} tokens/s   "
+          f"ratio {result['ratio_bf16_sr']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from collections.abc import Callable
 
@@ -60,8 +61,11 @@ def cli() -> None:
 @config_arguments
 def train(hooks: PluginHooks, cfg) -> None:
     """Fine-tune a model: the phased, offloaded training loop."""
+    from ipuft.precision import vanishing_updates_warning
     from ipuft.train import train as run_training
 
+    if (warning := vanishing_updates_warning(cfg)) is not None and os.environ.get("RANK", "0") == "0":
+        click.echo(f"ipuft: warning: {warning}", err=True)
     run_training(cfg, hooks)
 
 
@@ -71,11 +75,19 @@ def train(hooks: PluginHooks, cfg) -> None:
 def plan(hooks: PluginHooks, cfg, as_json: bool) -> None:
     """Print the step program and its memory and traffic estimate, without allocating the model."""
     from ipuft.model import build_model
-    from ipuft.plan import estimate, format_plan
+    from ipuft.plan import estimate, fit, format_fit, format_plan
+    from ipuft.precision import vanishing_updates_warning
 
     parts = build_model(cfg, hooks)
     result = estimate(cfg, parts, hooks)
-    click.echo(json.dumps(result, indent=2) if as_json else format_plan(result))
+    result["machine"] = fit(cfg, hooks, result)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+        return
+    click.echo(format_plan(result))
+    click.echo(format_fit(cfg, result["machine"]))
+    if (warning := vanishing_updates_warning(cfg)) is not None:
+        click.echo(f"ipuft: warning: {warning}", err=True)
 
 
 @cli.command()
@@ -99,12 +111,14 @@ def bench(hooks: PluginHooks, cfg, as_json: bool) -> None:
 @click.option("--hf", "out", required=True, metavar="OUT", help="The Hugging Face directory to write (new or empty).")
 @click.option("--max-shard-size", default=DEFAULT_SHARD_BYTES, show_default=True, type=click.IntRange(min=1),
               help="Bytes per safetensors shard; larger models get an index.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+              help="The exported weights' dtype (config.json's torch_dtype); default: the precision trained in.")
 @click.pass_obj
-def export(hooks: PluginHooks, checkpoint: str, out: str, max_shard_size: int) -> None:
+def export(hooks: PluginHooks, checkpoint: str, out: str, max_shard_size: int, dtype: str | None) -> None:
     """Write a checkpoint as a Hugging Face GPT-J directory (config.json + safetensors)."""
     from ipuft.export import export_hf
 
-    click.echo(f"wrote {export_hf(checkpoint, out, hooks, max_shard_size)}")
+    click.echo(f"wrote {export_hf(checkpoint, out, hooks, max_shard_size, dtype)}")
 
 
 @cli.command("eval")

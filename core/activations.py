@@ -3,7 +3,12 @@
 Row ``n`` of ``x`` holds the input of decoder layer ``n`` for each micro-batch (row ``L`` is the head's
 input); ``dx`` holds the gradients flowing back through the same boundaries. Only these layer inputs
 survive between phases; everything else is recomputed. The buffers sit on the compute device, or in
-host memory with ``execution.activation_offload=true``.
+host memory with ``execution.activation_offload=true``, in the compute dtype.
+
+An entry lives from its write until its consumer is done with it, so ``dx`` never holds more than the
+rows in flight: the backward of layer ``n`` consumes ``x[n]`` and ``dx[n+1]`` as it writes ``dx[n]``. The
+peak is the ``(L+1)·GA`` entries of ``x`` at the end of the forward (the reference allocates ``L+1`` rows
+of each of ``x`` and ``dx``).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ class ActivationBuffers:
         # Pinned host buffers make the copies asynchronous on CUDA, whether or not variables are offloaded.
         self.pin = offload and store.compute.type == "cuda"
         self._slots: dict[tuple[str, int, int], torch.Tensor] = {}
+        self.live = 0  # bytes of buffered activations (host or device), counted until a consumer is done
+        self.peak = 0  # their peak since the last clear()
 
     def write(self, kind: str, row: int, mb: int, tensor: torch.Tensor) -> None:
         """Keep ``tensor`` (on the compute device) as ``kind[row][mb]``."""
@@ -39,6 +46,8 @@ class ActivationBuffers:
         else:
             self.store.ledger.acquire(size)
         self._slots[(kind, row, mb)] = tensor.detach()
+        self.live += size
+        self.peak = max(self.peak, self.live)
 
     @contextmanager
     def read(self, kind: str, row: int, mb: int, consume: bool = False) -> Iterator[torch.Tensor]:
@@ -57,12 +66,15 @@ class ActivationBuffers:
         finally:
             if self.offload or consume:
                 self.store.ledger.release(size)
+            if consume:
+                self.live -= size
 
     def clear(self) -> None:
         """Drop every buffered activation (the end of a step)."""
         if not self.offload:
             self.store.ledger.release(sum(t.numel() * t.element_size() for t in self._slots.values()))
         self._slots.clear()
+        self.live = self.peak = 0
 
     def __len__(self) -> int:
         return len(self._slots)

@@ -17,18 +17,19 @@ import contextlib
 import math
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
 from ipuft.activations import ActivationBuffers, working_set
-from ipuft.components import IGNORE_INDEX, VariableSpec, bound, recompute
+from ipuft.components import IGNORE_INDEX, Init, VariableSpec, bound, recompute
 from ipuft.model import ModelParts
 from ipuft.optim import Optimizer, StepContext
 from ipuft.parallel import Layout, active
 from ipuft.placement import Placement
+from ipuft.precision import Recipe, compute_dtype, recipe, rounding_key, rounding_workspace, stochastic_round_
 from ipuft.program import Op, Phase
 from ipuft.scaling import LossScale
 from ipuft.store import Tensors, VariableStore, nbytes
@@ -66,6 +67,8 @@ class StepResult:
     traffic: dict[str, dict[str, int]] = field(default_factory=dict)
     skipped: bool = False
     loss_scale: float = 1.0
+    activation_bytes: int = 0  # the peak bytes of buffered activations (host or device)
+    variable_bytes: int = 0  # bytes of every variable this rank stores (host with offload, else device)
 
 
 @dataclass
@@ -92,17 +95,36 @@ def placements(parts: ModelParts, layout: Layout, rts: bool) -> dict[str, dict[s
             for role, specs in parts.variables.items()}
 
 
-def optimizer_state_specs(variables: list[VariableSpec], optimizer: Optimizer) -> list[VariableSpec]:
-    """The ``optim`` group of a unit with these variables (stored or full), named ``<variable>.<state>``."""
-    return [VariableSpec(f"{v.name}.{s.name}", s.shape, s.dtype, s.init)
-            for v in variables for s in optimizer.state_specs(v)]
+MASTER = "master"  # the optimizer-state name of a variable's float32 master copy (Recipe.master)
+
+
+def float32(spec: VariableSpec) -> VariableSpec:
+    """``spec`` with a float32 dtype: the view an optimizer sees, and what initializers produce."""
+    return replace(spec, dtype=torch.float32) if spec.dtype.is_floating_point else spec
+
+
+def optimizer_state_specs(variables: list[VariableSpec], optimizer: Optimizer,
+                          master: bool = False) -> list[VariableSpec]:
+    """The ``optim`` group of a unit with these variables (stored or full), named ``<variable>.<state>``.
+
+    The optimizer is asked about each variable's float32 view (it never sees 16-bit); with ``master`` each
+    variable also keeps its float32 master copy, ``<variable>.master``.
+    """
+    specs = []
+    for v in variables:
+        specs += [VariableSpec(f"{v.name}.{s.name}", s.shape, s.dtype, s.init)
+                  for s in optimizer.state_specs(float32(v))]
+        if master:
+            specs.append(VariableSpec(f"{v.name}.{MASTER}", v.shape, torch.float32, Init("zeros")))
+    return specs
 
 
 def initial_values(unit: str, specs: list[VariableSpec], seed: int) -> Tensors:
-    """A unit's full initial weights. Random inits draw from a generator seeded by ``seed`` and the
-    unit's name, so they depend neither on the number of units nor on the layout or device."""
+    """A unit's full initial weights. Random inits draw float32 from a generator seeded by ``seed`` and the
+    unit's name, so they depend neither on the number of units nor on the layout, device or precision
+    (a 16-bit weight starts as its float32 draw, rounded)."""
     generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(unit.encode()))
-    return {s.name: s.init.fill_(torch.empty(s.shape, dtype=s.dtype), generator) for s in specs}
+    return {s.name: s.init.fill_(torch.empty(s.shape, dtype=torch.float32), generator).to(s.dtype) for s in specs}
 
 
 class PhasedEngine:
@@ -118,6 +140,8 @@ class PhasedEngine:
         self.device = torch.device(device)
         self.layout = layout or active()
         self.placed = placements(parts, self.layout, bool(cfg.execution.rts))
+        self.dtype = compute_dtype(cfg)
+        self.recipe = recipe(cfg)
         self.scale = LossScale.from_config(cfg)
         self.dropout = cfg.model.dropout_prob > 0
         self.store = VariableStore(self.device, offload=cfg.execution.offload)
@@ -132,15 +156,23 @@ class PhasedEngine:
 
     def _allocate(self, initializer: Initializer) -> None:
         stores_grad = self.program.grad_units()
+        master = self.recipe is Recipe.master
         for unit in self.program.units():
             role = unit_role(unit)
             placed = self.placed[role]
             # One unit at a time: a rank never holds more than one unit's full weights besides its store.
-            full = initializer(unit, self.parts.variables[role])
-            self.store.put(unit, "fwd", {n: placed[n].to_stored(t) for n, t in full.items()})
+            # Initializers give float32 (a master copy starts from it); the store keeps the weights' dtype.
+            specs = {v.name: v for v in self.parts.variables[role]}
+            full = initializer(unit, [float32(v) for v in specs.values()])
+            wide = {n: placed[n].to_stored(t) for n, t in full.items()}
             del full
+            self.store.put(unit, "fwd", {n: t.to(specs[n].dtype) for n, t in wide.items()})
             stored = [p.stored_spec() for p in placed.values()]
-            self.store.allocate(unit, "optim", optimizer_state_specs(stored, self.optimizer))
+            self.store.allocate(unit, "optim", optimizer_state_specs(stored, self.optimizer, master))
+            if master:
+                optim = self.store.entries[unit]["optim"]
+                for n, t in wide.items():
+                    optim[f"{n}.{MASTER}"].copy_(t)
             if unit in stores_grad:
                 self.store.allocate(unit, "grad", stored)
 
@@ -161,6 +193,7 @@ class PhasedEngine:
         for i, phase in enumerate(phases):
             self._prefetch(phase, phases[i + 1] if i + 1 < len(phases) else None)
             self._run(phase, state)
+        activation_bytes = self.buffers.peak
         self.buffers.clear()
         if state.skip:
             self.updates -= 1  # Adam's bias correction counts updates that happened
@@ -182,6 +215,8 @@ class PhasedEngine:
             traffic=traffic,
             skipped=state.skip,
             loss_scale=state.loss_scale,
+            activation_bytes=activation_bytes,
+            variable_bytes=self.store.variable_bytes(),
         )
 
     def _prefetch(self, current: Phase, following: Phase | None) -> None:
@@ -210,10 +245,7 @@ class PhasedEngine:
             if op is Op.FORWARD:
                 self._forward(phase, module, weights, st.batch)
             elif op in (Op.LOSS_BACKWARD, Op.BACKWARD):
-                self.store.ledger.acquire(nbytes(weights.values()))  # the gradients autograd will fill
-                local = self._backward(phase, module, weights, st)
-                grads = {n: placed[n].reduce_gradient(g) for n, g in local.items()}
-                self.store.ledger.release(nbytes(local.values()) - nbytes(grads.values()))
+                grads = self._gradients(phase, module, weights, st)
                 self._add_to_norm(placed, grads, st)
             elif op is Op.GLOBAL_NORM:
                 if self.layout.distributed:
@@ -293,14 +325,38 @@ class PhasedEngine:
                         out = module(x)
                 self.buffers.write("x", x_out, mb, out)
 
-    def _backward(self, phase: Phase, module, weights: Tensors, st: _StepState) -> Tensors:
+    def _gradients(self, phase: Phase, module, weights: Tensors, st: _StepState) -> Tensors:
+        """The unit's gradient over every micro-batch, reduced over DP, in its stored form and its weights'
+        dtype (16-bit weights: accumulated in float32, rounded once at the end)."""
+        size = nbytes(weights.values())
+        wide = any(w.dtype != torch.float32 for w in weights.values())
+        # The gradients autograd fills, and for 16-bit weights the float32 sums beside them.
+        self.store.ledger.acquire(3 * size if wide else size)
+        local = self._backward(phase, module, weights, st, wide)
+        if wide:
+            self.store.ledger.release(size)  # autograd's 16-bit gradients are gone
+        placed = self.placed[phase.role]
+        grads = {n: placed[n].reduce_gradient(g).to(weights[n].dtype) for n, g in local.items()}
+        self.store.ledger.release(nbytes(local.values()) - nbytes(grads.values()))
+        return grads
+
+    def _backward(self, phase: Phase, module, weights: Tensors, st: _StepState, wide: bool) -> Tensors:
         """Loss-backward (head) or recompute-backward (decoder, embeddings) of every micro-batch; returns
-        the unit's gradients, summed over micro-batches by autograd itself (into the leaves' ``.grad``)."""
+        the unit's gradients summed over micro-batches: by autograd itself (into the leaves' ``.grad``), or
+        with ``wide`` into float32 sums, one micro-batch's 16-bit gradient at a time."""
         params = {n: t.detach().requires_grad_() for n, t in weights.items()}
+        sums: Tensors = {}
         with bound(module, params):
             for mb in range(st.batch.micro_batches):
                 self._backward_micro_batch(phase, module, list(params.values()), mb, st)
-        return {n: p.grad for n, p in params.items()}
+                if wide:
+                    for n, p in params.items():
+                        if n in sums:
+                            sums[n].add_(p.grad)
+                        else:
+                            sums[n] = p.grad.float()
+                        p.grad = None
+        return sums if wide else {n: p.grad for n, p in params.items()}
 
     def _backward_micro_batch(self, phase: Phase, module, params: list[torch.Tensor], mb: int, st: _StepState):
         """Run micro-batch ``mb``'s forward with gradient (the head's loss, or a recompute seeded by
@@ -343,7 +399,30 @@ class PhasedEngine:
             name, state = key.rsplit(".", 1)
             states[name][state] = t
         for name, w in weights.items():
-            self.optimizer.step(f"{phase.unit}.{name}", w, grads[name], states[name], ctx)
+            full_name = f"{phase.unit}.{name}"
+            if self.recipe is Recipe.exact:
+                self.optimizer.step(full_name, w, grads[name], states[name], ctx)
+            else:
+                self._update_16bit(phase, name, w, grads[name], states[name], ctx)
+
+    def _update_16bit(self, phase: Phase, name: str, weight: torch.Tensor, grad: torch.Tensor,
+                      state: dict[str, torch.Tensor], ctx: StepContext) -> None:
+        """Give the optimizer float32 views of a 16-bit weight and its gradient, then map the updated view
+        back into the weight by the run's recipe (see :mod:`ipuft.precision`)."""
+        master = state.pop(MASTER, None)
+        view = master if master is not None else weight.float()
+        grad = grad.float()
+        transient = nbytes([grad]) + (nbytes([view]) if master is None else 0)
+        transient += rounding_workspace(weight.numel()) if self.recipe is Recipe.stochastic else 0
+        self.store.ledger.acquire(transient)
+        self.optimizer.step(f"{phase.unit}.{name}", view, grad, state, ctx)
+        if self.recipe is Recipe.stochastic:
+            key = rounding_key(self.cfg.model.seed, phase.unit, name, ctx.step)
+            placed = self.placed[phase.role][name]
+            stochastic_round_(weight, view, key, lambda start, count: placed.full_indices(start, count, weight.device))
+        else:
+            weight.copy_(view)
+        self.store.ledger.release(transient)
 
     # ---- whole-model views ----
 

@@ -8,6 +8,7 @@ import math
 import shutil
 from pathlib import Path
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ipuft.checkpoint import WEIGHTS, checkpoint_config, find_checkpoint, read_meta, verify
@@ -17,19 +18,20 @@ from ipuft.hf import unit_mappings
 from ipuft.hf_checkpoint import HF_SHAPES
 from ipuft.model import build_model
 from ipuft.plugins import PluginHooks
+from ipuft.precision import DTYPES
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
 
 
-def hf_config(cfg: DictConfig, eos_id: int | None) -> dict:
+def hf_config(cfg: DictConfig, eos_id: int | None, dtype: str = "float32") -> dict:
     """A transformers GPTJConfig, as JSON, for the run's model: the shapes import reads back
-    (:data:`~ipuft.hf_checkpoint.HF_SHAPES`), and GPT-J's fixed settings."""
+    (:data:`~ipuft.hf_checkpoint.HF_SHAPES`), GPT-J's fixed settings, and the weights' ``dtype``."""
     config = {
         "architectures": ["GPTJForCausalLM"], "model_type": "gptj",
         **{hf: OmegaConf.select(cfg, key) for hf, key in HF_SHAPES.items()},
         "n_positions": max(cfg.model.sequence_length, 2048), "activation_function": "gelu_new",
         "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "tie_word_embeddings": False,
-        "torch_dtype": "float32",
+        "torch_dtype": dtype,
     }
     if eos_id is not None:
         config.update(bos_token_id=eos_id, eos_token_id=eos_id)
@@ -40,8 +42,10 @@ def _eos_id(tokenizer: Path) -> int | None:
     return load_tokenizer(str(tokenizer)).token_to_id(EOS) if tokenizer.exists() else None
 
 
-def export_hf(path: str | Path, out: str | Path, hooks: PluginHooks, shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
-    """Write checkpoint ``path`` (or a run directory's latest) as a Hugging Face directory ``out``."""
+def export_hf(path: str | Path, out: str | Path, hooks: PluginHooks, shard_bytes: int = DEFAULT_SHARD_BYTES,
+              dtype: str | None = None) -> Path:
+    """Write checkpoint ``path`` (or a run directory's latest) as a Hugging Face directory ``out``, its weights
+    in ``dtype`` (``float32``, ``bfloat16`` or ``float16``; by default the precision the run trained in)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -52,6 +56,9 @@ def export_hf(path: str | Path, out: str | Path, hooks: PluginHooks, shard_bytes
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"--hf {out} exists and is not empty; choose a new directory")
     cfg = checkpoint_config(checkpoint, hooks.registrations.config_sections)
+    dtype = dtype or cfg.model.precision.value
+    torch_dtype = DTYPES[dtype]
+    itemsize = torch.empty((), dtype=torch_dtype).element_size()
     parts = build_model(cfg, hooks)
     names = {f"{unit}.{local}": hf for unit, m in unit_mappings(parts.modules, cfg.model.layers).items()
              for local, hf in m.items()}
@@ -65,7 +72,7 @@ def export_hf(path: str | Path, out: str | Path, hooks: PluginHooks, shard_bytes
     size = total = 0
     for name in names:
         meta = handle.get_slice(name)
-        nbytes = math.prod(meta.get_shape()) * _ITEMSIZE[meta.get_dtype()]
+        nbytes = math.prod(meta.get_shape()) * itemsize
         if shards[-1] and size + nbytes > shard_bytes:
             shards.append([])
             size = 0
@@ -76,7 +83,7 @@ def export_hf(path: str | Path, out: str | Path, hooks: PluginHooks, shard_bytes
     weight_map = {}
     for i, shard in enumerate(shards, start=1):
         file = WEIGHTS if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file({names[n]: handle.get_tensor(n).contiguous() for n in shard}, str(out / file),
+        save_file({names[n]: handle.get_tensor(n).to(torch_dtype).contiguous() for n in shard}, str(out / file),
                   metadata={"format": "pt"})
         weight_map.update({names[n]: file for n in shard})
     if len(shards) > 1:
@@ -85,8 +92,6 @@ def export_hf(path: str | Path, out: str | Path, hooks: PluginHooks, shard_bytes
     tokenizer = checkpoint / "tokenizer.json"
     if tokenizer.exists():
         shutil.copyfile(tokenizer, out / "tokenizer.json")
-    (out / "config.json").write_text(json.dumps(hf_config(cfg, _eos_id(tokenizer)), indent=2))
+    (out / "config.json").write_text(json.dumps(hf_config(cfg, _eos_id(tokenizer), dtype), indent=2))
     return out
 
-
-_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}

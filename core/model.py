@@ -12,7 +12,7 @@ The shard specs must turn the first's shapes into the second's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from ipuft.components import ROLES, Component, ComponentBuilder, VariableSpec
 from ipuft.errors import PluginError
 from ipuft.plugins import PluginHooks
+from ipuft.precision import compute_dtype
 from ipuft.program import StepProgram
 from ipuft.sharding import ShardSpec, resolve_shard_specs
 
@@ -58,6 +59,10 @@ def build_model(cfg: DictConfig, hooks: PluginHooks) -> ModelParts:
     else:
         single = OmegaConf.merge(cfg, {"execution": {"tensor_parallel": 1}})
         variables = {role: build_component(single, b).variable_specs() for role, b in builders.items()}
+    # model.precision: every floating variable is stored and computed with in the run's dtype.
+    dtype = compute_dtype(cfg)
+    variables = {role: [replace(v, dtype=dtype) if v.dtype.is_floating_point else v for v in specs]
+                 for role, specs in variables.items()}
     shard_specs = {}
     for role, b in builders.items():
         who = f"{role} component {b.name!r}"

@@ -4,6 +4,11 @@ The engine calls :meth:`Optimizer.step` once per variable per optimizer step, on
 variable's accumulated gradient (still multiplied by the loss scale) and its optimizer state. The global
 gradient norm arrives finished, so clipping is the optimizer's to apply, as in the reference's
 ``AdamOptimizerStep(loss_scaling, global_norm, global_norm_max)``.
+
+An optimizer only ever sees float32: ``state_specs`` is asked about a variable's float32 view, and ``step``
+gets float32 ``weight`` and ``grad`` tensors and writes its float32 result into ``weight``. For 16-bit
+weights that ``weight`` is the float32 master copy or a float32 copy of the weight, which the engine then
+rounds into it (see :mod:`ipuft.precision`).
 """
 
 from __future__ import annotations

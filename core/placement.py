@@ -94,6 +94,27 @@ class Placement:
         _reduce_scatter_flat(out, self._padded_flat(local_grad), group=self.layout.dp_group)
         return out.div_(dp)
 
+    def full_indices(self, start: int, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The flat index in the full variable of each stored element ``start … start+count-1`` (int64).
+
+        Layout-free: one process, each TP shard and each RTS slice name every element alike. Padding
+        (a padded vocabulary row, the zeros that round an RTS slice up) maps to indices past the end.
+        """
+        local = torch.arange(start, start + count, dtype=torch.int64, device=device)
+        if self.sharded_over_dp:
+            local += self.layout.dp_rank * self.stored_shape[0]
+        full_shape = self.spec.shape
+        if self.shard.replicated_over_tp or self.layout.tensor_parallel == 1:
+            return local
+        dim = self.shard.tp_dim
+        inner = math.prod(self.local_shape[dim + 1 :])
+        rows = self.local_shape[dim]
+        outer, within = local.div(rows * inner, rounding_mode="floor"), local.remainder(rows * inner)
+        row = within.div(inner, rounding_mode="floor") + self.layout.tp_rank * rows
+        index = (outer * full_shape[dim] + row) * inner + within.remainder(inner)
+        padding = (row >= full_shape[dim]) | (local >= self.local_numel)
+        return torch.where(padding, math.prod(full_shape) + local, index)
+
     def norm_weight(self) -> float:
         """1 where this rank's stored gradient holds elements no other rank counts, else 0.
 

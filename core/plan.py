@@ -8,6 +8,7 @@ activations of its layer (measured by running the layer on the meta device).
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 
 import torch
@@ -20,6 +21,7 @@ from ipuft.model import ModelParts
 from ipuft.optim import Optimizer
 from ipuft.parallel import Layout
 from ipuft.plugins import PluginHooks
+from ipuft.precision import Recipe, compute_dtype, recipe, rounding_workspace
 from ipuft.program import Op
 
 TOKEN_BYTES = torch.empty((), dtype=torch.int64).element_size()
@@ -43,15 +45,23 @@ def group_bytes(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer) -> dic
     for unit in parts.program.units():
         role = unit_role(unit)
         stored = [p.stored_spec() for p in placed[role].values()]
-        sizes = {"fwd": _bytes(stored), "optim": _bytes(optimizer_state_specs(stored, optimizer))}
+        master = recipe(cfg) is Recipe.master
+        sizes = {"fwd": _bytes(stored), "optim": _bytes(optimizer_state_specs(stored, optimizer, master))}
         sizes["grad"] = sizes["fwd"] if unit in stores_grad else 0
         out[unit] = sizes
     return out
 
 
 def activation_bytes(cfg: DictConfig) -> int:
-    """One micro-batch's layer-boundary activation ``x[n][mb]`` (float32)."""
-    return cfg.execution.micro_batch_size * cfg.model.sequence_length * cfg.model.hidden_size * 4
+    """One micro-batch's layer-boundary activation ``x[n][mb]``, in the compute dtype."""
+    itemsize = torch.empty((), dtype=compute_dtype(cfg)).element_size()
+    return cfg.execution.micro_batch_size * cfg.model.sequence_length * cfg.model.hidden_size * itemsize
+
+
+def activation_peak_bytes(cfg: DictConfig) -> int:
+    """The peak bytes of the x/dx buffers: the ``(L+1)·GA`` entries of ``x`` live at the end of the
+    forward; ``dx`` holds only rows in flight, never more than the ``x`` entries already consumed."""
+    return (cfg.model.layers + 1) * cfg.gradient_accumulation * activation_bytes(cfg)
 
 
 def working_bytes(parts: ModelParts, role: str, cfg: DictConfig) -> int:
@@ -60,7 +70,7 @@ def working_bytes(parts: ModelParts, role: str, cfg: DictConfig) -> int:
     params = {v.name: torch.empty(v.shape, dtype=v.dtype, device="meta", requires_grad=True)
               for v in parts.modules[role].variable_specs()}
     ids = torch.zeros(mbs, seq, dtype=torch.int64, device="meta")
-    x = torch.empty(mbs, seq, hidden, device="meta", requires_grad=True)
+    x = torch.empty(mbs, seq, hidden, dtype=compute_dtype(cfg), device="meta", requires_grad=True)
     args = {"embeddings": (ids,), "decoder": (x,), "head": (x, ids)}[role]
     excluded = {id(t) for t in (*params.values(), x)}
     total = 0
@@ -113,21 +123,35 @@ def _activation_io(parts: ModelParts, phase) -> tuple[int, int]:
     return reads, writes
 
 
+def update_transient_bytes(cfg: DictConfig, parts: ModelParts, role: str) -> int:
+    """Bytes an optimizer step of a 16-bit unit of ``role`` adds on the device: the float32 views of its
+    largest variable and of that variable's gradient, and the stochastic rounding's workspace."""
+    how = recipe(cfg)
+    if how is Recipe.exact:
+        return 0
+    largest = max(v.numel for v in parts.variables[role])
+    views = largest * (4 if how is Recipe.master else 8)
+    return views + (rounding_workspace(largest) if how is Recipe.stochastic else 0)
+
+
 def device_peak_estimate(cfg: DictConfig, parts: ModelParts, sizes: dict[str, dict[str, int]]) -> int:
     """The largest phase's resident bytes: see the module docstring."""
-    ga, act = cfg.gradient_accumulation, activation_bytes(cfg)
-    layers = cfg.model.layers
+    act = activation_bytes(cfg)
     resident_vars = 0 if cfg.execution.offload else sum(sum(s.values()) for s in sizes.values())
     working = {role: working_bytes(parts, role, cfg) for role in ("embeddings", "decoder", "head")}
-    # Offloaded: one row in, one out and a gradient in flight; else the x rows of every layer boundary, and dx.
-    acts = 3 * act if cfg.execution.activation_offload else (layers + 2) * ga * act
+    # Offloaded: one row in, one out and a gradient in flight; else every buffered entry.
+    acts = 3 * act if cfg.execution.activation_offload else activation_peak_bytes(cfg)
+    # A 16-bit unit's backward holds autograd's 16-bit gradients and their float32 sums.
+    grad_factor = 1 if compute_dtype(cfg) == torch.float32 else 3
     peak = 0
     for phase in parts.program:
         unit = sizes[phase.unit]
         loaded = sum(unit[g] for g in phase.loads) if cfg.execution.offload else 0
         grads = unit["fwd"] if phase.computes_gradient and (cfg.execution.offload or not unit["grad"]) else 0
-        phase_peak = resident_vars + loaded + grads + (acts + working[phase.role] if phase.computes else 0)
-        peak = max(peak, phase_peak)
+        # The micro-batch loop, then the update: the second holds only the finished (16-bit) gradients.
+        compute = grad_factor * grads + acts + working[phase.role] if phase.computes else 0
+        update = grads + update_transient_bytes(cfg, parts, phase.role) if Op.OPTIMIZER_STEP in phase.ops else 0
+        peak = max(peak, resident_vars + loaded + max(compute, update))
     return peak
 
 
@@ -136,9 +160,10 @@ def estimate(cfg: DictConfig, parts: ModelParts, hooks: PluginHooks) -> dict:
     optimizer = hooks.registrations.build_optimizer(cfg)
     sizes = group_bytes(cfg, parts, optimizer)
     moved = traffic(cfg, parts, sizes)
-    host_vars = sum(sum(s.values()) for s in sizes.values()) if cfg.execution.offload else 0
-    host_acts = 2 * (cfg.model.layers + 1) * cfg.gradient_accumulation * activation_bytes(cfg) \
-        if cfg.execution.activation_offload else 0
+    variables = sum(sum(s.values()) for s in sizes.values())
+    host_vars = variables if cfg.execution.offload else 0
+    acts = activation_peak_bytes(cfg)
+    host_acts = acts if cfg.execution.activation_offload else 0
     program = []
     for phase in parts.program:
         program.append({
@@ -155,16 +180,107 @@ def estimate(cfg: DictConfig, parts: ModelParts, hooks: PluginHooks) -> dict:
         "tensor_parallel": cfg.execution.tensor_parallel,
         "rts": bool(cfg.execution.rts),
         "gradient_accumulation": cfg.gradient_accumulation,
+        "precision": cfg.model.precision.value,
+        "update": recipe(cfg).value,
         "offload": cfg.execution.offload,
         "activation_offload": cfg.execution.activation_offload,
         "program": program,
         "variables_bytes": {unit: s for unit, s in sizes.items()},
+        "variable_bytes": variables,
+        "activation_bytes": acts,
         "host_bytes": host_vars + host_acts,
         "device_peak_bytes": device_peak_estimate(cfg, parts, sizes),
         "h2d_bytes_per_step": sum(moved["h2d"].values()),
         "d2h_bytes_per_step": sum(moved["d2h"].values()),
         "traffic": moved,
     }
+
+
+# Settings that shrink a run's memory, tried one at a time (and all together) when it does not fit.
+_REMEDIES = (
+    {"execution": {"activation_offload": True}},
+    {"execution": {"offload": True}},
+    {"model": {"precision": "bfloat16"}, "training": {"stochastic_rounding": True, "master_weights": False}},
+)
+
+
+def machine_memory(cfg: DictConfig) -> dict:
+    """This machine's available host memory and, when the run computes on CUDA, the device's free memory."""
+    host = None
+    try:
+        for line in open("/proc/meminfo").read().splitlines():  # noqa: SIM115 (a one-shot read)
+            if line.startswith("MemAvailable:"):
+                host = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if host is None:
+        host = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    device = None
+    if cfg.execution.device.value != "cpu" and torch.cuda.is_available():
+        device = torch.cuda.mem_get_info()[0]
+    return {"host_available_bytes": host, "device_free_bytes": device}
+
+
+def _needs(cfg: DictConfig, result: dict, memory: dict) -> tuple[int, int | None]:
+    """Host bytes (every rank on this machine; the device's too when it is the CPU) and device bytes."""
+    world = cfg.execution.data_parallel * cfg.execution.tensor_parallel
+    host = result["host_bytes"] * world
+    if memory["device_free_bytes"] is None:
+        return host + result["device_peak_bytes"] * world, None
+    return host, result["device_peak_bytes"]
+
+
+def _fits(cfg: DictConfig, result: dict, memory: dict) -> bool:
+    host, device = _needs(cfg, result, memory)
+    return host <= memory["host_available_bytes"] and (device is None or device <= memory["device_free_bytes"])
+
+
+def fit(cfg: DictConfig, hooks: PluginHooks, result: dict, memory: dict | None = None) -> dict:
+    """Whether the planned run fits this machine (every rank of the layout on it), and if not, which of
+    a few memory-saving settings, alone or together, would make it fit."""
+    from omegaconf import OmegaConf
+
+    from ipuft.model import build_model
+
+    memory = memory or machine_memory(cfg)
+    host, device = _needs(cfg, result, memory)
+    out = {**memory, "host_needed_bytes": host, "device_needed_bytes": device, "fits": _fits(cfg, result, memory),
+           "would_fit_with": []}
+    if out["fits"]:
+        return out
+    changes = [c for c in _REMEDIES if OmegaConf.merge(cfg, c) != cfg]
+    together = OmegaConf.to_container(OmegaConf.merge(*changes)) if len(changes) > 1 else None
+    for change in [*changes, *([together] if together else [])]:
+        trial = OmegaConf.merge(cfg, change)
+        if _fits(trial, estimate(trial, build_model(trial, hooks), hooks), memory):
+            out["would_fit_with"].append(" ".join(f"{k}={v}" for k, v in _flatten(change)))
+    return out
+
+
+def _flatten(change: dict, prefix: str = "") -> list[tuple[str, object]]:
+    items = []
+    for key, value in change.items():
+        if isinstance(value, dict):
+            items += _flatten(value, f"{prefix}{key}.")
+        else:
+            items.append((f"{prefix}{key}", str(value).lower() if isinstance(value, bool) else value))
+    return items
+
+
+def format_fit(cfg: DictConfig, result: dict) -> str:
+    """One line: whether the run fits this machine, and what would make it fit."""
+    world = cfg.execution.data_parallel * cfg.execution.tensor_parallel
+    ranks = f" ({world} ranks on it)" if world > 1 else ""
+    parts = [f"host {_gib(result['host_needed_bytes'])} of {_gib(result['host_available_bytes'])} available"]
+    if result["device_needed_bytes"] is not None:
+        parts.append(f"device {_gib(result['device_needed_bytes'])} of {_gib(result['device_free_bytes'])} free")
+    verdict = "fits this machine" if result["fits"] else "does NOT fit this machine"
+    line = f"{verdict}{ranks}: {'; '.join(parts)}"
+    if not result["fits"]:
+        remedies = result["would_fit_with"]
+        line += ("; it would fit with " + " | ".join(remedies)) if remedies else \
+            "; none of activation offload, offload or bfloat16 makes it fit: add data-parallel machines (RTS)"
+    return line
 
 
 def _gib(n: int) -> str:

@@ -106,11 +106,13 @@ class VariableStore:
         if not self.offload:
             self.ledger.acquire(nbytes(home.values()))
 
+    def variable_bytes(self) -> int:
+        """Bytes of every variable this rank stores, wherever they live."""
+        return sum(nbytes(t.values()) for groups in self.entries.values() for t in groups.values())
+
     def host_bytes(self) -> int:
         """Bytes of every variable held in host memory (0 with offload off)."""
-        if not self.offload:
-            return 0
-        return sum(nbytes(t.values()) for groups in self.entries.values() for t in groups.values())
+        return self.variable_bytes() if self.offload else 0
 
     # ---- phase I/O ----
 

@@ -41,6 +41,7 @@ from ipuft.hf_checkpoint import hf_initializer
 from ipuft.model import ModelParts, build_model
 from ipuft.parallel import DistributedError, Layout, init_layout
 from ipuft.plugins import PluginHooks
+from ipuft.precision import Recipe
 from ipuft.schedule import learning_rate
 
 
@@ -116,7 +117,8 @@ def restore(engine: PhasedEngine, cfg: DictConfig, checkpoint: Path, data) -> in
     if cfg.checkpoint.optim_state and meta.get("optim_state"):
         state_of = checkpoint_initializer(checkpoint, OPTIM, verify_files=False)  # verified with the weights
         for unit in engine.program.units():
-            specs = optimizer_state_specs(engine.parts.variables[unit_role(unit)], engine.optimizer)
+            specs = optimizer_state_specs(engine.parts.variables[unit_role(unit)], engine.optimizer,
+                                          engine.recipe is Recipe.master)
             engine.load_full("optim", {unit: state_of(unit, specs)})
     engine.updates = int(meta.get("updates", meta["step"]))
     if "loss_scale" in meta:

@@ -16,7 +16,8 @@ from ipuft.plugins import create_plugin_manager
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Share the cores among pytest-xdist's workers: oversubscribed OpenMP threads spin and slow every test.
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
 
 
 @pytest.fixture(autouse=True)

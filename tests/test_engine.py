@@ -166,8 +166,10 @@ def test_counters_equal_the_plan(hooks, make_config, offload, activation_offload
         result = engine.step(batch, 1e-3)
         assert result.traffic == planned["traffic"]
         assert (result.h2d_bytes, result.d2h_bytes) == (planned["h2d_bytes_per_step"], planned["d2h_bytes_per_step"])
-    assert engine.store.host_bytes() == (planned["host_bytes"] if not activation_offload else
-                                         planned["host_bytes"] - 2 * 3 * 4 * 8 * 64 * 4)
+        # x[L+1][GA] at the end of the forward, wherever the buffers are; dx holds only rows in flight.
+        assert result.activation_bytes == planned["activation_bytes"] == 3 * 4 * 8 * 64 * 4
+    host_activations = planned["activation_bytes"] if activation_offload else 0
+    assert engine.store.host_bytes() == planned["host_bytes"] - host_activations
 
 
 def test_weight_traffic_does_not_depend_on_gradient_accumulation(hooks, make_config):

@@ -13,21 +13,64 @@ def plan(capsys, *args):
     return out
 
 
+LAYER = 4096 * 4096 * 4 + 4096 * 16384 * 2 + 16384 + 4096 + 2 * 4096  # q,k,v,out; fc_in, fc_out; biases; norm
+EMB, HEAD = 50400 * 4096, 2 * 4096 + 50400 * 4096 + 50400
+GIB = 2**30
+
+
 def test_gptj_6b_plans_without_allocating(capsys):
+    """The preset's recipe: float16 weights and activations, float32 Adam state, stochastic rounding."""
     result = json.loads(plan(capsys, "--config", "gptj-6b", "--json"))
     assert result["parameters"] == GPTJ_6B_PARAMETERS
-    layer = 4096 * 4096 * 4 + 4096 * 16384 * 2 + 16384 + 4096 + 2 * 4096  # q,k,v,out; fc_in, fc_out; biases; norm
-    emb, head = 50400 * 4096, 2 * 4096 + 50400 * 4096 + 50400
-    assert layer * 28 + emb + head == GPTJ_6B_PARAMETERS
-    f32 = 4
-    # weights, Adam's m and v, and the stored gradients of the decoder layers and the head.
-    assert result["host_bytes"] == f32 * (4 * GPTJ_6B_PARAMETERS - emb)
+    assert LAYER * 28 + EMB + HEAD == GPTJ_6B_PARAMETERS
+    assert (result["precision"], result["update"], result["activation_offload"]) == ("float16", "stochastic", True)
+    f16, f32 = 2, 4
+    # 16-bit weights, Adam's float32 m and v, and the 16-bit stored gradients of the decoder layers and the head.
+    assert result["variable_bytes"] == f16 * GPTJ_6B_PARAMETERS + 2 * f32 * GPTJ_6B_PARAMETERS + f16 * (
+        GPTJ_6B_PARAMETERS - EMB)
+    # x[L+1][GA] at the end of the forward, one micro-batch of 1024 tokens × 4096 in float16 each.
+    assert result["activation_bytes"] == 29 * 128 * 1024 * 4096 * f16
+    assert result["host_bytes"] == result["variable_bytes"] + result["activation_bytes"]
     # per step: each layer's weights cross 3 times, the embeddings' and head's twice; state and grads once.
-    assert result["traffic"]["h2d"]["fwd"] == f32 * (3 * 28 * layer + 2 * emb + 2 * head)
+    assert result["traffic"]["h2d"]["fwd"] == f16 * (3 * 28 * LAYER + 2 * EMB + 2 * HEAD)
     assert result["traffic"]["h2d"]["optim"] == f32 * 2 * GPTJ_6B_PARAMETERS
-    assert result["traffic"]["d2h"]["grad"] == f32 * (28 * layer + head)
+    assert result["traffic"]["d2h"]["grad"] == f16 * (28 * LAYER + HEAD)
     assert [p["phase"] for p in result["program"]][:2] == ["embeddings:forward", "decoder.0:forward"]
     assert len(result["program"]) == 3 * 28 + 4
+
+
+def test_gptj_6b_fits_one_small_gpu_and_a_large_host(capsys):
+    one = json.loads(plan(capsys, "--config", "gptj-6b", "--json"))
+    assert one["device_peak_bytes"] <= 4 * GIB
+    assert one["host_bytes"] <= 100 * GIB
+    eight = json.loads(plan(capsys, "--config", "gptj-6b", "execution.data_parallel=8", "--json"))
+    assert eight["rts"] is True
+    assert eight["host_bytes"] <= 14 * GIB
+    float32 = json.loads(plan(capsys, "--config", "gptj-6b", "model.precision=float32",
+                              "training.stochastic_rounding=false", "--json"))
+    assert float32["host_bytes"] > 140 * GIB  # what 16-bit saves
+
+
+def test_plan_says_whether_the_run_fits_and_what_would_make_it(hooks, make_config):
+    from ipuft.model import build_model
+    from ipuft.plan import estimate, fit, format_fit
+
+    cfg = make_config("model.layers=4", "model.hidden_size=256", "execution.activation_offload=true")
+    result = estimate(cfg, build_model(cfg, hooks), hooks)
+    needed = result["host_bytes"] + result["device_peak_bytes"]  # on the CPU the device is host memory too
+    roomy = fit(cfg, hooks, result, {"host_available_bytes": needed, "device_free_bytes": None})
+    assert roomy["fits"] and roomy["host_needed_bytes"] == needed
+    assert format_fit(cfg, roomy).startswith("fits this machine: host")
+    tight = fit(cfg, hooks, result, {"host_available_bytes": needed - 1, "device_free_bytes": None})
+    assert not tight["fits"]
+    assert tight["would_fit_with"] == ["model.precision=bfloat16 training.stochastic_rounding=true "
+                                       "training.master_weights=false"]
+    assert "does NOT fit this machine" in format_fit(cfg, tight) and "model.precision=bfloat16" in format_fit(cfg, tight)
+    cfg = make_config("model.layers=2", "model.sequence_length=128")  # the activations dominate the device
+    result = estimate(cfg, build_model(cfg, hooks), hooks)
+    gpu = fit(cfg, hooks, result, {"host_available_bytes": 10**12, "device_free_bytes": result["device_peak_bytes"] - 1})
+    assert not gpu["fits"] and gpu["device_needed_bytes"] == result["device_peak_bytes"]
+    assert "execution.activation_offload=true" in gpu["would_fit_with"]
 
 
 def test_plan_text_lists_phases_and_totals(capsys):
@@ -44,7 +87,8 @@ def test_activation_offload_moves_the_buffers_to_the_host(capsys):
     assert on["traffic"]["d2h"]["activation"] == 16 * act * (3 + 3)
     assert on["traffic"]["h2d"]["activation"] == 16 * act * ((2 + 1 + 2) + 3)
     assert "activation" not in off["traffic"]["h2d"]
-    assert on["host_bytes"] - off["host_bytes"] == 2 * 3 * 16 * act  # x and dx, L+1 rows of GA each
+    # x[L+1][GA] at the end of the forward; dx never holds more than the x entries already consumed.
+    assert on["host_bytes"] - off["host_bytes"] == 3 * 16 * act == on["activation_bytes"]
     assert on["device_peak_bytes"] <= off["device_peak_bytes"]
 
 
@@ -52,10 +96,11 @@ def test_rts_divides_per_rank_host_bytes_by_about_dp(capsys):
     plans = {dp: json.loads(plan(capsys, "--config", "gptj-6b", f"execution.data_parallel={dp}",
                                  "training.global_batch_size=128", "--json")) for dp in (1, 4)}
     assert plans[4]["rts"] is True and plans[1]["rts"] is False
-    assert 0.2499 <= plans[4]["host_bytes"] / plans[1]["host_bytes"] <= 0.2501
+    assert 0.2499 <= plans[4]["host_bytes"] / plans[1]["host_bytes"] <= 0.2501  # GA, and the activations, too
     assert 0.2499 <= plans[4]["traffic"]["h2d"]["fwd"] / plans[1]["traffic"]["h2d"]["fwd"] <= 0.2501
     no_rts = json.loads(plan(capsys, "--config", "gptj-6b", "execution.data_parallel=4", "execution.rts=false",
                              "--json"))
-    assert no_rts["host_bytes"] == plans[1]["host_bytes"]
+    assert no_rts["variable_bytes"] == plans[1]["variable_bytes"]
     tp = json.loads(plan(capsys, "--config", "gptj-6b", "execution.tensor_parallel=16", "--json"))
-    assert 1 / 16 < tp["host_bytes"] / plans[1]["host_bytes"] < 1.1 / 16  # layer norms are replicated
+    # layer norms are replicated
+    assert 1 / 16 < tp["variable_bytes"] / plans[1]["variable_bytes"] < 1.1 / 16

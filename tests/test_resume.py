@@ -40,14 +40,29 @@ def final_weights(run_dir):
     return load_file(str(ckpt / "model.safetensors")), load_file(str(ckpt / "optim.safetensors"))
 
 
-def test_exact_resume_is_bit_identical(hooks, tmp_path):
-    full = run(hooks, "training.steps=6", f"output_dir={tmp_path}/full")
-    run(hooks, "training.steps=6", "checkpoint.steps=3", f"output_dir={tmp_path}/crashed")
+PRECISIONS = {
+    "float32": [],
+    "bf16-sr": ["model.precision=bfloat16", "training.stochastic_rounding=true"],
+    "fp16-master-dynamic": ["model.precision=float16", "training.master_weights=true", "execution.loss_scaling=dynamic",
+                            "execution.loss_scaling_growth_interval=2"],
+}
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_exact_resume_is_bit_identical(hooks, tmp_path, precision):
+    recipe = PRECISIONS[precision]
+    full = run(hooks, "training.steps=6", f"output_dir={tmp_path}/full", *recipe)
+    run(hooks, "training.steps=6", "checkpoint.steps=3", f"output_dir={tmp_path}/crashed", *recipe)
     # The run "crashed" after its step-3 checkpoint: keep only that one and resume from it.
     step3 = tmp_path / "step3"
     shutil.copytree(tmp_path / "crashed" / "checkpoints" / "step-00000003", step3)
     assert read_meta(step3)["step"] == 3 and read_meta(step3)["data"]["samples_seen"] == 12
-    resumed = run(hooks, "training.steps=6", f"checkpoint.load={step3}", f"output_dir={tmp_path}/resumed")
+    weights, optim = final_weights(step3)
+    dtype = {"float32": torch.float32, "bf16-sr": torch.bfloat16, "fp16-master-dynamic": torch.float16}[precision]
+    assert all(t.dtype == dtype for t in weights.values())  # checkpoints keep the training dtype ...
+    assert all(t.dtype == torch.float32 for t in optim.values())
+    assert any(k.endswith(".master") for k in optim) == ("master" in precision)  # ... and the master copy
+    resumed = run(hooks, "training.steps=6", f"checkpoint.load={step3}", f"output_dir={tmp_path}/resumed", *recipe)
     assert [r["step"] for r in resumed] == [4, 5, 6]
     assert [r["loss"] for r in resumed] == [r["loss"] for r in full[3:]]
     assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in full[3:]]

@@ -89,7 +89,6 @@ REFERENCE_ONLY = {
     "execution.device_iterations": "PopXL runs several steps per host call; ipuft's host drives every step",
     "execution.attention_serialisation": "PopXL splits attention to bound its memory; "
                                          "scaled_dot_product_attention never materialises the T×T scores",
-    "training.stochastic_rounding": "an IPU float16 rounding mode; ipuft computes in float32",
 }
 
 

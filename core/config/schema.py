@@ -56,7 +56,9 @@ class ModelConfig:
     sequence_length: int = 2048
     eval: bool = False
     dropout_prob: float = 0.0
-    # The reference defaults to float16; ipuft computes in float32 until mixed precision lands.
+    # The dtype of the stored weights, of the compute and of the activation buffers. Loss, softmax, layer-norm
+    # statistics, gradient accumulation, the global norm and the optimizer stay float32. The reference used
+    # float16 (with loss scaling); the default stays float32, which needs neither rounding recipe.
     precision: Precision = Precision.float32
     seed: int = 42
     layer_norm_epsilon: float = 1e-5
@@ -95,6 +97,14 @@ class TrainingConfig:
     global_batch_size: int = 32
     # Stop when this many optimizer steps in a row are skipped for a non-finite loss or gradient norm.
     max_consecutive_skips: int = 10
+    # How a 16-bit weight takes its float32 update (model.precision bfloat16/float16); at most one of the two:
+    # - stochastic_rounding: the update is computed in float32 and rounded stochastically into the 16-bit
+    #   weight (the reference's recipe; no master copy, so 2 bytes per weight);
+    # - master_weights: a float32 master copy in the optimizer state takes the update and the 16-bit weight
+    #   is cast from it (4 more bytes per weight, the most exact).
+    # Neither: round to nearest, where updates smaller than half a 16-bit step vanish.
+    stochastic_rounding: bool = False
+    master_weights: bool = False
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
 
 

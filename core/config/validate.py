@@ -40,8 +40,13 @@ def derive_and_validate(cfg: DictConfig) -> None:
 
     model, execution, optim = cfg.model, cfg.execution, cfg.training.optimizer
     _require(0.0 <= model.dropout_prob < 1.0, "model.dropout_prob", f"must be in [0, 1), got {model.dropout_prob}")
-    _require(model.precision == Precision.float32, "model.precision",
-             f"only float32 is implemented so far (mixed precision is planned), got {model.precision.value}")
+    training = cfg.training
+    _require(not (training.stochastic_rounding and training.master_weights), "training.stochastic_rounding",
+             "and training.master_weights are two ways to update 16-bit weights; set at most one of them")
+    for recipe in ("stochastic_rounding", "master_weights"):
+        _require(not training[recipe] or model.precision != Precision.float32, f"training.{recipe}",
+                 "applies to 16-bit weights, but model.precision is float32; set model.precision=bfloat16 or "
+                 "float16, or drop it")
     scaling = execution.loss_scaling
     _require(scaling == "dynamic" or (isinstance(scaling, (int, float)) and not isinstance(scaling, bool)
                                       and scaling > 0), "execution.loss_scaling",

@@ -49,11 +49,12 @@ class GPTJLMHead(torch.nn.Module):
             logits = self.proj(self.norm(hidden))
             if labels is None:
                 return logits
-            return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX)
+            # The loss and its softmax are float32 whatever the weights' precision.
+            return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
         logits = self._local_logits(hidden)
         if labels is None:
             return gather_from_tensor_parallel(logits)[..., : self.vocab_size]
-        return self._sharded_cross_entropy(logits.flatten(0, -2), labels.flatten())
+        return self._sharded_cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
 
     def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary block of the logits; padded columns are pushed to the dtype's minimum."""
