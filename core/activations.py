@@ -3,7 +3,9 @@
 Row ``n`` of ``x`` holds the input of decoder layer ``n`` for each micro-batch (row ``L`` is the head's
 input); ``dx`` holds the gradients flowing back through the same boundaries. Only these layer inputs
 survive between phases; everything else is recomputed. The buffers sit on the compute device, or in
-host memory with ``execution.activation_offload=true``, in the compute dtype.
+host memory with ``execution.activation_offload=true``, in the compute dtype. Under tensor parallelism
+every TP rank holds the same activations, so each stores only its 1/TP slice of every entry (the
+reference's ``get_activ_shard_group``) and a read all-gathers the entry over the TP group.
 
 An entry lives from its write until its consumer is done with it, so ``dx`` never holds more than the
 rows in flight: the backward of layer ``n`` consumes ``x[n]`` and ``dx[n+1]`` as it writes ``dx[n]``. The
@@ -18,6 +20,7 @@ from contextlib import contextmanager
 
 import torch
 
+from ipuft.parallel import Layout, all_gather_flat
 from ipuft.store import VariableStore
 
 KINDS = ("x", "dx")
@@ -26,17 +29,23 @@ KINDS = ("x", "dx")
 class ActivationBuffers:
     """``x`` and ``dx`` rows of ``GA`` micro-batches each, on the device or offloaded to the host."""
 
-    def __init__(self, store: VariableStore, offload: bool) -> None:
+    def __init__(self, store: VariableStore, offload: bool, layout: Layout | None = None) -> None:
         self.store = store
         self.offload = offload
+        self.layout = layout or Layout()
         # Pinned host buffers make the copies asynchronous on CUDA, whether or not variables are offloaded.
         self.pin = offload and store.compute.type == "cuda"
         self._slots: dict[tuple[str, int, int], torch.Tensor] = {}
+        self._shapes: dict[tuple[str, int, int], torch.Size] = {}
         self.live = 0  # bytes of buffered activations (host or device), counted until a consumer is done
         self.peak = 0  # their peak since the last clear()
 
     def write(self, kind: str, row: int, mb: int, tensor: torch.Tensor) -> None:
-        """Keep ``tensor`` (on the compute device) as ``kind[row][mb]``."""
+        """Keep ``tensor`` (on the compute device) as ``kind[row][mb]``: this TP rank's slice of it."""
+        self._shapes[(kind, row, mb)] = tensor.shape
+        tp = self.layout.tensor_parallel
+        if tp > 1:
+            tensor = tensor.reshape(-1).chunk(tp)[self.layout.tp_rank].clone()
         size = tensor.numel() * tensor.element_size()
         if self.offload:
             host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.pin)
@@ -54,6 +63,7 @@ class ActivationBuffers:
         """``kind[row][mb]`` on the compute device for the duration of the block; ``consume`` frees it."""
         key = (kind, row, mb)
         stored = self._slots.pop(key) if consume else self._slots[key]
+        shape = self._shapes.pop(key) if consume else self._shapes[key]
         size = stored.numel() * stored.element_size()
         if self.offload:
             tensor = stored.to(self.store.compute, non_blocking=self.pin, copy=True)
@@ -61,9 +71,16 @@ class ActivationBuffers:
             self.store.ledger.acquire(size)
         else:
             tensor = stored
+        gathered = 0
+        if self.layout.tensor_parallel > 1:
+            full = tensor.new_empty(size * self.layout.tensor_parallel // tensor.element_size())
+            all_gather_flat(full, tensor, group=self.layout.tp_group)
+            tensor, gathered = full.view(shape), size * self.layout.tensor_parallel
+            self.store.ledger.acquire(gathered)
         try:
             yield tensor
         finally:
+            self.store.ledger.release(gathered)
             if self.offload or consume:
                 self.store.ledger.release(size)
             if consume:
@@ -74,6 +91,7 @@ class ActivationBuffers:
         if not self.offload:
             self.store.ledger.release(sum(t.numel() * t.element_size() for t in self._slots.values()))
         self._slots.clear()
+        self._shapes.clear()
         self.live = self.peak = 0
 
     def __len__(self) -> int:

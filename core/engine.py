@@ -145,7 +145,7 @@ class PhasedEngine:
         self.scale = LossScale.from_config(cfg)
         self.dropout = cfg.model.dropout_prob > 0
         self.store = VariableStore(self.device, offload=cfg.execution.offload)
-        self.buffers = ActivationBuffers(self.store, offload=cfg.execution.activation_offload)
+        self.buffers = ActivationBuffers(self.store, cfg.execution.activation_offload, self.layout)
         self.updates = 0  # optimizer steps taken; Adam's bias correction counts from 1
         self.modules = parts.modules
         for module in self.modules.values():

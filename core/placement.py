@@ -21,12 +21,9 @@ import torch
 import torch.distributed as dist
 
 from ipuft.components import VariableSpec
-from ipuft.parallel import Layout
+from ipuft.parallel import Layout, all_gather_flat, reduce_scatter_flat
 from ipuft.sharding import ShardSpec
 
-# torch 2.13 renamed the flat collectives; older releases only have the first names.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass(frozen=True)
@@ -79,7 +76,7 @@ class Placement:
         if not self.sharded_over_dp:
             return stored
         flat = stored.new_empty(stored.numel() * self.layout.data_parallel)
-        _all_gather_flat(flat, stored.contiguous(), group=self.layout.dp_group)
+        all_gather_flat(flat, stored.contiguous(), group=self.layout.dp_group)
         return flat[: self.local_numel].view(self.local_shape)
 
     def reduce_gradient(self, local_grad: torch.Tensor) -> torch.Tensor:
@@ -91,7 +88,7 @@ class Placement:
             dist.all_reduce(local_grad, group=self.layout.dp_group)
             return local_grad.div_(dp)
         out = local_grad.new_empty(self.stored_shape)
-        _reduce_scatter_flat(out, self._padded_flat(local_grad), group=self.layout.dp_group)
+        reduce_scatter_flat(out, self._padded_flat(local_grad), group=self.layout.dp_group)
         return out.div_(dp)
 
     def full_indices(self, start: int, count: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -58,10 +58,15 @@ def activation_bytes(cfg: DictConfig) -> int:
     return cfg.execution.micro_batch_size * cfg.model.sequence_length * cfg.model.hidden_size * itemsize
 
 
+def stored_activation_bytes(cfg: DictConfig) -> int:
+    """What one TP rank stores of one buffered activation: its 1/TP slice."""
+    return activation_bytes(cfg) // cfg.execution.tensor_parallel
+
+
 def activation_peak_bytes(cfg: DictConfig) -> int:
-    """The peak bytes of the x/dx buffers: the ``(L+1)·GA`` entries of ``x`` live at the end of the
-    forward; ``dx`` holds only rows in flight, never more than the ``x`` entries already consumed."""
-    return (cfg.model.layers + 1) * cfg.gradient_accumulation * activation_bytes(cfg)
+    """The peak bytes one rank's x/dx buffers hold: the ``(L+1)·GA`` entries of ``x`` live at the end of
+    the forward; ``dx`` holds only rows in flight, never more than the ``x`` entries already consumed."""
+    return (cfg.model.layers + 1) * cfg.gradient_accumulation * stored_activation_bytes(cfg)
 
 
 def working_bytes(parts: ModelParts, role: str, cfg: DictConfig) -> int:
@@ -93,7 +98,7 @@ def traffic(cfg: DictConfig, parts: ModelParts, sizes: dict[str, dict[str, int]]
     d2h: dict[str, int] = defaultdict(int)
     ga = cfg.gradient_accumulation
     h2d["data"] = 2 * ga * cfg.execution.micro_batch_size * cfg.model.sequence_length * TOKEN_BYTES
-    act = activation_bytes(cfg)
+    act = stored_activation_bytes(cfg)
     for phase in parts.program:
         if cfg.execution.offload:
             for group in phase.loads:
@@ -139,8 +144,13 @@ def device_peak_estimate(cfg: DictConfig, parts: ModelParts, sizes: dict[str, di
     act = activation_bytes(cfg)
     resident_vars = 0 if cfg.execution.offload else sum(sum(s.values()) for s in sizes.values())
     working = {role: working_bytes(parts, role, cfg) for role in ("embeddings", "decoder", "head")}
-    # Offloaded: one row in, one out and a gradient in flight; else every buffered entry.
-    acts = 3 * act if cfg.execution.activation_offload else activation_peak_bytes(cfg)
+    # Offloaded: one row in, one out and a gradient in flight (and their TP slices); else every buffered
+    # entry, and under TP the entries gathered from their slices.
+    tp = cfg.execution.tensor_parallel
+    if cfg.execution.activation_offload:
+        acts = 3 * act + (3 * stored_activation_bytes(cfg) if tp > 1 else 0)
+    else:
+        acts = activation_peak_bytes(cfg) + (3 * act if tp > 1 else 0)
     # A 16-bit unit's backward holds autograd's 16-bit gradients and their float32 sums.
     grad_factor = 1 if compute_dtype(cfg) == torch.float32 else 3
     peak = 0

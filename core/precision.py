@@ -95,9 +95,12 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def random_bits(key: int, index: torch.Tensor) -> torch.Tensor:
-    """32 random bits (int64 in [0, 2^32)) for each int64 ``index``, a pure function of ``(key, index)``."""
-    low, high = index & _MASK32, index >> 32
-    return _mix32(_mix32(low ^ key) ^ _mix32(high ^ (key ^ 0x9E3779B9)))
+    """32 random bits (int64 in [0, 2^32)) for each int64 ``index`` ≥ 0, a pure function of ``(key, index)``."""
+    high_key = key ^ 0x9E3779B9
+    if index.numel() and int(index.max()) < 1 << 32:  # the usual case: the high half mixes to one constant
+        high = int(_mix32(torch.tensor(high_key, dtype=torch.int64)))
+        return _mix32(_mix32((index & _MASK32) ^ key) ^ high)
+    return _mix32(_mix32((index & _MASK32) ^ key) ^ _mix32((index >> 32) ^ high_key))
 
 
 def round_stochastically(value: torch.Tensor, dtype: torch.dtype, bits: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,9 @@ def train_configs(rank: int, configs: dict[str, list[str]], steps: int, out: str
         planned = estimate(cfg, engine.parts, hooks)
         record = {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
                   "traffic": results[-1].traffic, "planned": planned["traffic"],
-                  "host_bytes": engine.store.host_bytes(), "planned_host": planned["host_bytes"],
+                  "host_bytes": engine.store.host_bytes(), "planned_host": planned["host_bytes"] - (
+                      planned["activation_bytes"] if cfg.execution.activation_offload else 0),
+                  "activation_bytes": results[-1].activation_bytes, "planned_activation": planned["activation_bytes"],
                   "reductions_per_step": per_step,
                   "variables": sum(len(v) for v in engine.weights().values())}
         torch.save({"weights": weights, **record} if rank == 0 else record, Path(out) / f"{name}.rank{rank}.pt")

@@ -29,10 +29,11 @@ COMMON = ["model.embedding.vocab_size=100", "execution.micro_batch_size=1", "tra
 
 
 def layout_configs(dp, tp):
-    """GA=2 on every replica, RTS on and off, offload on and off."""
+    """GA=2 on every replica, RTS on and off, offload (of the variables and the activations) on and off."""
     base = COMMON + [f"execution.data_parallel={dp}", f"execution.tensor_parallel={tp}",
                      f"training.global_batch_size={2 * dp}"]
-    return {f"rts{int(rts)}_off{int(off)}": base + [f"execution.rts={rts}", f"execution.offload={off}"]
+    return {f"rts{int(rts)}_off{int(off)}": base + [f"execution.rts={rts}", f"execution.offload={off}",
+                                                    f"execution.activation_offload={off}"]
             for rts in (True, False) for off in (True, False)}
 
 
@@ -71,6 +72,8 @@ def test_parallel_training_equals_one_process(hooks, tmp_path, dp, tp):
             mine = torch.load(tmp_path / f"{name}.rank{rank}.pt")
             assert mine["traffic"] == mine["planned"], (name, rank)
             assert mine["host_bytes"] == mine["planned_host"], (name, rank)
+            # each TP rank buffers 1/TP of every activation: x[L+1][GA] of them at the peak
+            assert mine["activation_bytes"] == 3 * 2 * 8 * 64 * 4 // tp == mine["planned_activation"], (name, rank)
             # one DP reduction per variable per step, after the micro-batch loop: not one per micro-batch
             assert mine["reductions_per_step"] == mine["variables"], (name, rank)
 

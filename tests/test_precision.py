@@ -79,6 +79,8 @@ def test_random_bits_are_a_pure_function_of_key_and_index():
     assert torch.equal(bits, random_bits(12345, index))
     assert torch.equal(bits[100:200], random_bits(12345, index[100:200]))  # independent of the chunking
     assert not torch.equal(bits, random_bits(12346, index))
+    small = torch.arange(1000)  # indices under 2^32 take a shortcut that must give the same bits
+    assert torch.equal(random_bits(12345, torch.cat([small, index]))[:1000], random_bits(12345, small))
     assert bits.min() >= 0 and bits.max() < 2**32
     uniform = bits.double() / 2**32
     assert abs(uniform.mean().item() - 0.5) < 5 * math.sqrt(1 / 12 / index.numel())
