@@ -20,7 +20,6 @@ from omegaconf import DictConfig
 
 from ipuft.errors import ConfigError, IpuftError
 
-
 # torch 2.13 renamed the flat collectives; older releases only have the second names.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -25,7 +25,6 @@ from ipuft.parallel import Layout, all_gather_flat, reduce_scatter_flat
 from ipuft.sharding import ShardSpec
 
 
-
 @dataclass(frozen=True)
 class Placement:
     """One variable's forms under ``layout``."""
