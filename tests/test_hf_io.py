@@ -56,6 +56,31 @@ def test_round_trip_is_bit_exact(hooks, tmp_path, how):
         assert torch.equal(exported[name], tensor), name
 
 
+@pytest.mark.parametrize("precision", ["bfloat16", "float32"])
+def test_a_float16_checkpoint_streams_into_any_precision_and_exports_in_any_dtype(hooks, tmp_path, precision):
+    cfg0 = load_config("tiny", [], hooks.registrations.config_sections)
+    model = hf_gptj(cfg0, seed=3).half()
+    model.save_pretrained(tmp_path / "hf16")
+    cfg = load_config(None, [f"model.hf_checkpoint={tmp_path / 'hf16'}", "model.sequence_length=8",
+                             "training.global_batch_size=2", f"model.precision={precision}"],
+                      hooks.registrations.config_sections)
+    engine = build_engine(cfg, hooks)
+    dtype = getattr(torch, precision)
+    from ipuft.checkpoint import save_checkpoint
+
+    ckpt = save_checkpoint(engine.full_weights(), cfg, tmp_path / "ckpts", 0)
+    assert all(t.dtype == dtype for t in load_file(str(ckpt / "model.safetensors")).values())
+    for exported_dtype in ("float16", "float32", None):
+        out = export_hf(ckpt, tmp_path / f"out-{exported_dtype}", hooks, dtype=exported_dtype)
+        written = json.loads((out / "config.json").read_text())["torch_dtype"]
+        assert written == (exported_dtype or precision)
+        exported = load_state(out)
+        for name, tensor in model.state_dict().items():
+            # float16 → the training precision (exact into float32, rounded into bfloat16) → the export dtype
+            expected = tensor.to(dtype).to(getattr(torch, written))
+            assert torch.equal(exported[name], expected), name
+
+
 def test_shapes_from_config_json_and_every_mismatch_listed(hooks, tmp_path):
     cfg0 = load_config("tiny", [], hooks.registrations.config_sections)
     _, src = save_hf(tmp_path, cfg0)
