@@ -145,6 +145,39 @@ def find_checkpoint(path: str | Path) -> Path:
 _PLACEMENT = ("output_dir", "checkpoint.save")
 
 
+# What a resumed run must keep from the run it resumes (unless checkpoint.allow_changes lists the key).
+RESUME_KEYS = (
+    "model.layers", "model.hidden_size", "model.intermediate_size", "model.embedding.vocab_size",
+    "model.attention.heads", "model.attention.rotary_dim", "model.precision", "training.global_batch_size",
+    "training.optimizer.name", "training.master_weights", "training.stochastic_rounding", "execution.loss_scaling",
+)  # fmt: skip
+
+
+def resume_differences(cfg: DictConfig, checkpoint: Path, meta: dict) -> list[str]:
+    """What would silently change if ``cfg`` resumed ``checkpoint``: each of :data:`RESUME_KEYS` that differs
+    from the checkpoint's config, and optimizer state the checkpoint lacks."""
+    from ipuft.config import read_config_data
+
+    source = checkpoint / "config.yaml"
+    if _sha256(source) != read_manifest(checkpoint)["config.yaml"]:
+        raise CheckpointError(f"checkpoint {checkpoint}: config.yaml does not match its checksum (corrupted)")
+    saved = read_config_data(source, f"checkpoint {checkpoint}: config.yaml")
+    refuse_interpolations(saved, str(source))
+    allowed = set(cfg.checkpoint.allow_changes)
+    found = []
+    for key in RESUME_KEYS:
+        node = saved
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        mine = OmegaConf.select(cfg, key)
+        mine = mine.value if hasattr(mine, "value") else mine
+        if key not in allowed and node is not None and node != mine:
+            found.append(f"{key} {str(node)[:40]} -> {mine}")
+    if cfg.checkpoint.optim_state and not meta["optim_state"] and "checkpoint.optim_state" not in allowed:
+        found.append("checkpoint.optim_state: the checkpoint has no optimizer state (Adam would restart from zero)")
+    return found
+
+
 def checkpoint_config(path: str | Path, sections, overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
     """The config a checkpoint (or a run directory's latest) was saved with, set to load that checkpoint
     (``checkpoint.load``), then ``overrides``; ``sections`` are the plugins' config sections.

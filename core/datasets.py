@@ -109,7 +109,26 @@ def read_rows(path: str | Path, name: str | None = None) -> Iterator[tuple[int, 
         raise DataError(f"{name}: unsupported file type {suffix or '(no suffix)'!r}; "
                         f"supported: {', '.join(READERS)}")
     if not path.is_file():
-        raise DataError(f"data.path: {name} does not exist")
+        raise DataError(f"data.path: {name} does not exist" if not path.exists() else
+                        f"data.path: {name} is not a regular file")
+    try:
+        yield from _rows(path, name, suffix)
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{name}: not UTF-8 text (byte {exc.object[exc.start:exc.start + 1]!r} at offset "
+                        f"{exc.start} of a read block); save it as UTF-8") from None
+    except RecursionError:
+        raise DataError(f"{name}: a row nests too deeply to be a training example") from None
+    except csv.Error as exc:
+        raise DataError(f"{name}: not a valid {suffix[1:].upper()} file ({exc})") from None
+    except OSError as exc:
+        raise DataError(f"{name} cannot be read ({exc.strerror or exc})") from None
+
+
+# A row longer than this is no training example (GPT-J's context is 2048 tokens): refused, not loaded.
+MAX_ROW_CHARS = 1 << 24
+
+
+def _rows(path: Path, name: str, suffix: str) -> Iterator[tuple[int, dict[str, Any]]]:
     if suffix in (".jsonl", ".json"):
         yield from _read_json(path, name)
     elif suffix in (".csv", ".tsv"):
@@ -143,7 +162,10 @@ def _read_json(path: Path, name: str) -> Iterator[tuple[int, dict[str, Any]]]:
             for number, row in enumerate(rows, 1):
                 yield number, _json_object(row, f"{name} row {number}")
             return
-        for number, line in enumerate(f, 1):
+        for number, line in enumerate(iter(lambda: f.readline(MAX_ROW_CHARS + 1), ""), 1):
+            if len(line) > MAX_ROW_CHARS:
+                raise DataError(f"{name} line {number}: longer than {MAX_ROW_CHARS:,} characters; a row is one "
+                                f"training example")
             if not line.strip():
                 continue
             try:

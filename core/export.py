@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -53,8 +55,8 @@ def export_hf(path: str | Path, out: str | Path, hooks: PluginHooks, shard_bytes
     verify(checkpoint)
     read_meta(checkpoint)
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise CheckpointError(f"--hf {out} exists and is not empty; choose a new directory")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"--hf {out} exists and is not an empty directory; choose a new directory")
     cfg = checkpoint_config(checkpoint, hooks.registrations.config_sections)
     dtype = dtype or cfg.model.precision.value
     torch_dtype = DTYPES[dtype]
@@ -79,19 +81,37 @@ def export_hf(path: str | Path, out: str | Path, hooks: PluginHooks, shard_bytes
         shards[-1].append(name)
         size += nbytes
         total += nbytes
-    out.mkdir(parents=True, exist_ok=True)
-    weight_map = {}
-    for i, shard in enumerate(shards, start=1):
-        file = WEIGHTS if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file({names[n]: handle.get_tensor(n).to(torch_dtype).contiguous() for n in shard}, str(out / file),
-                  metadata={"format": "pt"})
-        weight_map.update({names[n]: file for n in shard})
-    if len(shards) > 1:
-        (out / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    tokenizer = checkpoint / "tokenizer.json"
-    if tokenizer.exists():
-        shutil.copyfile(tokenizer, out / "tokenizer.json")
-    (out / "config.json").write_text(json.dumps(hf_config(cfg, _eos_id(tokenizer), dtype), indent=2))
+    # Written into a temporary directory beside ``out`` and renamed into place, as checkpoints are: a full
+    # disk, a read-only place or a kill leaves no partial export under the final name.
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    except OSError as exc:
+        raise CheckpointError(f"--hf {out} cannot be written ({exc.strerror or exc})") from None
+    try:
+        weight_map = {}
+        for i, shard in enumerate(shards, start=1):
+            file = WEIGHTS if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file({names[n]: handle.get_tensor(n).to(torch_dtype).contiguous() for n in shard}, str(tmp / file),
+                      metadata={"format": "pt"})
+            weight_map.update({names[n]: file for n in shard})
+        if len(shards) > 1:
+            (tmp / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        tokenizer = checkpoint / "tokenizer.json"
+        if tokenizer.exists():
+            shutil.copyfile(tokenizer, tmp / "tokenizer.json")
+        (tmp / "config.json").write_text(json.dumps(hf_config(cfg, _eos_id(tokenizer), dtype), indent=2))
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 is for the scratch directory, not the export
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        os.replace(tmp, out)
+    except Exception as exc:  # noqa: BLE001 (a full disk is an OSError, or safetensors' own error)
+        why = getattr(exc, "strerror", None) or str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc)
+        raise CheckpointError(f"--hf {out} cannot be written ({why}); nothing was left behind") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 

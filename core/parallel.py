@@ -82,10 +82,13 @@ def launched_world() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_layout(cfg: DictConfig, device: torch.device, timeout_s: float = 60.0) -> Layout:
-    """Join the process group torchrun set up and build the DP and TP groups; check the world size.
+def init_layout(cfg: DictConfig, device: torch.device) -> Layout:
+    """Join the process group torchrun set up and build the DP and TP groups; check the world size and
+    that every rank resolved the same config.
 
-    Every rank raises the same :class:`ConfigError` before any work starts when the world is not DP × TP.
+    Every rank raises the same :class:`ConfigError` before any work starts when the world is not DP × TP,
+    or when any rank's config differs from rank 0's. Collectives wait ``execution.collective_timeout_s``
+    for a peer before failing.
     """
     dp, tp = cfg.execution.data_parallel, cfg.execution.tensor_parallel
     world = launched_world()
@@ -99,7 +102,7 @@ def init_layout(cfg: DictConfig, device: torch.device, timeout_s: float = 60.0) 
         return activate(Layout())
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.execution.collective_timeout_s))
     rank = dist.get_rank()
     tp_group = dp_group = None
     # Every rank must create every group, in the same order.
@@ -111,7 +114,48 @@ def init_layout(cfg: DictConfig, device: torch.device, timeout_s: float = 60.0) 
         group = dist.new_group([d * tp + t for d in range(dp)]) if dp > 1 else None
         if rank % tp == t:
             dp_group = group
+    check_ranks_agree(cfg, device)
     return activate(Layout(dp, tp, rank, tp_group, dp_group))
+
+
+def check_ranks_agree(cfg: DictConfig, device: torch.device) -> None:
+    """Raise the same :class:`ConfigError` on every rank when any rank resolved another config than rank 0
+    (another override, preset or file): ranks that disagree would train on silently or hang."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    every = [json.loads(text) for text in _gather_text(json.dumps(OmegaConf.to_container(cfg, enum_to_str=True)), device)]
+    for rank, theirs in enumerate(every):
+        difference = _first_difference(every[0], theirs)
+        if difference is not None:
+            raise ConfigError(f"rank {rank} resolved another config than rank 0: {difference}; launch every rank "
+                              f"with the same --config and overrides")
+
+
+def _gather_text(text: str, device: torch.device) -> list[str]:
+    """Every rank's ``text``, in rank order, as bytes over the default group (on ``device``, which its
+    backend serves): nothing is pickled."""
+    data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device))
+    longest = max(int(n) for n in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data
+    parts = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in sizes]
+    dist.all_gather(parts, padded)
+    return [bytes(p[: int(n)].cpu().tolist()).decode() for p, n in zip(parts, sizes)]
+
+
+def _first_difference(a, b, key: str = "") -> str | None:
+    """The first key whose value differs between two config containers, as ``key: a vs b``."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b), key=str):
+            found = _first_difference(a.get(k), b.get(k), f"{key}.{k}" if key else str(k))
+            if found is not None:
+                return found
+        return None
+    return None if a == b else f"{key or 'config'} is {b!r} there, {a!r} on rank 0"
 
 
 # ---- tensor-parallel collectives, as paired autograd functions ----------------------------------------

@@ -281,9 +281,9 @@ def format_fit(cfg: DictConfig, result: dict) -> str:
     """One line: whether the run fits this machine, and what would make it fit."""
     world = cfg.execution.data_parallel * cfg.execution.tensor_parallel
     ranks = f" ({world} ranks on it)" if world > 1 else ""
-    parts = [f"host {_gib(result['host_needed_bytes'])} of {_gib(result['host_available_bytes'])} available"]
+    parts = [f"host {format_bytes(result['host_needed_bytes'])} of {format_bytes(result['host_available_bytes'])} available"]
     if result["device_needed_bytes"] is not None:
-        parts.append(f"device {_gib(result['device_needed_bytes'])} of {_gib(result['device_free_bytes'])} free")
+        parts.append(f"device {format_bytes(result['device_needed_bytes'])} of {format_bytes(result['device_free_bytes'])} free")
     verdict = "fits this machine" if result["fits"] else "does NOT fit this machine"
     line = f"{verdict}{ranks}: {'; '.join(parts)}"
     if not result["fits"]:
@@ -293,7 +293,8 @@ def format_fit(cfg: DictConfig, result: dict) -> str:
     return line
 
 
-def _gib(n: int) -> str:
+def format_bytes(n: int) -> str:
+    """``n`` bytes in GiB, or MiB under 64 MiB."""
     return f"{n / 2**30:,.3f} GiB" if n >= 2**26 else f"{n / 2**20:,.3f} MiB"
 
 
@@ -304,17 +305,17 @@ def format_plan(result: dict) -> str:
              f"offload={result['offload']}, activation_offload={result['activation_offload']}); "
              f"bytes are per rank:"]
     for p in result["program"]:
-        loads = ", ".join(f"{g} {_gib(b)}" for g, b in p["loads"].items()) or "-"
-        stores = ", ".join(f"{g} {_gib(b)}" for g, b in p["stores"].items()) or "-"
+        loads = ", ".join(f"{g} {format_bytes(b)}" for g, b in p["loads"].items()) or "-"
+        stores = ", ".join(f"{g} {format_bytes(b)}" for g, b in p["stores"].items()) or "-"
         lines.append(f"  {p['phase']:<48} load: {loads:<42} store: {stores}")
     lines += [
         f"parameters:           {result['parameters']:,}",
-        f"host memory (rank):   {_gib(result['host_bytes'])}",
-        f"device peak (est.):   {_gib(result['device_peak_bytes'])}",
-        f"host->device / step:  {_gib(result['h2d_bytes_per_step'])}",
-        f"device->host / step:  {_gib(result['d2h_bytes_per_step'])}",
+        f"host memory (rank):   {format_bytes(result['host_bytes'])}",
+        f"device peak (est.):   {format_bytes(result['device_peak_bytes'])}",
+        f"host->device / step:  {format_bytes(result['h2d_bytes_per_step'])}",
+        f"device->host / step:  {format_bytes(result['d2h_bytes_per_step'])}",
     ]
     for direction in ("h2d", "d2h"):
-        parts = ", ".join(f"{k} {_gib(v)}" for k, v in sorted(result["traffic"][direction].items()))
+        parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(result["traffic"][direction].items()))
         lines.append(f"  {direction} by kind:        {parts}")
     return "\n".join(lines)

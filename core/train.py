@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from contextlib import contextmanager, nullcontext
@@ -30,6 +32,7 @@ from ipuft.checkpoint import (
     find_checkpoint,
     read_meta,
     restore_rng,
+    resume_differences,
     save_checkpoint,
 )
 from ipuft.config import to_yaml
@@ -41,7 +44,7 @@ from ipuft.hf_checkpoint import hf_initializer
 from ipuft.model import ModelParts, build_model
 from ipuft.parallel import DistributedError, Layout, init_layout
 from ipuft.plugins import PluginHooks
-from ipuft.precision import Recipe
+from ipuft.precision import Recipe, recipe
 from ipuft.schedule import learning_rate
 
 
@@ -69,11 +72,11 @@ def initializer(cfg: DictConfig, parts: ModelParts) -> Initializer:
     return lambda unit, specs: initial_values(unit, specs, cfg.model.seed)
 
 
-def build_engine(cfg: DictConfig, hooks: PluginHooks) -> PhasedEngine:
-    """Join the process layout, then build the components, the optimizer and the engine."""
+def build_engine(cfg: DictConfig, hooks: PluginHooks, parts: ModelParts | None = None) -> PhasedEngine:
+    """Join the process layout, then build the components (unless given), the optimizer and the engine."""
     device = select_device(cfg)
     layout = init_layout(cfg, device)
-    parts = build_model(cfg, hooks)
+    parts = parts or build_model(cfg, hooks)
     optimizer = hooks.registrations.build_optimizer(cfg)
     torch.manual_seed(cfg.model.seed)
     return PhasedEngine(cfg, parts, optimizer, device, layout, initializer(cfg, parts))
@@ -192,6 +195,59 @@ def check_output_dir(cfg: DictConfig) -> None:
     raise ConfigError(f"output_dir: {out} already holds a run (metrics.jsonl); choose another directory")
 
 
+def checkpoint_bytes(cfg: DictConfig, parts: ModelParts, hooks: PluginHooks) -> int:
+    """The bytes of one checkpoint of this model: its full weights and, with ``checkpoint.optim_state``, the
+    optimizer state (and master copy)."""
+    optimizer = hooks.registrations.build_optimizer(cfg)
+    total = 0
+    for unit in parts.program.units():
+        variables = parts.variables[unit_role(unit)]
+        total += sum(v.nbytes for v in variables)
+        if cfg.checkpoint.optim_state:
+            master = recipe(cfg) is Recipe.master
+            total += sum(v.nbytes for v in optimizer_state_specs(variables, optimizer, master))
+    return total
+
+
+def check_run_paths(cfg: DictConfig, parts: ModelParts, hooks: PluginHooks) -> None:
+    """Before any weight is loaded or any file written: the run directory and the checkpoint root are (or
+    can be created as) writable directories, and the checkpoint root's file system has room for a
+    checkpoint of this model, so that a run never trains for hours to lose its checkpoint to a path."""
+    out = Path(cfg.output_dir) if cfg.output_dir is not None else Path("runs")
+    _check_writable_dir(out, "output_dir")
+    root = checkpoint_root(cfg, out)
+    if root is None:
+        return
+    _check_writable_dir(root, "checkpoint.save")
+    needed = checkpoint_bytes(cfg, parts, hooks)
+    free = shutil.disk_usage(_existing_ancestor(root)).free
+    if free < needed:
+        from ipuft.plan import format_bytes
+
+        raise ConfigError(f"checkpoint.save: {root} has {format_bytes(free)} free, but one checkpoint of this model "
+                          f"takes {format_bytes(needed)}; free space or save elsewhere")
+
+
+def _existing_ancestor(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _check_writable_dir(path: Path, key: str) -> None:
+    """``path`` is a directory we can write in, or can be created (probed with a directory made and removed)."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{key}: {path} exists and is not a directory")
+    base = _existing_ancestor(path)
+    if not base.is_dir():
+        raise ConfigError(f"{key}: {path} cannot be created: {base} is not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".ipuft-probe-", dir=base))
+    except OSError as exc:
+        raise ConfigError(f"{key}: {path} cannot be written ({exc.strerror or exc} in {base})") from None
+
+
 def run_directory(cfg: DictConfig) -> Path:
     """``output_dir``, or ``runs/<timestamp>`` (a fresh one); :func:`check_output_dir` has vetted ``output_dir``."""
     if cfg.output_dir is not None:
@@ -212,17 +268,42 @@ def metrics_record(step: int, result: StepResult, lr: float, tokens: int, second
     return record
 
 
+LOCK = ".ipuft.lock"
+
+
+@contextmanager
+def exclusive_run(out: Path, cfg: DictConfig):
+    """Hold an exclusive lock (``fcntl.flock`` on ``<run>/.ipuft.lock``) on the run directory for the life
+    of the run: a second run into it, or a resume of it while it trains, is refused with one line. The
+    output-directory check is repeated under the lock, for a run that got there first and has finished."""
+    import fcntl
+
+    fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(f"output_dir: {out} is in use by another ipuft run; wait for it to finish or "
+                              f"choose another output_dir") from None
+        check_output_dir(cfg)
+        yield
+    finally:
+        os.close(fd)
+
+
 def _metrics_file(out: Path, start: int):
-    """metrics.jsonl, keeping only the records up to ``start`` when resuming."""
+    """metrics.jsonl, keeping only the records up to ``start`` when resuming. Every line is checked before
+    anything is rewritten: a torn line (a run killed while writing it) or garbage is dropped."""
     path = out / "metrics.jsonl"
     kept = []
     if start and path.exists():
-        for line in path.read_text().splitlines():
+        for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # the last line of a run killed while writing it
-            if record["step"] <= start:
+            except (ValueError, RecursionError):
+                continue
+            step = record.get("step") if isinstance(record, dict) else None
+            if isinstance(step, int) and not isinstance(step, bool) and 0 < step <= start:
                 kept.append(line)
     f = open(path, "w")  # noqa: SIM115 (the caller owns the handle for the rest of the run)
     f.writelines(line + "\n" for line in kept)
@@ -240,25 +321,34 @@ def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[di
     """
     cfg = resolve_load(cfg)
     resumed = find_checkpoint(cfg.checkpoint.load) if cfg.checkpoint.load is not None else None
-    if resumed is not None and (done := read_meta(resumed)["step"]) >= cfg.training.steps:
-        raise ConfigError(f"training.steps: {resumed} is at step {done} and training.steps={cfg.training.steps}, "
-                          f"so there is nothing to train; raise training.steps")
+    if resumed is not None:
+        meta = read_meta(resumed)
+        if meta["step"] >= cfg.training.steps:
+            raise ConfigError(f"training.steps: {resumed} is at step {meta['step']} and training.steps="
+                              f"{cfg.training.steps}, so there is nothing to train; raise training.steps")
+        if differences := resume_differences(cfg, resumed, meta):
+            raise ConfigError(f"checkpoint.load: resuming {resumed} would change {'; '.join(differences)}; keep "
+                              f"them, or list the keys in checkpoint.allow_changes to accept the change")
     data = data_source(cfg)
     check_output_dir(cfg)
-    engine = build_engine(cfg, hooks)
+    parts = build_model(cfg, hooks)
+    if int(os.environ.get("RANK", "0")) == 0:  # rank 0 alone writes the run directory
+        check_run_paths(cfg, parts, hooks)
+    engine = build_engine(cfg, hooks, parts)
     start = restore(engine, cfg, resumed, data) if resumed is not None else 0
     main = engine.layout.is_main
     out = run_directory(cfg) if main else None
-    if main:
-        (out / "config.yaml").write_text(to_yaml(cfg))
+    lock = exclusive_run(out, cfg) if main else nullcontext()
     root = checkpoint_root(cfg, out) if main else (None if cfg.checkpoint.save is None else Path("."))
     steps = cfg.training.steps
     tokens = cfg.training.global_batch_size * cfg.model.sequence_length
     records, skips, saved = [], 0, None
     bar = tqdm(range(start, steps), desc="train", unit="step", disable=not (progress and main), dynamic_ncols=True,
                initial=start, total=steps)
-    with (_metrics_file(out, start) if main else nullcontext()) as metrics, collective_errors(engine.layout), \
-            _Signals() as signals:
+    with lock, (_metrics_file(out, start) if main else nullcontext()) as metrics, \
+            collective_errors(engine.layout), _Signals() as signals:
+        if main:
+            (out / "config.yaml").write_text(to_yaml(cfg))
         for step in bar:
             lr = learning_rate(step, steps, cfg.training.optimizer.learning_rate)
             batch = replica_batch(cfg, data, step, engine.layout)

@@ -69,7 +69,7 @@ CASES = [
     ("two-16bit-recipes", lambda t, r: ["train", "model.precision=bfloat16", "training.stochastic_rounding=true",
                                         "training.master_weights=true"], "set at most one of them"),
     ("negative-lr", lambda t, r: ["train", "training.optimizer.learning_rate.maximum=-1"], "must be >= 0"),
-    ("bad-loss-scaling", lambda t, r: ["train", "execution.loss_scaling=lots"], "must be a number > 0 or 'dynamic'"),
+    ("bad-loss-scaling", lambda t, r: ["train", "execution.loss_scaling=lots"], "must be a finite number > 0 or 'dynamic'"),
     ("tp-does-not-divide", lambda t, r: ["plan", "execution.tensor_parallel=3"], "not divisible by execution.tensor_parallel=3"),
     ("dp-tp-world-mismatch", lambda t, r: ["train", "--config", "tiny", "execution.data_parallel=2"],
      "but 1 process was launched"),
@@ -83,7 +83,23 @@ CASES = [
     ("checkpoint-meta-garbage", lambda t, r: ["train", "--config", "tiny",
                                               f"checkpoint.load={_damaged(t, r, 'meta.json', _garbage)}"], "meta.json"),
     ("checkpoint-other-shape", lambda t, r: ["train", "--config", "tiny", "model.layers=3",
+                                             "checkpoint.allow_changes=[model.layers,training.global_batch_size]",
                                              f"checkpoint.load={_checkpoint(t, r)}"], "lacks decoder.2"),
+    ("resume-other-shape", lambda t, r: ["train", "--config", "tiny", "model.layers=3", "training.global_batch_size=2",
+                                         f"checkpoint.load={_checkpoint(t, r)}"], "would change model.layers 2 -> 3;"),
+    ("resume-other-batch", lambda t, r: ["train", "--config", "tiny", "training.steps=3",
+                                         f"checkpoint.load={_checkpoint(t, r)}"], "would change training.global_batch_size 2 -> 16;"),
+    ("resume-other-loss-scaling", lambda t, r: ["train", "--config", "tiny", "training.steps=3", "training.global_batch_size=2",
+                                                "execution.loss_scaling=dynamic", f"checkpoint.load={_checkpoint(t, r)}"],
+     "would change execution.loss_scaling 1.0 -> dynamic"),
+    ("resume-unknown-optimizer", lambda t, r: ["train", "--config", "tiny", "training.steps=3", "training.global_batch_size=2",
+                                             "training.optimizer.name=sgd", f"checkpoint.load={_checkpoint(t, r)}"],
+     "unknown optimizer 'sgd'"),
+    ("resume-without-optimizer-state", lambda t, r: ["train", "--config", "tiny", "training.steps=3", "training.global_batch_size=2",
+                                                     f"checkpoint.load={_without_optim(t, r)}"], "the checkpoint has no optimizer state"),
+    ("resume-other-precision", lambda t, r: ["train", "--config", "tiny", "training.steps=3", "training.global_batch_size=2",
+                                             "model.precision=bfloat16", "training.stochastic_rounding=true",
+                                             f"checkpoint.load={_checkpoint(t, r)}"], "would change model.precision float32 -> bfloat16"),
     ("checkpoint-no-manifest", lambda t, r: ["train", "--config", "tiny",
                                              f"checkpoint.load={_damaged(t, r, 'manifest.json', Path.unlink)}"],
      "has no manifest.json"),
@@ -130,7 +146,7 @@ CASES = [
     ("sec-manifest-omits-corrupted-optim", lambda t, r: ["train", "--config", "tiny", "training.steps=3",
                                                          f"checkpoint.load={_unlisted_corruption(t, r, 'optim.safetensors')}"],
      "holds optim.safetensors, not listed in its manifest.json"),
-    ("sec-output-dir-holds-another-run", lambda t, r: ["train", "--config", "tiny", "training.steps=2",
+    ("sec-output-dir-holds-another-run", lambda t, r: ["train", "--config", "tiny", "training.steps=2", "training.global_batch_size=2",
                                                        f"checkpoint.load={_checkpoint(t, r)}", f"output_dir={_victim(t)}"],
      "checkpoint.load is not one of its checkpoints"),
     ("checkpoint-meta-negative-step", lambda t, r: ["train", "--config", "tiny", "training.steps=3",
@@ -140,7 +156,7 @@ CASES = [
     ("checkpoint-nothing-to-do", lambda t, r: ["train", "--config", "tiny", "training.steps=1",
                                                f"checkpoint.load={_checkpoint(t, r)}"], "nothing to train"),
     ("export-not-empty", lambda t, r: ["export", "--checkpoint", str(_checkpoint(t, r)),
-                                       "--hf", str(_write(t / "full" / "x", "mine").parent)], "exists and is not empty"),
+                                       "--hf", str(_write(t / "full" / "x", "mine").parent)], "exists and is not an empty directory"),
 ]
 
 
@@ -203,6 +219,14 @@ def _forged_manifest(tmp, trained, extra: dict, keep: bool = True) -> Path:
     checkpoint = _checkpoint(tmp, trained)
     manifest = json.loads((checkpoint / "manifest.json").read_text()) if keep else {}
     return _reseal(checkpoint, {**manifest, **extra})
+
+
+def _without_optim(tmp, trained) -> Path:
+    checkpoint = _checkpoint(tmp, trained)
+    (checkpoint / "optim.safetensors").unlink()
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    (checkpoint / "meta.json").write_text(json.dumps({**meta, "optim_state": False}))
+    return _reseal(checkpoint)
 
 
 def _linked(tmp, trained) -> Path:

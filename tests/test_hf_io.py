@@ -156,7 +156,7 @@ def test_export_refuses_a_non_empty_directory(hooks, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    with pytest.raises(CheckpointError, match="exists and is not empty"):
+    with pytest.raises(CheckpointError, match="exists and is not an empty directory"):
         export_hf(run, out, hooks)
     assert (out / "keep.txt").read_text() == "mine"
     with pytest.raises(CheckpointError, match="neither an ipuft checkpoint"):

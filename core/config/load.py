@@ -43,9 +43,25 @@ def read_config_data(path: Path, source: str) -> dict:
     return _parse_yaml(text, source)
 
 
+class _ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader without aliases: a config never needs them, and nested aliases (a "billion
+    laughs") expand exponentially once the config is merged."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.YAMLError(f"YAML aliases (*{event.anchor}) are not allowed in a config")
+        return super().compose_node(parent, index)
+
+
+def parse_yaml_value(text: str):
+    """A YAML scalar, list or mapping, parsed safely and without aliases."""
+    return yaml.load(text, Loader=_ConfigLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
 def _parse_yaml(text: str, source: str) -> dict:
     try:
-        data = yaml.safe_load(text) or {}
+        data = parse_yaml_value(text) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source} is not valid YAML: {str(exc).splitlines()[0]}") from None
     except RecursionError:
@@ -116,7 +132,7 @@ def _parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
         if not sep or not key or any(c.isspace() for c in key):
             raise ConfigError(f"argument {item!r} is not KEY=VALUE (for example training.steps=10)")
         try:
-            parsed.append((key, yaml.safe_load(value) if value else None))
+            parsed.append((key, parse_yaml_value(value) if value else None))
         except yaml.YAMLError:
             parsed.append((key, value))
     return parsed

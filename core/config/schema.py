@@ -125,6 +125,8 @@ class ExecutionConfig:
     activation_offload: bool = False
     # Replicated tensor sharding over the data-parallel ranks; null means "on when data_parallel > 1".
     rts: Optional[bool] = None
+    # How long a collective waits for a peer rank before the run stops with one line (a dead or stopped rank).
+    collective_timeout_s: float = 300.0
 
 
 @dataclass
@@ -136,6 +138,9 @@ class CheckpointConfig:
     steps: int = 0  # save every N steps (0: only at the end)
     to_keep: int = 4
     optim_state: bool = True
+    # Resuming checks that the model's shape, the global batch, the loss scaling, the precision recipe and
+    # the optimizer are those the checkpoint was saved with; keys listed here may differ.
+    allow_changes: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from omegaconf import DictConfig
 
 from ipuft.config.schema import Precision
@@ -17,6 +19,20 @@ _NON_NEGATIVE = (
     "training.steps", "training.optimizer.learning_rate.maximum", "training.optimizer.weight_decay",
     "checkpoint.steps",
 )  # fmt: skip
+# Finite and > 0: a zero or an infinity here makes every step NaN or a no-op.
+_POSITIVE_FINITE = (
+    "model.layer_norm_epsilon", "model.attention.rotary_positional_embeddings_base", "training.optimizer.eps",
+    "training.optimizer.gradient_clipping", "execution.loss_scaling_initial", "execution.collective_timeout_s",
+)  # fmt: skip
+# Upper bounds far above any real run, so that absurd sizes are one line, not a plan that never ends.
+_AT_MOST = {
+    "model.layers": 1 << 12, "model.hidden_size": 1 << 18, "model.intermediate_size": 1 << 20,
+    "model.sequence_length": 1 << 20, "model.embedding.vocab_size": 1 << 24, "model.attention.heads": 1 << 12,
+    "training.steps": 1 << 40, "training.global_batch_size": 1 << 24, "execution.micro_batch_size": 1 << 16,
+    "execution.data_parallel": 1 << 16, "execution.tensor_parallel": 1 << 12, "checkpoint.to_keep": 1 << 20,
+    "checkpoint.steps": 1 << 40, "training.max_consecutive_skips": 1 << 40,
+    "execution.loss_scaling_growth_interval": 1 << 40,
+}  # fmt: skip
 
 
 def _get(cfg: DictConfig, key: str):
@@ -37,6 +53,13 @@ def derive_and_validate(cfg: DictConfig) -> None:
         _require(_get(cfg, key) > 0, key, f"must be > 0, got {_get(cfg, key)}")
     for key in _NON_NEGATIVE:
         _require(_get(cfg, key) >= 0, key, f"must be >= 0, got {_get(cfg, key)}")
+    for key in (*_NON_NEGATIVE, *_POSITIVE_FINITE):
+        _require(math.isfinite(_get(cfg, key)), key, f"must be finite, got {_get(cfg, key)}")
+    for key in _POSITIVE_FINITE:
+        _require(_get(cfg, key) > 0, key, f"must be > 0, got {_get(cfg, key)}")
+    for key, limit in _AT_MOST.items():
+        value = _get(cfg, key)
+        _require(value is None or value <= limit, key, f"{value} is beyond any real run (at most {limit})")
 
     model, execution, optim = cfg.model, cfg.execution, cfg.training.optimizer
     _require(0.0 <= model.dropout_prob < 1.0, "model.dropout_prob", f"must be in [0, 1), got {model.dropout_prob}")
@@ -49,8 +72,8 @@ def derive_and_validate(cfg: DictConfig) -> None:
                  "float16, or drop it")
     scaling = execution.loss_scaling
     _require(scaling == "dynamic" or (isinstance(scaling, (int, float)) and not isinstance(scaling, bool)
-                                      and scaling > 0), "execution.loss_scaling",
-             f"must be a number > 0 or 'dynamic', got {scaling!r}")
+                                      and 0 < scaling < math.inf), "execution.loss_scaling",
+             f"must be a finite number > 0 or 'dynamic', got {scaling!r}")
     _require(execution.loss_scaling_initial > 0, "execution.loss_scaling_initial", "must be > 0")
     _require(execution.loss_scaling_growth_interval > 0, "execution.loss_scaling_growth_interval", "must be > 0")
     _require(cfg.training.max_consecutive_skips > 0, "training.max_consecutive_skips", "must be > 0")
