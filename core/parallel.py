@@ -125,7 +125,8 @@ def check_ranks_agree(cfg: DictConfig, device: torch.device) -> None:
 
     from omegaconf import OmegaConf
 
-    every = [json.loads(text) for text in _gather_text(json.dumps(OmegaConf.to_container(cfg, enum_to_str=True)), device)]
+    mine = json.dumps(OmegaConf.to_container(cfg, enum_to_str=True))
+    every = [json.loads(text) for text in _gather_text(mine, device)]
     for rank, theirs in enumerate(every):
         difference = _first_difference(every[0], theirs)
         if difference is not None:

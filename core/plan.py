@@ -281,9 +281,11 @@ def format_fit(cfg: DictConfig, result: dict) -> str:
     """One line: whether the run fits this machine, and what would make it fit."""
     world = cfg.execution.data_parallel * cfg.execution.tensor_parallel
     ranks = f" ({world} ranks on it)" if world > 1 else ""
-    parts = [f"host {format_bytes(result['host_needed_bytes'])} of {format_bytes(result['host_available_bytes'])} available"]
+    host, available = format_bytes(result["host_needed_bytes"]), format_bytes(result["host_available_bytes"])
+    parts = [f"host {host} of {available} available"]
     if result["device_needed_bytes"] is not None:
-        parts.append(f"device {format_bytes(result['device_needed_bytes'])} of {format_bytes(result['device_free_bytes'])} free")
+        device, free = format_bytes(result["device_needed_bytes"]), format_bytes(result["device_free_bytes"])
+        parts.append(f"device {device} of {free} free")
     verdict = "fits this machine" if result["fits"] else "does NOT fit this machine"
     line = f"{verdict}{ranks}: {'; '.join(parts)}"
     if not result["fits"]:
