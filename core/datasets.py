@@ -90,7 +90,8 @@ def resolve_data_path(path: str) -> Path:
         return Path(str(resources.files("ipuft.sample_data") / "mnli_sample.jsonl"))
     resolved = Path(path)
     if not resolved.is_file():
-        raise DataError(f"data.path: {path} does not exist")
+        raise DataError(f"data.path: {path} does not exist" if not resolved.exists() else
+                        f"data.path: {path} is not a regular file")
     return resolved
 
 

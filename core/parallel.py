@@ -100,18 +100,20 @@ def init_layout(cfg: DictConfig, device: torch.device) -> Layout:
         )
     if world == 1:
         return activate(Layout())
+    # Every group's collectives (not only the default group's) wait this long for a peer.
+    timeout = timedelta(seconds=cfg.execution.collective_timeout_s)
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.execution.collective_timeout_s))
+        dist.init_process_group(backend, timeout=timeout)
     rank = dist.get_rank()
     tp_group = dp_group = None
     # Every rank must create every group, in the same order.
     for d in range(dp):
-        group = dist.new_group([d * tp + t for t in range(tp)]) if tp > 1 else None
+        group = dist.new_group([d * tp + t for t in range(tp)], timeout=timeout) if tp > 1 else None
         if rank // tp == d:
             tp_group = group
     for t in range(tp):
-        group = dist.new_group([d * tp + t for d in range(dp)]) if dp > 1 else None
+        group = dist.new_group([d * tp + t for d in range(dp)], timeout=timeout) if dp > 1 else None
         if rank % tp == t:
             dp_group = group
     check_ranks_agree(cfg, device)

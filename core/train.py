@@ -343,12 +343,12 @@ def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[di
     steps = cfg.training.steps
     tokens = cfg.training.global_batch_size * cfg.model.sequence_length
     records, skips, saved = [], 0, None
-    bar = tqdm(range(start, steps), desc="train", unit="step", disable=not (progress and main), dynamic_ncols=True,
-               initial=start, total=steps)
     with lock, (_metrics_file(out, start) if main else nullcontext()) as metrics, \
             collective_errors(engine.layout), _Signals() as signals:
         if main:
             (out / "config.yaml").write_text(to_yaml(cfg))
+        bar = tqdm(range(start, steps), desc="train", unit="step", disable=not (progress and main),
+                   dynamic_ncols=True, initial=start, total=steps)
         for step in bar:
             lr = learning_rate(step, steps, cfg.training.optimizer.learning_rate)
             batch = replica_batch(cfg, data, step, engine.layout)

@@ -155,6 +155,44 @@ CASES = [
                                                 f"checkpoint.load={_forged_meta(t, r, step=1e30)}"], "step must be an integer"),
     ("checkpoint-nothing-to-do", lambda t, r: ["train", "--config", "tiny", "training.steps=1",
                                                f"checkpoint.load={_checkpoint(t, r)}"], "nothing to train"),
+    # Values: non-finite, non-positive where that makes no sense, and absurd sizes (answered at once).
+    ("value-infinite-lr", lambda t, r: ["train", "training.optimizer.learning_rate.maximum=inf"], "must be finite, got inf"),
+    ("value-nan-weight-decay", lambda t, r: ["train", "training.optimizer.weight_decay=nan"], "training.optimizer.weight_decay"),
+    ("value-infinite-loss-scale", lambda t, r: ["train", "execution.loss_scaling=.inf"], "must be a finite number > 0"),
+    ("value-zero-layer-norm-eps", lambda t, r: ["train", "model.layer_norm_epsilon=0"], "model.layer_norm_epsilon: must be > 0"),
+    ("value-zero-rotary-base", lambda t, r: ["train", "model.attention.rotary_positional_embeddings_base=0"],
+     "rotary_positional_embeddings_base: must be > 0"),
+    ("value-absurd-layers", lambda t, r: ["plan", "model.layers=10000000000000000000000"], "model.layers: 10000000000000000000000 is beyond any real run"),
+    ("value-absurd-hidden", lambda t, r: ["plan", "model.hidden_size=1099511627776"], "model.hidden_size: 1099511627776 is beyond"),
+    ("value-absurd-batch", lambda t, r: ["train", "training.global_batch_size=1000000000000"], "training.global_batch_size: 1000000000000 is beyond"),
+    ("value-yaml-alias-bomb", lambda t, r: ["train", "--config", str(_write(t / "bomb.yaml", _alias_bomb()))], "YAML aliases"),
+    # The environment: paths of the wrong kind, unreadable or non-UTF-8 data, deep or huge rows, binary presets.
+    ("env-output-dir-is-a-file", lambda t, r: ["train", "--config", "tiny", f"output_dir={_write(t / 'afile', 'x')}"],
+     "exists and is not a directory"),
+    ("env-output-dir-in-proc", lambda t, r: ["train", "--config", "tiny", "output_dir=/proc/ipuft-run"], "output_dir: /proc/ipuft-run cannot be written"),
+    ("env-checkpoint-save-under-a-file", lambda t, r: ["train", "--config", "tiny", f"checkpoint.save={_write(t / 'f', 'x')}/ck"],
+     "cannot be created"),
+    ("env-data-not-utf8", lambda t, r: ["train", "--config", "tiny", *SAMPLE, f"data.path={_write_bytes(t / 'b.jsonl', b'{}' + bytes([255, 254]) + b'')}"],
+     "not UTF-8 text"),
+    ("env-data-lone-surrogate", lambda t, r: ["train", "--config", "tiny", *SAMPLE,
+                                              f"data.path={_write_bytes(t / 's.csv', b'premise,hypothesis,label' + bytes([10, 0xed, 0xa0, 0x80]) + b',b,0')}"],
+     "not UTF-8 text"),
+    ("env-data-deep-json", lambda t, r: ["train", "--config", "tiny", *SAMPLE, f"data.path={_write(t / 'd.jsonl', '[' * 100000 + ']' * 100000)}"],
+     "nests too deeply"),
+    ("env-data-huge-row", lambda t, r: ["train", "--config", "tiny", *SAMPLE,
+                                        f"data.path={_write(t / 'h.jsonl', json.dumps(dict(MNLI, premise='a' * (1 << 24))))}"],
+     "longer than 16,777,216 characters"),
+    ("env-data-huge-csv-field", lambda t, r: ["train", "--config", "tiny", *SAMPLE,
+                                              f"data.path={_write(t / 'h.csv', 'premise,hypothesis,label' + chr(10) + 'a' * 200000 + ',b,0')}"],
+     "not a valid CSV file"),
+    ("env-data-is-a-directory", lambda t, r: ["train", "--config", "tiny", *SAMPLE, f"data.path={_mkdir(t / 'dir.jsonl')}"],
+     "is not a regular file"),
+    ("env-binary-preset", lambda t, r: ["train", "--config", str(_write_bytes(t / "bin.yaml", bytes(range(256)) * 4))],
+     "cannot be read as UTF-8 text"),
+    ("export-into-a-file", lambda t, r: ["export", "--checkpoint", str(_checkpoint(t, r)), "--hf", str(_write(t / "file", "mine"))],
+     "exists and is not an empty directory"),
+    ("export-into-proc", lambda t, r: ["export", "--checkpoint", str(_checkpoint(t, r)), "--hf", "/proc/ipuft-export"],
+     "cannot be written"),
     ("export-not-empty", lambda t, r: ["export", "--checkpoint", str(_checkpoint(t, r)),
                                        "--hf", str(_write(t / "full" / "x", "mine").parent)], "exists and is not an empty directory"),
 ]
@@ -164,6 +202,19 @@ def _write(path: Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return path
+
+
+def _write_bytes(path: Path, data: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+def _alias_bomb() -> str:
+    """A "billion laughs": nine levels of nine aliases each, a billion leaves once expanded."""
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 10)]
+    return "model:\n  layers: 2\n" + "\n".join(lines) + "\n"
 
 
 def _mkdir(path: Path) -> Path:
@@ -322,3 +373,6 @@ def test_plugin_that_raises_on_import(fake_dist, capsys):
 
 def test_corpus_is_large_enough():
     assert len(CASES) + 1 >= 25
+    classes = ("sec-", "value-", "env-", "resume-", "checkpoint-meta-", "export-")
+    for prefix in classes:
+        assert sum(c[0].startswith(prefix) for c in CASES) >= 2, prefix

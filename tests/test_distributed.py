@@ -251,3 +251,47 @@ def test_torchrun_end_to_end(hooks, tmp_path):
     for s, r in enumerate(records):
         expected = engine.step(replica_batch(cfg, data, s, engine.layout), r["lr"])
         assert rel(r["loss"], expected.loss) <= 1e-5 and rel(r["grad_norm"], expected.grad_norm) <= 1e-5
+
+
+def test_a_rank_with_another_config_is_refused_at_start(tmp_path):
+    port = free_port()
+    out = tmp_path / "run"
+    base = [sys.executable, "-m", "ipuft.cli.main", "train", "--config", "tiny", "execution.data_parallel=2",
+            "training.global_batch_size=2", f"output_dir={out}"]
+    lrs = ["training.optimizer.learning_rate.maximum=1e-5", "training.optimizer.learning_rate.maximum=3e-4"]
+    procs = [subprocess.Popen([*base, lrs[r]], env=rank_env(r, 2, port), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 2, err
+        assert err == ("ipuft: error: rank 1 resolved another config than rank 0: "
+                       "training.optimizer.learning_rate.maximum is 0.0003 there, 1e-05 on rank 0; launch every rank "
+                       "with the same --config and overrides\n")
+    assert not out.exists()
+
+
+def test_a_stopped_rank_makes_the_others_exit_within_the_collective_timeout(tmp_path):
+    port = free_port()
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "ipuft.cli.main", "train", "--config", "tiny", "execution.data_parallel=2",
+           "training.global_batch_size=2", "training.steps=1000000", "execution.collective_timeout_s=5",
+           f"output_dir={out}"]
+    procs = [subprocess.Popen(cmd, env=rank_env(r, 2, port), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True) for r in range(2)]
+    try:
+        deadline = time.time() + 90
+        while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").stat().st_size > 0):
+            assert time.time() < deadline, "training never started"
+            assert all(p.poll() is None for p in procs), procs[0].stderr.read()
+            time.sleep(0.2)
+        procs[1].send_signal(signal.SIGSTOP)
+        stopped = time.time()
+        _, err = procs[0].communicate(timeout=60)
+        assert time.time() - stopped < 5 + 20  # the timeout, and the time to report and exit
+        assert procs[0].returncode == 1, err
+        assert "Traceback" not in err
+        assert err.splitlines()[-1].startswith("ipuft: error: rank 0: a peer rank died or stopped responding")
+    finally:
+        procs[1].send_signal(signal.SIGCONT)
+        procs[1].kill()
+        procs[1].wait()

@@ -1,0 +1,215 @@
+"""The ``ipuft`` commands: train, plan, bench, eval, generate, export, config show, plugins, and whatever
+subcommands plugins add. :func:`run` is the error boundary: every error a user can cause is printed as one
+line on stderr with exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from collections.abc import Callable
+
+import click
+
+from ipuft.cli.main import fail
+from ipuft.config import load_config, preset_names, to_yaml
+from ipuft.errors import IpuftError
+from ipuft.export import DEFAULT_SHARD_BYTES
+from ipuft.plugins import PluginHooks, create_plugin_manager
+
+DEFAULT_PRESET = "small-cpu"
+
+
+def config_arguments(command: Callable) -> Callable:
+    """``--config PRESET`` and ``KEY=VALUE ...`` overrides, resolved into ``cfg`` for the command."""
+
+    @click.option("--config", "preset", default=DEFAULT_PRESET, show_default=True, metavar="PRESET",
+                  help=f"A shipped preset ({', '.join(preset_names())}) or a path to a .yaml file.")
+    @click.option("--checkpoint", "checkpoint", default=None, metavar="PATH",
+                  help="Start from an ipuft checkpoint (or a run directory's latest): its config is the preset.")
+    @click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
+    @click.pass_obj
+    @functools.wraps(command)
+    def wrapper(hooks: PluginHooks, preset: str, checkpoint: str | None, overrides: tuple[str, ...], **kwargs):
+        sections = hooks.registrations.config_sections
+        if checkpoint is not None:
+            from ipuft.checkpoint import checkpoint_config
+
+            cfg = checkpoint_config(checkpoint, sections, overrides)
+        else:
+            cfg = load_config(preset, overrides, sections)
+        hooks.registrations.check(cfg)
+        return command(hooks, cfg, **kwargs)
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="ipuft")
+def cli() -> None:
+    """Fine-tune GPT-J-family models larger than the accelerator's memory."""
+
+
+@cli.command()
+@config_arguments
+def train(hooks: PluginHooks, cfg) -> None:
+    """Fine-tune a model: the phased, offloaded training loop."""
+    from ipuft.precision import vanishing_updates_warning
+    from ipuft.train import train as run_training
+
+    if (warning := vanishing_updates_warning(cfg)) is not None and os.environ.get("RANK", "0") == "0":
+        click.echo(f"ipuft: warning: {warning}", err=True)
+    run_training(cfg, hooks)
+
+
+@cli.command()
+@config_arguments
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def plan(hooks: PluginHooks, cfg, as_json: bool) -> None:
+    """Print the step program and its memory and traffic estimate, without allocating the model."""
+    from ipuft.model import build_model
+    from ipuft.plan import estimate, fit, format_fit, format_plan
+    from ipuft.precision import vanishing_updates_warning
+
+    parts = build_model(cfg, hooks)
+    result = estimate(cfg, parts, hooks)
+    result["machine"] = fit(cfg, hooks, result)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+        return
+    click.echo(format_plan(result))
+    click.echo(format_fit(cfg, result["machine"]))
+    if (warning := vanishing_updates_warning(cfg)) is not None:
+        click.echo(f"ipuft: warning: {warning}", err=True)
+
+
+@cli.command()
+@config_arguments
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def bench(hooks: PluginHooks, cfg, as_json: bool) -> None:
+    """Build the program, run one untimed step, then five timed steps; print the throughput."""
+    from ipuft.train import benchmark
+
+    result = benchmark(cfg, hooks)
+    if as_json:
+        click.echo(json.dumps(result))
+    else:
+        click.echo(f"Duration: {result['duration_s']:.4f} s  Throughput: {result['samples_per_s']:.1f} samples/s "
+                   f"{result['tokens_per_s']:.1f} tokens/s")
+
+
+@cli.command()
+@click.option("--checkpoint", "checkpoint", required=True, metavar="PATH",
+              help="An ipuft checkpoint, or a run directory (its latest checkpoint).")
+@click.option("--hf", "out", required=True, metavar="OUT", help="The Hugging Face directory to write (new or empty).")
+@click.option("--max-shard-size", default=DEFAULT_SHARD_BYTES, show_default=True, type=click.IntRange(min=1),
+              help="Bytes per safetensors shard; larger models get an index.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+              help="The exported weights' dtype (config.json's torch_dtype); default: the precision trained in.")
+@click.pass_obj
+def export(hooks: PluginHooks, checkpoint: str, out: str, max_shard_size: int, dtype: str | None) -> None:
+    """Write a checkpoint as a Hugging Face GPT-J directory (config.json + safetensors)."""
+    from ipuft.export import export_hf
+
+    click.echo(f"wrote {export_hf(checkpoint, out, hooks, max_shard_size, dtype)}")
+
+
+@cli.command("eval")
+@config_arguments
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--task", type=click.Choice(["loss", "mnli"]), default="loss", show_default=True,
+              help="loss: mean token loss and perplexity; mnli: label accuracy by greedy generation.")
+def eval_command(hooks: PluginHooks, cfg, as_json: bool, task: str) -> None:
+    """Evaluate on data.path. Weights come from checkpoint.load or model.hf_checkpoint."""
+    from ipuft.evaluate import evaluate_loss, evaluate_mnli
+
+    if cfg.checkpoint.load is None and cfg.model.hf_checkpoint is None:
+        click.echo("ipuft: note: no checkpoint.load or model.hf_checkpoint: evaluating random weights", err=True)
+    result = evaluate_mnli(cfg, hooks) if task == "mnli" else evaluate_loss(cfg, hooks)
+    if as_json:
+        click.echo(json.dumps(result))
+    elif task == "mnli":
+        click.echo(f"accuracy {result['accuracy']:.4f} ({result['correct']}/{result['examples']})")
+    else:
+        click.echo(f"loss {result['loss']:.4f}  perplexity {result['perplexity']:.3f}  tokens {result['tokens']}")
+
+
+@cli.command()
+@click.option("--checkpoint", "path", required=True, metavar="PATH",
+              help="An ipuft checkpoint or run directory, or a Hugging Face GPT-J directory.")
+@click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0),
+              help="0: greedy decoding.")
+@click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0), help="0: off.")
+@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(min=0.0, max=1.0, min_open=True))
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the sampling.")
+@click.argument("prompt")
+@click.pass_obj
+def generate(hooks: PluginHooks, path: str, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
+             seed: int, prompt: str) -> None:
+    """Continue PROMPT with a KV cache, greedily or by sampling; stops at <|endoftext|>."""
+    import torch
+
+    from ipuft.evaluate import EOS, inference_config, inference_model, tokenizer_for
+    from ipuft.generate import generate as run_generate
+
+    cfg = inference_config(path, hooks)
+    tokenizer = tokenizer_for(cfg)
+    parts, weights = inference_model(cfg, hooks)
+    ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+    if not ids:
+        raise click.UsageError("the prompt is empty after tokenization")
+    new = run_generate(parts.modules, weights, cfg.model.layers, ids, max_new_tokens, temperature=temperature,
+                       top_k=top_k, top_p=top_p, eos_id=tokenizer.token_to_id(EOS),
+                       generator=torch.Generator(next(iter(weights["head"].values())).device).manual_seed(seed))
+    click.echo(prompt + tokenizer.decode(new, skip_special_tokens=False))
+
+
+@cli.group("config")
+def config_group() -> None:
+    """Inspect the resolved config."""
+
+
+@config_group.command("show")
+@config_arguments
+def config_show(hooks: PluginHooks, cfg) -> None:
+    """Print the resolved config (schema ← preset ← overrides) as YAML."""
+    click.echo(to_yaml(cfg), nl=False)
+
+
+@cli.command("plugins")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list.")
+@click.pass_obj
+def plugins_command(hooks: PluginHooks, as_json: bool) -> None:
+    """List the installed plugins: name, distribution, version and what each registers."""
+    described = hooks.describe()
+    if as_json:
+        click.echo(json.dumps(described, indent=2))
+        return
+    for p in described:
+        click.echo(f"{p['name']}  ({p['distribution']} {p['version']})")
+        for kind in ("components", "optimizers", "config_sections"):
+            if p[kind]:
+                click.echo(f"    {kind.replace('_', ' ')}: {', '.join(p[kind])}")
+
+
+def run(argv: list[str] | None = None) -> None:
+    """Run the command line on ``argv``; see :func:`ipuft.cli.main.main`."""
+    try:
+        hooks = create_plugin_manager()
+        hooks.registrations  # noqa: B018 - surface registration errors before any command runs
+        hooks.register_commands(cli)
+        cli.main(args=argv, prog_name="ipuft", obj=hooks, standalone_mode=False)
+    except IpuftError as exc:
+        fail(str(exc), exc.exit_code)
+    except click.exceptions.Abort:
+        fail("aborted", 130)
+    except click.ClickException as exc:
+        fail(exc.format_message(), exc.exit_code)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        fail("interrupted", 130)
+
