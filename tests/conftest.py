@@ -62,3 +62,18 @@ def fake_dist(tmp_path, monkeypatch):
                 del sys.modules[module]
 
     return install
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A finished tiny run with a checkpoint (``run/``), and a tiny Hugging Face directory (``hf/``)."""
+    from hf_reference import hf_gptj
+
+    from ipuft.train import train
+
+    root = tmp_path_factory.mktemp("corpus")
+    hooks = create_plugin_manager()
+    train(load_config("tiny", ["training.steps=1", "training.global_batch_size=2", f"output_dir={root}/run"],
+                      hooks.registrations.config_sections), hooks, progress=False)
+    hf_gptj(load_config("tiny", [])).save_pretrained(root / "hf")
+    return root

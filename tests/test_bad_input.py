@@ -6,23 +6,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from hf_reference import hf_gptj
 
 from ipuft.cli.main import main
-from ipuft.config import load_config
-from ipuft.plugins import create_plugin_manager
-from ipuft.train import train
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A finished tiny run with a checkpoint, and a tiny Hugging Face directory."""
-    root = tmp_path_factory.mktemp("corpus")
-    hooks = create_plugin_manager()
-    train(load_config("tiny", ["training.steps=1", "training.global_batch_size=2", f"output_dir={root}/run"],
-                      hooks.registrations.config_sections), hooks, progress=False)
-    hf_gptj(load_config("tiny", [])).save_pretrained(root / "hf")
-    return root
 
 
 def _checkpoint(tmp, trained):

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_bad_input import MNLI, SAMPLE, _checkpoint, _reseal, snapshot, trained  # noqa: F401 (the fixture)
+from test_bad_input import MNLI, SAMPLE, _checkpoint, _reseal, snapshot
 
 from ipuft.cli.main import main
 
@@ -162,7 +162,7 @@ def test_fuzzed_inputs_never_end_in_a_traceback_or_in_silence(tmp_path_factory, 
             code = 0
         except SystemExit as exc:
             code = exc.code
-        out, err = capsys.readouterr()
+        _, err = capsys.readouterr()
         assert "Traceback" not in err, (argv, err)
         if code in (0, None):
             metrics = tmp / "run" / "metrics.jsonl"
