@@ -116,16 +116,24 @@ def save_checkpoint(full_weights: dict[str, dict[str, torch.Tensor]], cfg: DictC
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync(root)
+    # A run resumed from an older checkpoint abandons the ones after it: its newest save is "latest".
+    for later in checkpoints(root):
+        if _step_of(later) > step:
+            shutil.rmtree(later, ignore_errors=True)
     if keep:
         for old in checkpoints(root)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     return final
 
 
+def _step_of(checkpoint: Path) -> int:
+    return int(checkpoint.name.split("-")[1])
+
+
 def checkpoints(root: Path) -> list[Path]:
     """The finished checkpoints under ``root``, oldest first."""
-    found = [p for p in root.glob("step-*") if (p / "meta.json").exists()]
-    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+    found = [p for p in root.glob("step-*") if p.name[5:].isdigit() and (p / "meta.json").exists()]
+    return sorted(found, key=_step_of)
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -370,7 +378,15 @@ def restore_rng(checkpoint: Path) -> None:
     """Set the RNG states a checkpoint saved."""
     from safetensors.torch import load_file
 
-    rng = load_file(str(checkpoint / STATE))
-    torch.set_rng_state(rng["torch"])
+    try:
+        rng = load_file(str(checkpoint / STATE))
+    except Exception as exc:  # noqa: BLE001 (safetensors' own errors, reported as one line)
+        raise CheckpointError(f"{checkpoint / STATE} cannot be read: {type(exc).__name__}: {exc}") from None
+    expected = torch.get_rng_state()
+    saved = rng.get("torch")
+    if saved is None or saved.dtype != expected.dtype or saved.shape != expected.shape:
+        raise CheckpointError(f"{checkpoint / STATE}: 'torch' must be the CPU generator's state, a uint8 tensor of "
+                              f"shape {tuple(expected.shape)}")
+    torch.set_rng_state(saved)
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])

@@ -47,6 +47,10 @@ class Template:
             if value is None:
                 present = ", ".join(k for k, v in row.items() if v is not None) or "(no fields)"
                 raise DataError(f"{where}: template field {name!r} is missing; the row has: {present}")
+            if isinstance(value, bool) or not isinstance(value, (str, int)):
+                # A dict, list or float would be stringified silently (a label 1.0 is no label).
+                raise DataError(f"{where}: template field {name!r} is {type(value).__name__} "
+                                f"({str(value)[:40]}), not text or an integer")
             if name == "label" and self.labels:
                 value = self._label_name(value, where)
             values[name] = value
@@ -59,8 +63,6 @@ class Template:
         return prompt, target
 
     def _label_name(self, value: Any, where: str) -> Any:
-        if isinstance(value, bool):
-            return value
         if isinstance(value, str) and value.strip().lstrip("-").isdigit():
             value = int(value.strip())
         if not isinstance(value, int):

@@ -29,6 +29,7 @@ from ipuft.checkpoint import (
     OPTIM,
     checkpoint_initializer,
     checkpoint_root,
+    checkpoints,
     find_checkpoint,
     read_meta,
     restore_rng,
@@ -180,18 +181,25 @@ def collective_errors(layout: Layout):
                                f"stopping") from None
 
 
+FINISHED = ".ipuft-finished"  # written into the run directory when a run has trained all its steps
+
+
 def check_output_dir(cfg: DictConfig) -> None:
     """Refuse an ``output_dir`` that already holds a run, unless this run resumes from one of that run's
-    own checkpoints (checked on every rank)."""
+    own checkpoints (checked on every rank). A run killed before its first checkpoint holds nothing to
+    lose: starting it again starts afresh."""
     if cfg.output_dir is None or not (Path(cfg.output_dir) / "metrics.jsonl").exists():
         return
     out = Path(cfg.output_dir)
+    root = checkpoint_root(cfg, out)
     if cfg.checkpoint.load is not None:
-        root = checkpoint_root(cfg, out)
         if root is not None and find_checkpoint(cfg.checkpoint.load).resolve().parent == root.resolve():
             return
         raise ConfigError(f"output_dir: {out} already holds a run (metrics.jsonl) and checkpoint.load is not one of "
                           f"its checkpoints; choose another output_dir")
+    saved = root is not None and root.is_dir() and checkpoints(root)
+    if not saved and not (out / FINISHED).exists():
+        return
     raise ConfigError(f"output_dir: {out} already holds a run (metrics.jsonl); choose another directory")
 
 
@@ -378,6 +386,8 @@ def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[di
             if every and (step + 1) % every == 0 and step + 1 < steps:
                 save(engine, cfg, root, step + 1, data)
         saved = save(engine, cfg, root, steps, data)
+        if main:
+            (out / FINISHED).touch()
     if progress and main and records:
         tqdm.write(f"loss {records[0]['loss']:.3f} -> {records[-1]['loss']:.3f} over steps {start + 1}-{steps}; "
                    f"run directory {out}" + (f"; checkpoint {saved}" if saved else ""))

@@ -101,6 +101,14 @@ CASES = [
     ("data-row-too-long", lambda t, r: ["train", "--config", "tiny", *SAMPLE, "data.packing=false",
                                         f"data.path={_rows(t, 'l.jsonl', [MNLI, dict(MNLI, premise='word ' * 200)])}"],
      "row 2"),
+    ("data-row-dict-for-text", lambda t, r: ["train", "--config", "tiny", *SAMPLE,
+                                             f"data.path={_rows(t, 'dt.jsonl', [MNLI, dict(MNLI, premise={'a': 1})])}"],
+     "row 2: template field 'premise' is dict ({'a': 1}), not text or an integer"),
+    ("data-row-float-label", lambda t, r: ["train", "--config", "tiny", *SAMPLE,
+                                           f"data.path={_rows(t, 'fl.jsonl', [MNLI, dict(MNLI, label=1.0)])}"],
+     "row 2: template field 'label' is float (1.0), not text or an integer"),
+    ("checkpoint-rng-state-garbage", lambda t, r: ["train", "--config", "tiny", "training.steps=3", "training.global_batch_size=2",
+                                                   f"checkpoint.load={_forged_rng(t, r)}"], "must be the CPU generator's state"),
     ("data-bad-json", lambda t, r: ["train", "--config", "tiny", *SAMPLE,
                                     f"data.path={_rows(t, 'b.jsonl', [MNLI, '{not json'])}"], "line 2"),
     ("data-token-out-of-vocab", lambda t, r: ["train", "--config", "tiny", "data.format=tokens",
@@ -255,6 +263,15 @@ def _forged_manifest(tmp, trained, extra: dict, keep: bool = True) -> Path:
     checkpoint = _checkpoint(tmp, trained)
     manifest = json.loads((checkpoint / "manifest.json").read_text()) if keep else {}
     return _reseal(checkpoint, {**manifest, **extra})
+
+
+def _forged_rng(tmp, trained) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    checkpoint = _checkpoint(tmp, trained)
+    save_file({"torch": torch.zeros(3, dtype=torch.float32)}, str(checkpoint / "state.safetensors"))
+    return _reseal(checkpoint)
 
 
 def _without_optim(tmp, trained) -> Path:

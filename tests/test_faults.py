@@ -170,3 +170,38 @@ def test_fuzzed_inputs_never_end_in_a_traceback_or_in_silence(tmp_path_factory, 
         else:
             lines = [line for line in err.splitlines() if line.startswith("ipuft: error: ")]
             assert len(lines) == 1, (argv, err)
+
+
+def test_a_run_killed_before_its_first_checkpoint_starts_again_without_hand_cleaning(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.yaml").write_text("model: {}\n")  # what a run killed during its first steps leaves
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n{"step": 2, "lo')
+    main(["train", "--config", "tiny", "training.global_batch_size=2", "training.steps=2", f"output_dir={out}"])
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2] and records[0]["loss"] != 9.0
+    # A finished run is another matter, with or without checkpoints.
+    for extra in ([], ["checkpoint.save=null"]):
+        done = tmp_path / f"done{len(extra)}"
+        main(["train", "--config", "tiny", "training.global_batch_size=2", "training.steps=1", f"output_dir={done}",
+              *extra])
+        code, err = run_cli(["train", "--config", "tiny", "training.global_batch_size=2", "training.steps=1",
+                             f"output_dir={done}", *extra], capsys)
+        assert code == 2 and "already holds a run" in err
+
+
+def test_resuming_an_older_checkpoint_makes_its_own_saves_the_latest(tmp_path, capsys):
+    from ipuft.checkpoint import checkpoints, find_checkpoint, read_meta
+
+    out = tmp_path / "run"
+    common = ["--config", "tiny", "training.global_batch_size=2", "checkpoint.steps=2", "checkpoint.to_keep=2",
+              f"output_dir={out}"]
+    main(["train", *common, "training.steps=6"])
+    assert [p.name for p in checkpoints(out / "checkpoints")] == ["step-00000004", "step-00000006"]
+    old_six = (out / "checkpoints" / "step-00000006" / "model.safetensors").read_bytes()
+    main(["train", *common, "training.steps=5", f"checkpoint.load={out / 'checkpoints' / 'step-00000004'}"])
+    # step 5 is the newest save: the abandoned step 6 is gone, and to_keep kept what this run wrote last.
+    assert [p.name for p in checkpoints(out / "checkpoints")] == ["step-00000004", "step-00000005"]
+    assert read_meta(find_checkpoint(out))["step"] == 5
+    main(["train", *common, "training.steps=6", "checkpoint.load=latest"])
+    assert (out / "checkpoints" / "step-00000006" / "model.safetensors").read_bytes() == old_six  # exact resume
