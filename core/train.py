@@ -186,8 +186,8 @@ FINISHED = ".ipuft-finished"  # written into the run directory when a run has tr
 
 def check_output_dir(cfg: DictConfig) -> None:
     """Refuse an ``output_dir`` that already holds a run, unless this run resumes from one of that run's
-    own checkpoints (checked on every rank). A run killed before its first checkpoint holds nothing to
-    lose: starting it again starts afresh."""
+    own checkpoints (checked on every rank). An ipuft run (it left its lock file) killed before its first
+    checkpoint holds nothing to lose: starting it again starts afresh."""
     if cfg.output_dir is None or not (Path(cfg.output_dir) / "metrics.jsonl").exists():
         return
     out = Path(cfg.output_dir)
@@ -198,7 +198,7 @@ def check_output_dir(cfg: DictConfig) -> None:
         raise ConfigError(f"output_dir: {out} already holds a run (metrics.jsonl) and checkpoint.load is not one of "
                           f"its checkpoints; choose another output_dir")
     saved = root is not None and root.is_dir() and checkpoints(root)
-    if not saved and not (out / FINISHED).exists():
+    if (out / LOCK).exists() and not saved and not (out / FINISHED).exists():
         return
     raise ConfigError(f"output_dir: {out} already holds a run (metrics.jsonl); choose another directory")
 

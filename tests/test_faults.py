@@ -175,7 +175,8 @@ def test_fuzzed_inputs_never_end_in_a_traceback_or_in_silence(tmp_path_factory, 
 def test_a_run_killed_before_its_first_checkpoint_starts_again_without_hand_cleaning(tmp_path, capsys):
     out = tmp_path / "run"
     out.mkdir()
-    (out / "config.yaml").write_text("model: {}\n")  # what a run killed during its first steps leaves
+    (out / ".ipuft.lock").touch()  # what a run killed during its first steps leaves
+    (out / "config.yaml").write_text("model: {}\n")
     (out / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n{"step": 2, "lo')
     main(["train", "--config", "tiny", "training.global_batch_size=2", "training.steps=2", f"output_dir={out}"])
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
