@@ -164,13 +164,7 @@ RESUME_KEYS = (
 def resume_differences(cfg: DictConfig, checkpoint: Path, meta: dict) -> list[str]:
     """What would silently change if ``cfg`` resumed ``checkpoint``: each of :data:`RESUME_KEYS` that differs
     from the checkpoint's config, and optimizer state the checkpoint lacks."""
-    from ipuft.config import read_config_data
-
-    source = checkpoint / "config.yaml"
-    if _sha256(source) != read_manifest(checkpoint)["config.yaml"]:
-        raise CheckpointError(f"checkpoint {checkpoint}: config.yaml does not match its checksum (corrupted)")
-    saved = read_config_data(source, f"checkpoint {checkpoint}: config.yaml")
-    refuse_interpolations(saved, str(source))
+    saved = saved_config_data(checkpoint)
     allowed = set(cfg.checkpoint.allow_changes)
     found = []
     for key in RESUME_KEYS:
@@ -194,20 +188,29 @@ def checkpoint_config(path: str | Path, sections, overrides: list[str] | tuple[s
     chooses where the new run writes: ``output_dir`` and ``checkpoint.save`` fall back to their defaults
     unless ``overrides`` set them.
     """
-    from ipuft.config import load_config, read_config_data
+    from ipuft.config import load_config
 
     found = find_checkpoint(path)
-    source = found / "config.yaml"
-    if _sha256(source) != read_manifest(found)["config.yaml"]:
-        raise CheckpointError(f"checkpoint {found}: config.yaml does not match its checksum (corrupted)")
-    data = read_config_data(source, f"checkpoint {found}: config.yaml")
-    refuse_interpolations(data, str(source))
+    data = saved_config_data(found)
     for key in _PLACEMENT:
         parent, _, leaf = key.rpartition(".")
         node = data.get(parent) if parent else data
         if isinstance(node, dict):
             node.pop(leaf, None)
-    return load_config((str(source), data), [f"checkpoint.load={found}", *overrides], sections)
+    return load_config((str(found / "config.yaml"), data), [f"checkpoint.load={found}", *overrides], sections)
+
+
+def saved_config_data(checkpoint: Path) -> dict:
+    """A checkpoint's config.yaml as data: checked against its manifest first, parsed safely, and refused if
+    it holds an interpolation."""
+    from ipuft.config import read_config_data
+
+    source = checkpoint / "config.yaml"
+    if _sha256(source) != read_manifest(checkpoint)["config.yaml"]:
+        raise CheckpointError(f"checkpoint {checkpoint}: config.yaml does not match its checksum (corrupted)")
+    data = read_config_data(source, f"checkpoint {checkpoint}: config.yaml")
+    refuse_interpolations(data, str(source))
+    return data
 
 
 def refuse_interpolations(data, source: str, key: str = "") -> None:

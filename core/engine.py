@@ -329,7 +329,7 @@ class PhasedEngine:
         """The unit's gradient over every micro-batch, reduced over DP, in its stored form and its weights'
         dtype (16-bit weights: accumulated in float32, rounded once at the end)."""
         size = nbytes(weights.values())
-        wide = any(w.dtype != torch.float32 for w in weights.values())
+        wide = self.dtype != torch.float32
         # The gradients autograd fills, and for 16-bit weights the float32 sums beside them.
         self.store.ledger.acquire(3 * size if wide else size)
         local = self._backward(phase, module, weights, st, wide)
