@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable
 
 import click
+from click.core import ParameterSource
 
 from ipuft.cli.main import fail
 from ipuft.config import load_config, preset_names, to_yaml
@@ -34,12 +35,16 @@ def config_arguments(command: Callable) -> Callable:
     @functools.wraps(command)
     def wrapper(hooks: PluginHooks, preset: str, checkpoint: str | None, overrides: tuple[str, ...], **kwargs):
         sections = hooks.registrations.config_sections
+        chosen = click.get_current_context().get_parameter_source("preset") is not ParameterSource.DEFAULT
         if checkpoint is not None:
+            if chosen:
+                raise click.UsageError(f"--config {preset} and --checkpoint {checkpoint}: a checkpoint's config is "
+                                       f"the preset; give one of the two (and KEY=VALUE overrides)")
             from ipuft.checkpoint import checkpoint_config
 
             cfg = checkpoint_config(checkpoint, sections, overrides)
         else:
-            cfg = load_config(preset, overrides, sections)
+            cfg = load_config(preset, overrides, sections, default_preset=not chosen)
         hooks.registrations.check(cfg)
         return command(hooks, cfg, **kwargs)
 

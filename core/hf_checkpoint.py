@@ -76,11 +76,12 @@ def read_hf_config(directory: str | Path) -> dict:
     return config
 
 
-def apply_hf_shapes(cfg: DictConfig, schema: DictConfig) -> None:
-    """Take the model's shapes from ``model.hf_checkpoint``'s config.json.
+def apply_hf_shapes(cfg: DictConfig, typed: set[str]) -> None:
+    """Take the model's shapes from ``model.hf_checkpoint``'s config.json: the checkpoint defines the model.
 
-    A key still at the schema's default takes the checkpoint's value; a key the preset or an override set
-    to another value is a mismatch, and every mismatch is listed in one error.
+    A key the user did not type (``typed``: their overrides, and the keys of a preset they chose) takes
+    the checkpoint's value; a typed key with another value is a mismatch, and every mismatch is listed in
+    one error.
     """
     config = read_hf_config(cfg.model.hf_checkpoint)
     mismatches = []
@@ -88,7 +89,7 @@ def apply_hf_shapes(cfg: DictConfig, schema: DictConfig) -> None:
         value, current = config[hf_key], OmegaConf.select(cfg, key)
         if current == value:
             continue
-        if current == OmegaConf.select(schema, key):
+        if key not in typed:
             OmegaConf.update(cfg, key, value)
         else:
             mismatches.append(f"{key}={current} but the checkpoint has {hf_key}={value}")
@@ -96,7 +97,7 @@ def apply_hf_shapes(cfg: DictConfig, schema: DictConfig) -> None:
         raise ConfigError(f"model.hf_checkpoint {cfg.model.hf_checkpoint}: {'; '.join(mismatches)} (drop those "
                           f"settings, or use a preset of the checkpoint's shape such as --config gptj-6b)")
     positions = config.get("n_positions")
-    if positions is not None and cfg.model.sequence_length == OmegaConf.select(schema, "model.sequence_length"):
+    if positions is not None and "model.sequence_length" not in typed:
         cfg.model.sequence_length = min(cfg.model.sequence_length, positions)
     if positions is not None and cfg.model.sequence_length > positions:
         raise ConfigError(f"model.sequence_length: {cfg.model.sequence_length} exceeds the checkpoint's "

@@ -90,7 +90,7 @@ CASES = [
      "has no manifest.json"),
     ("hf-no-config", lambda t, r: ["train", f"model.hf_checkpoint={_mkdir(t / 'hf')}"], "has no config.json"),
     ("hf-other-model", lambda t, r: ["train", f"model.hf_checkpoint={_hf_other(t)}"], "model_type 'llama'"),
-    ("hf-shape-mismatch", lambda t, r: ["train", f"model.hf_checkpoint={r / 'hf'}"],
+    ("hf-shape-mismatch", lambda t, r: ["train", "model.layers=4", f"model.hf_checkpoint={r / 'hf'}"],
      "model.layers=4 but the checkpoint has n_layer=2"),
     ("data-missing-file", lambda t, r: ["train", f"data.path={t}/missing.jsonl"], "does not exist"),
     ("data-template-field", lambda t, r: ["train", "--config", "tiny", *SAMPLE,
@@ -186,6 +186,8 @@ CASES = [
      "exists and is not an empty directory"),
     ("export-into-proc", lambda t, r: ["export", "--checkpoint", str(_checkpoint(t, r)), "--hf", "/proc/ipuft-export"],
      "cannot be written"),
+    ("config-and-checkpoint", lambda t, r: ["train", "--config", "tiny", "--checkpoint", str(_checkpoint(t, r))],
+     "a checkpoint's config is the preset; give one of the two"),
     ("export-not-empty", lambda t, r: ["export", "--checkpoint", str(_checkpoint(t, r)),
                                        "--hf", str(_write(t / "full" / "x", "mine").parent)], "exists and is not an empty directory"),
 ]

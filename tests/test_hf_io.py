@@ -161,3 +161,33 @@ def test_export_refuses_a_non_empty_directory(hooks, tmp_path):
     assert (out / "keep.txt").read_text() == "mine"
     with pytest.raises(CheckpointError, match="neither an ipuft checkpoint"):
         export_hf(tmp_path, tmp_path / "out2", hooks)
+
+
+def test_a_checkpoint_of_odd_shape_trains_with_no_preset_and_only_typed_keys_conflict(hooks, tmp_path, capsys):
+    """``ipuft train model.hf_checkpoint=DIR`` with no --config: the checkpoint defines the model (and its
+    tokenizer is the run's), whatever the default preset's shapes are."""
+    import shutil
+
+    from cli_helpers import run_cli
+    from omegaconf import OmegaConf
+
+    from ipuft.datasets import tokenizer_path
+
+    odd = load_config("tiny", ["model.layers=3", "model.hidden_size=48", "model.attention.heads=3",
+                               "model.attention.rotary_dim=8", "model.embedding.vocab_size=520"],
+                      hooks.registrations.config_sections)
+    hf = tmp_path / "odd"
+    hf_gptj(odd, seed=5).save_pretrained(hf)
+    shutil.copyfile(tokenizer_path("sample"), hf / "tokenizer.json")
+    code, _, err = run_cli(capsys, "train", f"model.hf_checkpoint={hf}", "training.steps=2",
+                           f"output_dir={tmp_path}/run")
+    assert code == 0, err
+    saved = OmegaConf.load(tmp_path / "run" / "config.yaml")
+    assert (saved.model.layers, saved.model.hidden_size, saved.model.attention.heads) == (3, 48, 3)
+    assert (saved.model.attention.rotary_dim, saved.model.embedding.vocab_size) == (8, 520)
+    assert saved.data.tokenizer is None  # the checkpoint's tokenizer.json, not the default preset's sample
+    code, _, err = run_cli(capsys, "train", f"model.hf_checkpoint={hf}", "model.hidden_size=64",
+                           f"output_dir={tmp_path}/typed")
+    assert code == 2
+    assert err == (f"ipuft: error: model.hf_checkpoint {hf}: model.hidden_size=64 but the checkpoint has n_embd=48 "
+                   f"(drop those settings, or use a preset of the checkpoint's shape such as --config gptj-6b)\n")

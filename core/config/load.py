@@ -142,21 +142,28 @@ def load_config(
     preset: str | tuple[str, dict] | None = None,
     overrides: list[str] | tuple[str, ...] = (),
     sections: ConfigSectionRegistry | None = None,
+    default_preset: bool = False,
 ) -> DictConfig:
     """The resolved, validated, read-only config: schema ← preset ← ``key=value`` overrides.
 
     ``preset`` is a shipped preset's name, a YAML file's path, or ``(name, data)``: a mapping already
-    read (a checkpoint's config).
+    read (a checkpoint's config). ``default_preset``: the user did not choose it (``ipuft train`` with no
+    ``--config``), so a Hugging Face checkpoint's shapes override its shapes; only keys the user typed, in
+    overrides or a preset they chose, may disagree with the checkpoint.
     """
     schema = _schema(sections)
     cfg = schema.copy()
+    typed: set[str] = set()
     if preset is not None:
         name, data = _read_preset(preset) if isinstance(preset, str) else preset
+        if not default_preset:
+            typed |= set(_dotted_keys(data))
         try:
             cfg = OmegaConf.merge(cfg, data)
         except OmegaConfBaseException as exc:
             raise _explain(exc, schema, f"preset {name}") from None
     for key, value in _parse_overrides(list(overrides)):
+        typed.add(key)
         try:
             if OmegaConf.select(cfg, key, default=_MISSING) is _MISSING:
                 raise ConfigKeyError(f"Key '{key}' is not in struct")
@@ -172,13 +179,23 @@ def load_config(
     if cfg.model.hf_checkpoint is not None:
         from ipuft.hf_checkpoint import apply_hf_shapes
 
-        apply_hf_shapes(cfg, schema)
+        apply_hf_shapes(cfg, typed)
+        if default_preset and "data.tokenizer" not in typed:
+            cfg.data.tokenizer = None  # the checkpoint's own tokenizer, not the default preset's sample one
     derive_and_validate(cfg)
     OmegaConf.set_readonly(cfg, True)
     return cfg
 
 
 _MISSING = object()
+
+
+def _dotted_keys(data: dict, prefix: str = "") -> list[str]:
+    """Every leaf key of a nested mapping, dotted: ``{"model": {"layers": 2}}`` → ``["model.layers"]``."""
+    keys = []
+    for key, value in data.items():
+        keys += _dotted_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"]
+    return keys
 
 
 def to_yaml(cfg: DictConfig) -> str:
