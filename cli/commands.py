@@ -35,7 +35,9 @@ def config_arguments(command: Callable) -> Callable:
     @functools.wraps(command)
     def wrapper(hooks: PluginHooks, preset: str, checkpoint: str | None, overrides: tuple[str, ...], **kwargs):
         sections = hooks.registrations.config_sections
-        chosen = click.get_current_context().get_parameter_source("preset") is not ParameterSource.DEFAULT
+        context = click.get_current_context()
+        context.meta["ipuft.overrides"] = overrides
+        chosen = context.get_parameter_source("preset") is not ParameterSource.DEFAULT
         if checkpoint is not None:
             if chosen:
                 raise click.UsageError(f"--config {preset} and --checkpoint {checkpoint}: a checkpoint's config is "
@@ -60,7 +62,20 @@ def cli() -> None:
 @cli.command()
 @config_arguments
 def train(hooks: PluginHooks, cfg) -> None:
-    """Fine-tune a model: the phased, offloaded training loop."""
+    """Fine-tune a model: the phased, offloaded training loop.
+
+    \b
+    Examples:
+      ipuft train                                            # the small-cpu preset on the shipped sample
+      ipuft train --config tiny training.steps=20 output_dir=runs/a
+      ipuft train output_dir=runs/a checkpoint.load=latest   # resume runs/a where it stopped
+      ipuft train model.hf_checkpoint=/models/gpt-j-6b data.path=train.jsonl model.precision=bfloat16 \\
+          training.stochastic_rounding=true
+    \b
+    Main keys: training.steps, training.global_batch_size, execution.micro_batch_size,
+    training.optimizer.learning_rate.maximum, model.precision, data.path, output_dir, checkpoint.load
+    (ipuft config show lists them all).
+    """
     from ipuft.precision import vanishing_updates_warning
     from ipuft.train import train as run_training
 
@@ -73,7 +88,14 @@ def train(hooks: PluginHooks, cfg) -> None:
 @config_arguments
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def plan(hooks: PluginHooks, cfg, as_json: bool) -> None:
-    """Print the step program and its memory and traffic estimate, without allocating the model."""
+    """Print the step program and its memory and traffic estimate, without allocating the model, and
+    whether the run fits this machine.
+
+    \b
+    Examples:
+      ipuft plan --config gptj-6b
+      ipuft plan --config gptj-6b execution.data_parallel=8 --json
+    """
     from ipuft.model import build_model
     from ipuft.plan import estimate, fit, format_fit, format_plan
     from ipuft.precision import vanishing_updates_warning
@@ -127,9 +149,19 @@ def export(hooks: PluginHooks, checkpoint: str, out: str, max_shard_size: int, d
 @click.option("--task", type=click.Choice(["loss", "mnli"]), default="loss", show_default=True,
               help="loss: mean token loss and perplexity; mnli: label accuracy by greedy generation.")
 def eval_command(hooks: PluginHooks, cfg, as_json: bool, task: str) -> None:
-    """Evaluate on data.path. Weights come from checkpoint.load or model.hf_checkpoint."""
+    """Evaluate on data.path. Weights come from checkpoint.load or model.hf_checkpoint.
+
+    \b
+    Examples:
+      ipuft eval --checkpoint runs/a data.path=val.jsonl              # loss and perplexity
+      ipuft eval --checkpoint runs/a data.path=val.jsonl --task mnli  # label accuracy
+    """
     from ipuft.evaluate import evaluate_loss, evaluate_mnli
 
+    typed = {item.partition("=")[0] for item in click.get_current_context().meta.get("ipuft.overrides", ())}
+    if cfg.checkpoint.load is not None and "data.path" not in typed:
+        raise click.UsageError("eval: give data.path=FILE, the data to evaluate on (a checkpoint's own data.path "
+                               "is the data it was trained on)")
     if cfg.checkpoint.load is None and cfg.model.hf_checkpoint is None:
         click.echo("ipuft: note: no checkpoint.load or model.hf_checkpoint: evaluating random weights", err=True)
     result = evaluate_mnli(cfg, hooks) if task == "mnli" else evaluate_loss(cfg, hooks)
@@ -151,16 +183,23 @@ def eval_command(hooks: PluginHooks, cfg, as_json: bool, task: str) -> None:
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(min=0.0, max=1.0, min_open=True))
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the sampling.")
 @click.argument("prompt")
+@click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
 @click.pass_obj
 def generate(hooks: PluginHooks, path: str, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
-             seed: int, prompt: str) -> None:
-    """Continue PROMPT with a KV cache, greedily or by sampling; stops at <|endoftext|>."""
+             seed: int, prompt: str, overrides: tuple[str, ...]) -> None:
+    """Continue PROMPT with a KV cache, greedily or by sampling; stops at <|endoftext|>.
+
+    \b
+    Examples:
+      ipuft generate --checkpoint runs/a "mnli hypothesis: ... target:"
+      ipuft generate --checkpoint /models/gpt-j-6b --temperature 0.8 --top-p 0.9 "Once upon" data.tokenizer=DIR
+    """
     import torch
 
     from ipuft.evaluate import EOS, inference_config, inference_model, tokenizer_for
     from ipuft.generate import generate as run_generate
 
-    cfg = inference_config(path, hooks)
+    cfg = inference_config(path, hooks, overrides)
     tokenizer = tokenizer_for(cfg)
     parts, weights = inference_model(cfg, hooks)
     ids = tokenizer.encode(prompt, add_special_tokens=False).ids

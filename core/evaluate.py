@@ -57,15 +57,15 @@ def evaluate_loss(cfg: DictConfig, hooks: PluginHooks) -> dict:
     return {"loss": loss, "perplexity": math.exp(loss), "tokens": int(tokens)}
 
 
-def inference_config(path: str, hooks: PluginHooks) -> DictConfig:
+def inference_config(path: str, hooks: PluginHooks, overrides: tuple[str, ...] | list[str] = ()) -> DictConfig:
     """The config of a model to run in one process: an ipuft checkpoint's (or a run directory's latest),
-    or a Hugging Face directory's shapes."""
+    or a Hugging Face directory's shapes; then ``overrides`` (``KEY=VALUE``)."""
     sections = hooks.registrations.config_sections
     single = ["execution.data_parallel=1", "execution.tensor_parallel=1", "training.global_batch_size=1",
               "execution.micro_batch_size=1"]
     if (Path(path) / "config.json").exists():
-        return load_config(None, [f"model.hf_checkpoint={path}", *single], sections)
-    return checkpoint_config(path, sections, single)
+        return load_config(None, [f"model.hf_checkpoint={path}", *single, *overrides], sections)
+    return checkpoint_config(path, sections, [*single, *overrides])
 
 
 def inference_model(cfg: DictConfig, hooks: PluginHooks) -> tuple[ModelParts, dict[str, dict[str, torch.Tensor]]]:

@@ -61,6 +61,11 @@ def test_generate_cli_equals_transformers_greedy(capsys, hf_dir):
     if 0 in new:  # ipuft stops at <|endoftext|> (id 0), inclusive
         new = new[: new.index(0) + 1]
     assert out == prompt + tokenizer.decode(new, skip_special_tokens=False) + "\n"
+    # KEY=VALUE overrides after the prompt: the same model, run in bfloat16, continues the prompt too.
+    code, out16, err = cli(capsys, "generate", "--checkpoint", str(src), "--max-new-tokens", "6", prompt,
+                           "model.precision=bfloat16", "execution.device=cpu")
+    assert code == 0, err
+    assert out16.startswith(prompt) and len(out16) > len(prompt) + 1
 
 
 @pytest.mark.slow
