@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ipuft import __version__
 from ipuft.components import VariableSpec
-from ipuft.errors import CheckpointError
+from ipuft.errors import CheckpointError, ConfigError
 
 FORMAT = "ipuft-checkpoint"
 DEFAULT_SAVE = "<output_dir>/checkpoints"
@@ -149,16 +149,54 @@ def find_checkpoint(path: str | Path) -> Path:
     raise CheckpointError(f"{path} is neither an ipuft checkpoint (no meta.json) nor a run directory with checkpoints")
 
 
-# What a checkpoint's config may not decide for the run that reads it: where that run writes.
-_PLACEMENT = ("output_dir", "checkpoint.save")
+# What a checkpoint's config may not decide for the run that reads it: where that run writes, and where
+# its weights come from (the checkpoint itself).
+_PLACEMENT = ("output_dir", "checkpoint.save", "model.init_checkpoint")
 
 
+# The model's shape, which a checkpoint's weights fix.
+SHAPE_KEYS = (
+    "model.layers", "model.hidden_size", "model.intermediate_size", "model.embedding.vocab_size",
+    "model.attention.heads", "model.attention.rotary_dim", "model.layer_norm_epsilon",
+)  # fmt: skip
 # What a resumed run must keep from the run it resumes (unless checkpoint.allow_changes lists the key).
 RESUME_KEYS = (
-    "model.layers", "model.hidden_size", "model.intermediate_size", "model.embedding.vocab_size",
-    "model.attention.heads", "model.attention.rotary_dim", "model.precision", "training.global_batch_size",
-    "training.optimizer.name", "training.master_weights", "training.stochastic_rounding", "execution.loss_scaling",
+    *SHAPE_KEYS, "model.precision", "training.global_batch_size", "training.optimizer.name",
+    "training.master_weights", "training.stochastic_rounding", "execution.loss_scaling",
 )  # fmt: skip
+
+
+def _saved(saved: dict, key: str):
+    node = saved
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def apply_checkpoint_shapes(cfg: DictConfig, typed: set[str]) -> None:
+    """Take the model's shapes from ``model.init_checkpoint``'s config, as a Hugging Face checkpoint's come
+    from its config.json: keys the user did not type take the checkpoint's value, and every typed key that
+    differs is listed in one error."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    found = find_checkpoint(cfg.model.init_checkpoint)
+    saved = saved_config_data(found)
+    mismatches = []
+    for key in SHAPE_KEYS:
+        value, current = _saved(saved, key), OmegaConf.select(cfg, key)
+        if value is None or value == current:
+            continue
+        if key in typed:
+            mismatches.append(f"{key}={current} but the checkpoint has {str(value)[:40]}")
+            continue
+        try:
+            OmegaConf.update(cfg, key, value)
+        except OmegaConfBaseException:
+            raise CheckpointError(f"checkpoint {found}: config.yaml: {key} is {str(value)[:40]!r}, not a "
+                                  f"{type(current).__name__}") from None
+    if mismatches:
+        raise ConfigError(f"model.init_checkpoint {found}: {'; '.join(mismatches)} (drop those settings: the "
+                          f"checkpoint's weights fix the model's shape)")
 
 
 def resume_differences(cfg: DictConfig, checkpoint: Path, meta: dict) -> list[str]:
@@ -168,9 +206,7 @@ def resume_differences(cfg: DictConfig, checkpoint: Path, meta: dict) -> list[st
     allowed = set(cfg.checkpoint.allow_changes)
     found = []
     for key in RESUME_KEYS:
-        node = saved
-        for part in key.split("."):
-            node = node.get(part) if isinstance(node, dict) else None
+        node = _saved(saved, key)
         mine = OmegaConf.select(cfg, key)
         mine = mine.value if hasattr(mine, "value") else mine
         if key not in allowed and node is not None and node != mine:

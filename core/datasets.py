@@ -65,6 +65,10 @@ def tokenizer_source(cfg: DictConfig) -> tuple[str, str] | None:
         return cfg.data.tokenizer, "data.tokenizer"
     if cfg.model.get("hf_checkpoint") is not None:
         return cfg.model.hf_checkpoint, "model.hf_checkpoint"
+    if cfg.model.get("init_checkpoint") is not None:
+        from ipuft.checkpoint import find_checkpoint
+
+        return str(find_checkpoint(cfg.model.init_checkpoint)), "model.init_checkpoint"
     return None
 
 

@@ -64,10 +64,11 @@ def select_device(cfg: DictConfig) -> torch.device:
 
 
 def initializer(cfg: DictConfig, parts: ModelParts) -> Initializer:
-    """Initial weights from ``checkpoint.load`` or ``model.hf_checkpoint``, else random (seeded by
-    ``model.seed``)."""
-    if cfg.checkpoint.load is not None:
-        return checkpoint_initializer(find_checkpoint(cfg.checkpoint.load))
+    """Initial weights from ``checkpoint.load``, ``model.init_checkpoint`` or ``model.hf_checkpoint``, else
+    random (seeded by ``model.seed``)."""
+    for source in (cfg.checkpoint.load, cfg.model.init_checkpoint):
+        if source is not None:
+            return checkpoint_initializer(find_checkpoint(source))
     if cfg.model.hf_checkpoint is not None:
         return hf_initializer(cfg.model.hf_checkpoint, parts.modules, cfg.model.layers)
     return lambda unit, specs: initial_values(unit, specs, cfg.model.seed)

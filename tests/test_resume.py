@@ -237,3 +237,49 @@ def test_a_corrupted_checkpoint_is_refused(hooks, tmp_path):
     weights.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=r"model\.safetensors does not match its checksum"):
         checkpoint_initializer(ckpt)
+
+
+def test_a_new_run_starts_from_a_checkpoints_weights_and_nothing_else(hooks, tmp_path):
+    """``model.init_checkpoint``: the weights of another run's checkpoint, its shapes, its tokenizer; step 0,
+    fresh Adam state and data position. ``checkpoint.load`` resumes instead."""
+    from omegaconf import OmegaConf
+
+    from ipuft.engine import unit_role
+
+    first = run(hooks, "training.steps=3", "model.layers=3", f"output_dir={tmp_path}/a")
+    assert [r["step"] for r in first] == [1, 2, 3]
+    source = find_checkpoint(tmp_path / "a")
+    # A shorter run than the source's step count: a start, not a resume, so there is something to do. The
+    # shape (3 layers) comes from the checkpoint; the preset's tiny model has 2.
+    cfg = load_config("tiny", [*MNLI, "training.steps=2", f"model.init_checkpoint={tmp_path / 'a'}",
+                               f"output_dir={tmp_path}/b"], hooks.registrations.config_sections, default_preset=True)
+    assert cfg.model.layers == 3
+    engine = build_engine(cfg, hooks)
+    weights, _ = final_weights(tmp_path / "a")
+    for unit, tensors in engine.weights().items():
+        for name, t in tensors.items():
+            assert torch.equal(t, weights[f"{unit}.{name}"]), (unit, name)
+        for name, t in engine.store.entries[unit]["optim"].items():
+            assert not t.any(), (unit, name)  # fresh optimizer state
+        assert unit_role(unit) in ("embeddings", "decoder", "head")
+    second = train(cfg, hooks, progress=False)
+    assert [r["step"] for r in second] == [1, 2]
+    assert read_meta(find_checkpoint(tmp_path / "b"))["step"] == 2
+    saved = OmegaConf.load(find_checkpoint(tmp_path / "b") / "config.yaml")
+    assert saved.model.init_checkpoint == str(tmp_path / "a")
+    # Its own checkpoints resume as any run's do, without reaching for the source again.
+    shutil.rmtree(tmp_path / "a")
+    resumed = run(hooks, "model.layers=3", "training.steps=3", "checkpoint.load=latest", f"output_dir={tmp_path}/b")
+    assert [r["step"] for r in resumed] == [3]
+
+
+def test_start_and_resume_are_distinct_and_exclusive(hooks, tmp_path):
+    from ipuft.errors import ConfigError
+
+    run(hooks, "training.steps=1", f"output_dir={tmp_path}/a")
+    with pytest.raises(ConfigError, match="starts a new run from a checkpoint's weights and checkpoint.load resumes"):
+        load_config("tiny", [*MNLI, f"model.init_checkpoint={tmp_path / 'a'}", f"checkpoint.load={tmp_path / 'a'}"],
+                    hooks.registrations.config_sections)
+    with pytest.raises(ConfigError, match=r"model.init_checkpoint .*: model.layers=5 but the checkpoint has 2"):
+        load_config("tiny", [*MNLI, f"model.init_checkpoint={tmp_path / 'a'}", "model.layers=5"],
+                    hooks.registrations.config_sections)

@@ -180,8 +180,12 @@ def load_config(
         from ipuft.hf_checkpoint import apply_hf_shapes
 
         apply_hf_shapes(cfg, typed)
-        if default_preset and "data.tokenizer" not in typed:
-            cfg.data.tokenizer = None  # the checkpoint's own tokenizer, not the default preset's sample one
+    if cfg.model.init_checkpoint is not None:
+        from ipuft.checkpoint import apply_checkpoint_shapes
+
+        apply_checkpoint_shapes(cfg, typed)
+    if default_preset and "data.tokenizer" not in typed and (cfg.model.hf_checkpoint or cfg.model.init_checkpoint):
+        cfg.data.tokenizer = None  # the checkpoint's own tokenizer, not the default preset's sample one
     derive_and_validate(cfg)
     OmegaConf.set_readonly(cfg, True)
     return cfg

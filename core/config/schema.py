@@ -71,6 +71,9 @@ class ModelConfig:
     # A local Hugging Face GPT-J directory (config.json and safetensors or pytorch_model*.bin weights) to
     # initialise from; its config.json sets the model's shapes.
     hf_checkpoint: Optional[str] = None
+    # An ipuft checkpoint (or a run directory's latest) whose weights start a new run: step 0, fresh
+    # optimizer state and data position (checkpoint.load resumes a run instead). Its config sets the shapes.
+    init_checkpoint: Optional[str] = None
 
 
 @dataclass

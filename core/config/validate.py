@@ -63,6 +63,11 @@ def derive_and_validate(cfg: DictConfig) -> None:
 
     model, execution, optim = cfg.model, cfg.execution, cfg.training.optimizer
     _require(0.0 <= model.dropout_prob < 1.0, "model.dropout_prob", f"must be in [0, 1), got {model.dropout_prob}")
+    if model.init_checkpoint is not None:
+        _require(model.hf_checkpoint is None, "model.init_checkpoint",
+                 "and model.hf_checkpoint both name the initial weights; give one of them")
+        _require(cfg.checkpoint.load is None, "model.init_checkpoint",
+                 "starts a new run from a checkpoint's weights and checkpoint.load resumes one; give one of them")
     training = cfg.training
     _require(not (training.stochastic_rounding and training.master_weights), "training.stochastic_rounding",
              "and training.master_weights are two ways to update 16-bit weights; set at most one of them")
