@@ -248,7 +248,6 @@ def test_a_new_run_starts_from_a_checkpoints_weights_and_nothing_else(hooks, tmp
 
     first = run(hooks, "training.steps=3", "model.layers=3", f"output_dir={tmp_path}/a")
     assert [r["step"] for r in first] == [1, 2, 3]
-    source = find_checkpoint(tmp_path / "a")
     # A shorter run than the source's step count: a start, not a resume, so there is something to do. The
     # shape (3 layers) comes from the checkpoint; the preset's tiny model has 2.
     cfg = load_config("tiny", [*MNLI, "training.steps=2", f"model.init_checkpoint={tmp_path / 'a'}",
@@ -277,7 +276,7 @@ def test_start_and_resume_are_distinct_and_exclusive(hooks, tmp_path):
     from ipuft.errors import ConfigError
 
     run(hooks, "training.steps=1", f"output_dir={tmp_path}/a")
-    with pytest.raises(ConfigError, match="starts a new run from a checkpoint's weights and checkpoint.load resumes"):
+    with pytest.raises(ConfigError, match=r"starts a new run from a checkpoint's weights and checkpoint\.load resumes"):
         load_config("tiny", [*MNLI, f"model.init_checkpoint={tmp_path / 'a'}", f"checkpoint.load={tmp_path / 'a'}"],
                     hooks.registrations.config_sections)
     with pytest.raises(ConfigError, match=r"model.init_checkpoint .*: model.layers=5 but the checkpoint has 2"):
