@@ -6,6 +6,8 @@ one tensor at a time (safetensors, possibly sharded with an index, or ``pytorch_
 from __future__ import annotations
 
 import json
+import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -41,6 +43,49 @@ def _number_problem(key: str, value) -> str | None:
         return None if ok else f"{key} must be a number in (0, 1), got {str(value)[:40]}"
     ok = isinstance(value, int) and 0 < value <= 1 << 40
     return None if ok else f"{key} must be a positive integer, got {str(value)[:40]}"
+
+
+def hub_cache_dirs() -> list[Path]:
+    """Where a Hugging Face hub cache may be, as huggingface_hub looks: ``HF_HUB_CACHE``, else
+    ``HF_HOME/hub``, else ``~/.cache/huggingface/hub``."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return [Path(os.environ["HF_HUB_CACHE"]).expanduser()]
+    home = Path(os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface").expanduser()
+    return [home / "hub"]
+
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+_REVISION = re.compile(r"^[0-9a-f]{40}$")
+
+
+def resolve_hf_directory(spec: str) -> Path:
+    """``model.hf_checkpoint`` as a local directory: the directory itself, or a hub name (``org/name``)
+    found in the local Hugging Face cache, at the snapshot its ``refs/main`` names, as transformers does
+    with ``local_files_only=True``. Nothing is downloaded; a miss says where it looked."""
+    path = Path(spec).expanduser()
+    if path.is_dir() or not _REPO_ID.match(spec) or path.exists():
+        return path
+    looked = []
+    for cache in hub_cache_dirs():
+        repo = cache / f"models--{spec.replace('/', '--')}"
+        looked.append(str(repo))
+        if not (repo / "snapshots").is_dir():
+            continue
+        try:
+            revision = (repo / "refs" / "main").read_text().strip()
+        except OSError:
+            snapshots = sorted(p.name for p in (repo / "snapshots").iterdir() if _REVISION.match(p.name))
+            revision = snapshots[0] if len(snapshots) == 1 else ""
+        if not _REVISION.match(revision):  # refs/main is data: it may only name a snapshot, never a path
+            raise CheckpointError(f"model.hf_checkpoint: {repo}/refs/main does not name one snapshot (a 40-hex "
+                                  f"commit); download {spec} again")
+        snapshot = repo / "snapshots" / revision
+        if snapshot.is_dir():
+            return snapshot
+    raise CheckpointError(f"model.hf_checkpoint: {spec} is neither a directory nor in the local Hugging Face cache "
+                          f"(looked in {', '.join(looked)}; set HF_HOME or HF_HUB_CACHE); ipuft never downloads: "
+                          f"fetch it where there is network (huggingface-cli download {spec}) and copy the cache "
+                          f"or the snapshot directory here")
 
 
 def read_hf_config(directory: str | Path) -> dict:

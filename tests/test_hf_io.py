@@ -191,3 +191,36 @@ def test_a_checkpoint_of_odd_shape_trains_with_no_preset_and_only_typed_keys_con
     assert code == 2
     assert err == (f"ipuft: error: model.hf_checkpoint {hf}: model.hidden_size=64 but the checkpoint has n_embd=48 "
                    f"(drop those settings, or use a preset of the checkpoint's shape such as --config gptj-6b)\n")
+
+
+def test_a_hub_name_resolves_from_the_local_cache_without_network(hooks, tmp_path, monkeypatch, capsys):
+    """``model.hf_checkpoint=org/name``: the snapshot ``refs/main`` names in ``HF_HOME/hub``, as transformers
+    finds it with ``local_files_only=True``; a name not there is one line saying where it looked."""
+    from cli_helpers import run_cli
+
+    cfg0 = load_config("tiny", [], hooks.registrations.config_sections)
+    model = hf_gptj(cfg0, seed=3)
+    repo = tmp_path / "hf-home" / "hub" / "models--someone--tiny-gptj"
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    model.save_pretrained(repo / "snapshots" / revision)
+    (repo / "snapshots" / ("f" * 40)).mkdir()  # an older snapshot refs/main does not name
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision + "\n")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    capsys.readouterr()  # transformers' progress bars
+    cfg = load_config(None, ["model.hf_checkpoint=someone/tiny-gptj", "model.sequence_length=8",
+                             "training.global_batch_size=2"], hooks.registrations.config_sections)
+    assert cfg.model.hf_checkpoint == str(repo / "snapshots" / revision)
+    engine = build_engine(cfg, hooks)
+    assert torch.equal(engine.weights()["embeddings"]["wte.weight"], model.state_dict()["transformer.wte.weight"])
+    code, _, err = run_cli(capsys, "plan", "model.hf_checkpoint=someone/absent")
+    assert code == 2
+    assert err == (f"ipuft: error: model.hf_checkpoint: someone/absent is neither a directory nor in the local "
+                   f"Hugging Face cache (looked in {tmp_path / 'hf-home' / 'hub' / 'models--someone--absent'}; set "
+                   f"HF_HOME or HF_HUB_CACHE); ipuft never downloads: fetch it where there is network "
+                   f"(huggingface-cli download someone/absent) and copy the cache or the snapshot directory here\n")
+    (repo / "refs" / "main").write_text("../../../../etc")  # refs/main is data, never a path
+    code, _, err = run_cli(capsys, "plan", "model.hf_checkpoint=someone/tiny-gptj")
+    assert code == 2 and "does not name one snapshot" in err

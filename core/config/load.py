@@ -177,8 +177,9 @@ def load_config(
     except OmegaConfBaseException as exc:
         raise _explain(exc, schema, "config") from None
     if cfg.model.hf_checkpoint is not None:
-        from ipuft.hf_checkpoint import apply_hf_shapes
+        from ipuft.hf_checkpoint import apply_hf_shapes, resolve_hf_directory
 
+        cfg.model.hf_checkpoint = str(resolve_hf_directory(cfg.model.hf_checkpoint))
         apply_hf_shapes(cfg, typed)
     if cfg.model.init_checkpoint is not None:
         from ipuft.checkpoint import apply_checkpoint_shapes
