@@ -155,13 +155,18 @@ def eval_command(hooks: PluginHooks, cfg, as_json: bool, task: str) -> None:
     Examples:
       ipuft eval --checkpoint runs/a data.path=val.jsonl              # loss and perplexity
       ipuft eval --checkpoint runs/a data.path=val.jsonl --task mnli  # label accuracy
+      ipuft eval --checkpoint runs/a                                  # its run's data.validation_path
     """
     from ipuft.evaluate import evaluate_loss, evaluate_mnli
 
     typed = {item.partition("=")[0] for item in click.get_current_context().meta.get("ipuft.overrides", ())}
     if cfg.checkpoint.load is not None and "data.path" not in typed:
-        raise click.UsageError("eval: give data.path=FILE, the data to evaluate on (a checkpoint's own data.path "
-                               "is the data it was trained on)")
+        if cfg.data.validation_path is None:
+            raise click.UsageError("eval: give data.path=FILE, the data to evaluate on (a checkpoint's own data.path "
+                                   "is the data it was trained on, and its run had no data.validation_path)")
+        from omegaconf import OmegaConf
+
+        cfg = OmegaConf.merge(cfg, {"data": {"path": cfg.data.validation_path}})  # the run's validation split
     if cfg.checkpoint.load is None and cfg.model.hf_checkpoint is None:
         click.echo("ipuft: note: no checkpoint.load or model.hf_checkpoint: evaluating random weights", err=True)
     result = evaluate_mnli(cfg, hooks) if task == "mnli" else evaluate_loss(cfg, hooks)

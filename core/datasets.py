@@ -276,16 +276,19 @@ class TokenDataset:
         self.sampler = Sampler(rows, shuffle, seed)
 
     @classmethod
-    def from_config(cls, cfg: DictConfig, tokenizer: Tokenizer | None) -> TokenDataset:
-        """Read, tokenize and check ``data.path`` as ``cfg.data`` says (format, template, packing)."""
+    def from_config(cls, cfg: DictConfig, tokenizer: Tokenizer | None, path: str | None = None,
+                    shuffle: bool | None = None) -> TokenDataset:
+        """Read, tokenize and check ``data.path`` (or ``path``) as ``cfg.data`` says (format, template,
+        packing; ``shuffle`` overrides ``data.shuffle``)."""
         data = cfg.data
         fmt = DataFormat(data.format)
-        name = str(data.path)
+        path = data.path if path is None else path
+        name = str(path)
         if fmt is not DataFormat.tokens and tokenizer is None:
             raise DataError(f"data.tokenizer: format {fmt.value!r} needs a tokenizer; set data.tokenizer=DIR "
                             f"or model.hf_checkpoint=DIR")
         builder = _Builder(name, cfg.model.sequence_length, cfg.model.embedding.vocab_size, data.packing)
-        rows = read_rows(resolve_data_path(data.path), name)
+        rows = read_rows(resolve_data_path(path), name)
         if fmt is DataFormat.tokens:
             for number, row in rows:
                 builder.add(number, _token_ids(row, number, name), 0)
@@ -295,7 +298,7 @@ class TokenDataset:
         else:
             template = resolve_template(data.template)
             _encode(builder, tokenizer, ((n, *_rendered(template, row, f"{name} row {n}")) for n, row in rows))
-        return builder.build(shuffle=data.shuffle, seed=data.seed)
+        return builder.build(shuffle=data.shuffle if shuffle is None else shuffle, seed=data.seed)
 
     def __len__(self) -> int:
         """The number of rows: examples (unpacked) or chunks (packed)."""
@@ -458,6 +461,15 @@ def _encode(builder: _Builder, tokenizer: Tokenizer, items: Iterator[tuple[int, 
             chunk = []
     if chunk:
         flush(chunk)
+
+
+def validation_source(cfg: DictConfig) -> TokenDataset | None:
+    """The rows of ``data.validation_path``, prepared as the training data is, in file order; None if unset."""
+    if cfg.data.validation_path is None:
+        return None
+    source = tokenizer_source(cfg) if DataFormat(cfg.data.format) is not DataFormat.tokens else None
+    return TokenDataset.from_config(cfg, None if source is None else load_tokenizer(*source),
+                                    path=cfg.data.validation_path, shuffle=False)
 
 
 def data_source(cfg: DictConfig) -> SampleData | TokenDataset:

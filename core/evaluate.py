@@ -7,11 +7,9 @@ reference's validation did: a prediction that matches no label counts as wrong.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from omegaconf import DictConfig
 
 from ipuft.checkpoint import checkpoint_config
@@ -31,7 +29,7 @@ from ipuft.generate import generate
 from ipuft.model import ModelParts, build_model
 from ipuft.plugins import PluginHooks
 from ipuft.templates import resolve_template
-from ipuft.train import build_engine, collective_errors, initializer, select_device
+from ipuft.train import build_engine, collective_errors, dataset_loss, initializer, select_device
 
 
 def evaluate_loss(cfg: DictConfig, hooks: PluginHooks) -> dict:
@@ -41,20 +39,8 @@ def evaluate_loss(cfg: DictConfig, hooks: PluginHooks) -> dict:
     dataset = data_source(cfg)
     assert isinstance(dataset, TokenDataset)
     engine = build_engine(cfg, hooks)
-    layout = engine.layout
-    total = torch.zeros(2, dtype=torch.float64)
-    with collective_errors(layout):
-        # Each replica evaluates its own micro-batches.
-        for batch in dataset.eval_batches(cfg.execution.micro_batch_size, layout.dp_rank, layout.data_parallel):
-            loss_sum, tokens = engine.evaluate(batch)
-            total += torch.tensor([loss_sum, tokens], dtype=torch.float64)
-        if layout.data_parallel > 1:
-            dist.all_reduce(total, group=layout.dp_group)
-    loss_sum, tokens = total.tolist()
-    if tokens == 0:
-        raise DataError(f"{cfg.data.path}: no token of the dataset counts in the loss")
-    loss = loss_sum / tokens
-    return {"loss": loss, "perplexity": math.exp(loss), "tokens": int(tokens)}
+    with collective_errors(engine.layout):
+        return dataset_loss(engine, dataset, cfg.execution.micro_batch_size)
 
 
 def inference_config(path: str, hooks: PluginHooks, overrides: tuple[str, ...] | list[str] = ()) -> DictConfig:

@@ -8,6 +8,7 @@ and ``metrics.jsonl`` (one JSON object per step).
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -38,9 +39,9 @@ from ipuft.checkpoint import (
 )
 from ipuft.config import to_yaml
 from ipuft.data import SampleData
-from ipuft.datasets import TokenDataset, data_source, tokenizer_path, tokenizer_source
+from ipuft.datasets import TokenDataset, data_source, tokenizer_path, tokenizer_source, validation_source
 from ipuft.engine import Initializer, PhasedEngine, StepResult, initial_values, optimizer_state_specs, unit_role
-from ipuft.errors import ConfigError, Stopped, TrainingError
+from ipuft.errors import ConfigError, DataError, Stopped, TrainingError
 from ipuft.hf_checkpoint import hf_initializer
 from ipuft.model import ModelParts, build_model
 from ipuft.parallel import DistributedError, Layout, init_layout
@@ -339,6 +340,7 @@ def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[di
             raise ConfigError(f"checkpoint.load: resuming {resumed} would change {'; '.join(differences)}; keep "
                               f"them, or list the keys in checkpoint.allow_changes to accept the change")
     data = data_source(cfg)
+    validation = validation_source(cfg) if cfg.training.eval_steps else None
     check_output_dir(cfg)
     parts = build_model(cfg, hooks)
     if int(os.environ.get("RANK", "0")) == 0:  # rank 0 alone writes the run directory
@@ -364,6 +366,9 @@ def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[di
             began = time.perf_counter()
             result = engine.step(batch, lr)
             record = metrics_record(step + 1, result, lr, tokens, time.perf_counter() - began)
+            if validation is not None and ((step + 1) % cfg.training.eval_steps == 0 or step + 1 == steps):
+                scored = dataset_loss(engine, validation, cfg.execution.micro_batch_size)
+                record.update({f"validation_{k}": v for k, v in scored.items()})
             records.append(record)
             if main:
                 metrics.write(json.dumps(record) + "\n")
@@ -393,6 +398,23 @@ def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[di
         tqdm.write(f"loss {records[0]['loss']:.3f} -> {records[-1]['loss']:.3f} over steps {start + 1}-{steps}; "
                    f"run directory {out}" + (f"; checkpoint {saved}" if saved else ""))
     return records
+
+
+def dataset_loss(engine: PhasedEngine, dataset: TokenDataset, micro_batch_size: int) -> dict:
+    """``{"loss", "perplexity", "tokens"}``: the mean token loss over every row of ``dataset``, once, in
+    order, through the engine's forward phases (each DP replica takes its own micro-batches)."""
+    layout = engine.layout
+    total = torch.zeros(2, dtype=torch.float64)
+    for batch in dataset.eval_batches(micro_batch_size, layout.dp_rank, layout.data_parallel):
+        loss_sum, tokens = engine.evaluate(batch)
+        total += torch.tensor([loss_sum, tokens], dtype=torch.float64)
+    if layout.data_parallel > 1:
+        dist.all_reduce(total, group=layout.dp_group)
+    loss_sum, tokens = total.tolist()
+    if tokens == 0:
+        raise DataError(f"{dataset.name}: no token of the dataset counts in the loss")
+    loss = loss_sum / tokens
+    return {"loss": loss, "perplexity": math.exp(loss), "tokens": int(tokens)}
 
 
 def benchmark(cfg: DictConfig, hooks: PluginHooks, timed_steps: int = 5) -> dict:

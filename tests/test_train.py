@@ -108,3 +108,36 @@ def test_train_with_a_swapped_optimizer_through_config_alone(fake_dist, tmp_path
     losses = [r["loss"] for r in read_metrics(out)]
     assert len(losses) == 8 and losses[-1] < losses[0] - 0.05
     assert yaml.safe_load((out / "config.yaml").read_text())["plugins"]["sgd"] == {"momentum": 0.5}
+
+
+def test_validation_loss_every_eval_steps_equals_ipuft_eval_on_the_same_rows(tmp_path, capsys):
+    rows = [{"premise": f"a cat number {i} sleeps on the mat", "hypothesis": "a cat rests", "label": i % 3}
+            for i in range(30)]
+    validation = tmp_path / "val.jsonl"
+    validation.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    code, _, err = cli(capsys, "train", "training.steps=5", "training.eval_steps=2", "checkpoint.steps=2",
+                       f"data.validation_path={validation}", f"output_dir={out}")
+    assert code == 0, err
+    records = read_metrics(out)
+    # every eval_steps steps, and at the last step
+    assert [r["step"] for r in records if "validation_loss" in r] == [2, 4, 5]
+    for record in records:
+        if "validation_loss" not in record:
+            continue
+        checkpoint = out / "checkpoints" / f"step-{record['step']:08d}"
+        for extra in ([f"data.path={validation}"], []):  # the file, or the run's own validation split
+            code, printed, err = cli(capsys, "eval", "--checkpoint", str(checkpoint), *extra, "--json")
+            assert code == 0, err
+            scored = json.loads(printed)
+            assert scored["loss"] == record["validation_loss"]
+            assert scored["perplexity"] == record["validation_perplexity"]
+            assert scored["tokens"] == record["validation_tokens"] > 0
+    assert records[-1]["validation_loss"] < records[1]["validation_loss"]  # it learns
+
+
+def test_eval_steps_needs_validation_rows(tmp_path, capsys):
+    code, _, err = cli(capsys, "train", "training.eval_steps=2", f"output_dir={tmp_path}/run")
+    assert code == 2
+    assert err == ("ipuft: error: training.eval_steps: evaluates on data.validation_path; set it to a file of "
+                   "validation rows (or eval_steps=0)\n")

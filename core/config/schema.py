@@ -100,6 +100,9 @@ class TrainingConfig:
     global_batch_size: int = 32
     # Stop when this many optimizer steps in a row are skipped for a non-finite loss or gradient norm.
     max_consecutive_skips: int = 10
+    # Evaluate on data.validation_path every N steps and at the last step (0: never); the validation loss,
+    # perplexity and token count join that step's record in metrics.jsonl.
+    eval_steps: int = 0
     # How a 16-bit weight takes its float32 update (model.precision bfloat16/float16); at most one of the two:
     # - stochastic_rounding: the update is computed in float32 and rounded stochastically into the 16-bit
     #   weight (the reference's recipe; no master copy, so 2 bytes per weight);
@@ -161,6 +164,9 @@ class DataConfig:
     packing: bool = True
     shuffle: bool = True
     seed: int = 0
+    # Rows to evaluate on every training.eval_steps: a file like data.path (same format, template, packing
+    # and tokenizer), read in order, each row once.
+    validation_path: Optional[str] = None
     # A directory holding tokenizer.json, or the file itself, or "sample" (shipped with ipuft);
     # null: the tokenizer of model.hf_checkpoint.
     tokenizer: Optional[str] = None

@@ -16,8 +16,8 @@ _POSITIVE = (
     "checkpoint.to_keep",
 )  # fmt: skip
 _NON_NEGATIVE = (
-    "training.steps", "training.optimizer.learning_rate.maximum", "training.optimizer.weight_decay",
-    "checkpoint.steps",
+    "training.steps", "training.eval_steps", "training.optimizer.learning_rate.maximum",
+    "training.optimizer.weight_decay", "checkpoint.steps",
 )  # fmt: skip
 # Finite and > 0: a zero or an infinity here makes every step NaN or a no-op.
 _POSITIVE_FINITE = (
@@ -31,6 +31,7 @@ _AT_MOST = {
     "training.steps": 1 << 40, "training.global_batch_size": 1 << 24, "execution.micro_batch_size": 1 << 16,
     "execution.data_parallel": 1 << 16, "execution.tensor_parallel": 1 << 12, "checkpoint.to_keep": 1 << 20,
     "checkpoint.steps": 1 << 40, "training.max_consecutive_skips": 1 << 40,
+    "training.eval_steps": 1 << 40,
     "execution.loss_scaling_growth_interval": 1 << 40,
 }  # fmt: skip
 
@@ -69,6 +70,8 @@ def derive_and_validate(cfg: DictConfig) -> None:
         _require(cfg.checkpoint.load is None, "model.init_checkpoint",
                  "starts a new run from a checkpoint's weights and checkpoint.load resumes one; give one of them")
     training = cfg.training
+    _require(not training.eval_steps or cfg.data.validation_path is not None, "training.eval_steps",
+             "evaluates on data.validation_path; set it to a file of validation rows (or eval_steps=0)")
     _require(not (training.stochastic_rounding and training.master_weights), "training.stochastic_rounding",
              "and training.master_weights are two ways to update 16-bit weights; set at most one of them")
     for recipe in ("stochastic_rounding", "master_weights"):
