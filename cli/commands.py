@@ -160,16 +160,19 @@ def eval_command(hooks: PluginHooks, cfg, as_json: bool, task: str) -> None:
     from ipuft.evaluate import evaluate_loss, evaluate_mnli
 
     typed = {item.partition("=")[0] for item in click.get_current_context().meta.get("ipuft.overrides", ())}
+    validation = None
     if cfg.checkpoint.load is not None and "data.path" not in typed:
-        if cfg.data.validation_path is None:
+        if cfg.data.validation_path is None and not cfg.data.validation_fraction:
             raise click.UsageError("eval: give data.path=FILE, the data to evaluate on (a checkpoint's own data.path "
-                                   "is the data it was trained on, and its run had no data.validation_path)")
-        from omegaconf import OmegaConf
+                                   "is the data it was trained on, and its run set no validation rows)")
+        from ipuft.datasets import validation_source
 
-        cfg = OmegaConf.merge(cfg, {"data": {"path": cfg.data.validation_path}})  # the run's validation split
+        validation = validation_source(cfg)  # the run's validation split
     if cfg.checkpoint.load is None and cfg.model.hf_checkpoint is None:
         click.echo("ipuft: note: no checkpoint.load or model.hf_checkpoint: evaluating random weights", err=True)
-    result = evaluate_mnli(cfg, hooks) if task == "mnli" else evaluate_loss(cfg, hooks)
+    if validation is not None and task == "mnli":
+        raise click.UsageError("eval --task mnli: give data.path=FILE with MNLI rows")
+    result = evaluate_mnli(cfg, hooks) if task == "mnli" else evaluate_loss(cfg, hooks, validation)
     if as_json:
         click.echo(json.dumps(result))
     elif task == "mnli":

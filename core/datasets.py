@@ -262,18 +262,37 @@ class TokenDataset:
     """
 
     def __init__(self, tokens: torch.Tensor, offsets: torch.Tensor | None, target_starts: torch.Tensor | None,
-                 sequence_length: int, shuffle: bool = True, seed: int = 0, name: str = "dataset") -> None:
+                 sequence_length: int, shuffle: bool = True, seed: int = 0, name: str = "dataset",
+                 table: torch.Tensor | None = None) -> None:
         """``tokens``: flat int32 ids. Packed: ``offsets is None`` and ``tokens`` holds whole chunks of
         ``sequence_length + 1``. Unpacked: example ``i`` is ``tokens[offsets[i]:offsets[i + 1]]`` and its
-        loss starts at token ``target_starts[i]`` (0: every token)."""
+        loss starts at token ``target_starts[i]`` (0: every token). ``table``: the rows of those that this
+        dataset serves, in order (a split); all of them by default."""
         self.tokens, self.offsets, self.target_starts = tokens, offsets, target_starts
         self.sequence_length, self.name = sequence_length, name
         self.width = sequence_length + 1
         self.packed = offsets is None
-        rows = len(tokens) // self.width if self.packed else len(offsets) - 1
+        self.table = table
+        rows = len(table) if table is not None else len(tokens) // self.width if self.packed else len(offsets) - 1
         if rows == 0:
             raise DataError(f"{name}: the dataset is empty")
         self.sampler = Sampler(rows, shuffle, seed)
+        self.held_out: TokenDataset | None = None  # the validation rows split off by split()
+
+    def split(self, fraction: float, seed: int) -> TokenDataset:
+        """This dataset without a ``fraction`` of its rows, drawn by ``seed``; those rows, in order and
+        unshuffled, become ``held_out`` of the result (``data.validation_fraction``)."""
+        count = len(self)
+        held = max(1, round(count * fraction))
+        if held >= count:
+            raise DataError(f"data.validation_fraction: holding out {held} of {self.name}'s {count} rows leaves "
+                            f"nothing to train on; lower it or add rows")
+        order = torch.randperm(count, generator=torch.Generator().manual_seed(seed + 7919))
+        validation, training = order[:held].sort().values, order[held:].sort().values
+        args = (self.tokens, self.offsets, self.target_starts, self.sequence_length)
+        train = TokenDataset(*args, self.sampler.shuffle, self.sampler.seed, self.name, training)
+        train.held_out = TokenDataset(*args, False, 0, f"{self.name} (validation split)", validation)
+        return train
 
     @classmethod
     def from_config(cls, cfg: DictConfig, tokenizer: Tokenizer | None, path: str | None = None,
@@ -306,6 +325,8 @@ class TokenDataset:
 
     def row(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Row ``index`` as ``(input_ids, labels)``, int64 tensors of ``sequence_length`` each."""
+        if self.table is not None:
+            index = int(self.table[index])
         if self.packed:
             chunk = self.tokens[index * self.width:(index + 1) * self.width].long()
             return chunk[:-1], chunk[1:]
@@ -463,8 +484,12 @@ def _encode(builder: _Builder, tokenizer: Tokenizer, items: Iterator[tuple[int, 
         flush(chunk)
 
 
-def validation_source(cfg: DictConfig) -> TokenDataset | None:
-    """The rows of ``data.validation_path``, prepared as the training data is, in file order; None if unset."""
+def validation_source(cfg: DictConfig, data: SampleData | TokenDataset | None = None) -> TokenDataset | None:
+    """The validation rows: those of ``data.validation_path``, prepared as the training data is, in file
+    order, or those ``data.validation_fraction`` held out of ``data`` (the training data); None if neither."""
+    if cfg.data.validation_fraction:
+        data = data if data is not None else data_source(cfg)
+        return data.held_out
     if cfg.data.validation_path is None:
         return None
     source = tokenizer_source(cfg) if DataFormat(cfg.data.format) is not DataFormat.tokens else None
@@ -478,4 +503,7 @@ def data_source(cfg: DictConfig) -> SampleData | TokenDataset:
     if cfg.data.path is None:
         return SampleData(cfg.model.embedding.vocab_size, cfg.model.sequence_length, cfg.data.seed)
     source = tokenizer_source(cfg) if DataFormat(cfg.data.format) is not DataFormat.tokens else None
-    return TokenDataset.from_config(cfg, None if source is None else load_tokenizer(*source))
+    dataset = TokenDataset.from_config(cfg, None if source is None else load_tokenizer(*source))
+    if cfg.data.validation_fraction:
+        dataset = dataset.split(cfg.data.validation_fraction, cfg.data.seed)
+    return dataset

@@ -32,11 +32,11 @@ from ipuft.templates import resolve_template
 from ipuft.train import build_engine, collective_errors, dataset_loss, initializer, select_device
 
 
-def evaluate_loss(cfg: DictConfig, hooks: PluginHooks) -> dict:
-    """``{"loss", "perplexity", "tokens"}`` over every row of ``data.path``, once, in order."""
-    if cfg.data.path is None:
+def evaluate_loss(cfg: DictConfig, hooks: PluginHooks, dataset: TokenDataset | None = None) -> dict:
+    """``{"loss", "perplexity", "tokens"}`` over every row of ``data.path`` (or of ``dataset``), once, in order."""
+    if dataset is None and cfg.data.path is None:
         raise DataError("data.path: eval needs a dataset; set data.path=FILE")
-    dataset = data_source(cfg)
+    dataset = dataset if dataset is not None else data_source(cfg)
     assert isinstance(dataset, TokenDataset)
     engine = build_engine(cfg, hooks)
     with collective_errors(engine.layout):

@@ -340,7 +340,7 @@ def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[di
             raise ConfigError(f"checkpoint.load: resuming {resumed} would change {'; '.join(differences)}; keep "
                               f"them, or list the keys in checkpoint.allow_changes to accept the change")
     data = data_source(cfg)
-    validation = validation_source(cfg) if cfg.training.eval_steps else None
+    validation = validation_source(cfg, data) if cfg.training.eval_steps else None
     check_output_dir(cfg)
     parts = build_model(cfg, hooks)
     if int(os.environ.get("RANK", "0")) == 0:  # rank 0 alone writes the run directory

@@ -139,5 +139,31 @@ def test_validation_loss_every_eval_steps_equals_ipuft_eval_on_the_same_rows(tmp
 def test_eval_steps_needs_validation_rows(tmp_path, capsys):
     code, _, err = cli(capsys, "train", "training.eval_steps=2", f"output_dir={tmp_path}/run")
     assert code == 2
-    assert err == ("ipuft: error: training.eval_steps: evaluates on data.validation_path; set it to a file of "
-                   "validation rows (or eval_steps=0)\n")
+    assert err == ("ipuft: error: training.eval_steps: evaluates on data.validation_path or "
+                   "data.validation_fraction; set one of them (or eval_steps=0)\n")
+
+
+def test_a_validation_fraction_is_held_out_of_training_and_scored(tmp_path, capsys, hooks):
+    from ipuft.config import load_config
+    from ipuft.datasets import data_source, validation_source
+
+    overrides = ["data.validation_fraction=0.2", "training.steps=3", "training.eval_steps=3"]
+    cfg = load_config("small-cpu", overrides, hooks.registrations.config_sections)
+    train_rows, held_out = data_source(cfg), validation_source(cfg)
+    assert held_out is not None and len(held_out) == round(0.2 * (len(train_rows) + len(held_out)))
+    served = set(train_rows.table.tolist())
+    assert served.isdisjoint(held_out.table.tolist())  # training never sees a validation row
+    assert served | set(held_out.table.tolist()) == set(range(len(train_rows) + len(held_out)))
+    assert torch_equal_rows(held_out, validation_source(cfg))  # deterministic: the same split every time
+    out = tmp_path / "run"
+    code, _, err = cli(capsys, "train", *overrides, f"output_dir={out}")
+    assert code == 0, err
+    last = read_metrics(out)[-1]
+    assert last["validation_tokens"] == len(held_out) * cfg.model.sequence_length  # packed: every token counts
+    code, printed, err = cli(capsys, "eval", "--checkpoint", str(out), "--json")
+    assert code == 0, err
+    assert json.loads(printed)["loss"] == last["validation_loss"]
+
+
+def torch_equal_rows(a, b):
+    return len(a) == len(b) and all(bool((a.row(i)[0] == b.row(i)[0]).all()) for i in range(len(a)))

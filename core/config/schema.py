@@ -167,6 +167,9 @@ class DataConfig:
     # Rows to evaluate on every training.eval_steps: a file like data.path (same format, template, packing
     # and tokenizer), read in order, each row once.
     validation_path: Optional[str] = None
+    # Or hold out this fraction of data.path's rows (examples, or packed chunks), drawn by data.seed:
+    # training never sees them.
+    validation_fraction: float = 0.0
     # A directory holding tokenizer.json, or the file itself, or "sample" (shipped with ipuft);
     # null: the tokenizer of model.hf_checkpoint.
     tokenizer: Optional[str] = None

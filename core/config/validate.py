@@ -70,8 +70,16 @@ def derive_and_validate(cfg: DictConfig) -> None:
         _require(cfg.checkpoint.load is None, "model.init_checkpoint",
                  "starts a new run from a checkpoint's weights and checkpoint.load resumes one; give one of them")
     training = cfg.training
-    _require(not training.eval_steps or cfg.data.validation_path is not None, "training.eval_steps",
-             "evaluates on data.validation_path; set it to a file of validation rows (or eval_steps=0)")
+    data = cfg.data
+    _require(0.0 <= data.validation_fraction < 1.0, "data.validation_fraction",
+             f"must be in [0, 1), got {data.validation_fraction}")
+    _require(not (data.validation_fraction and data.validation_path is not None), "data.validation_fraction",
+             "and data.validation_path both name the validation rows; give one of them")
+    _require(not data.validation_fraction or data.path is not None, "data.validation_fraction",
+             "holds out rows of data.path, which is not set (synthetic data has no rows)")
+    _require(not training.eval_steps or data.validation_path is not None or data.validation_fraction > 0,
+             "training.eval_steps", "evaluates on data.validation_path or data.validation_fraction; set one of "
+             "them (or eval_steps=0)")
     _require(not (training.stochastic_rounding and training.master_weights), "training.stochastic_rounding",
              "and training.master_weights are two ways to update 16-bit weights; set at most one of them")
     for recipe in ("stochastic_rounding", "master_weights"):
