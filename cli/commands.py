@@ -242,7 +242,7 @@ def plugins_command(hooks: PluginHooks, as_json: bool) -> None:
         return
     for p in described:
         click.echo(f"{p['name']}  ({p['distribution']} {p['version']})")
-        for kind in ("components", "optimizers", "config_sections"):
+        for kind in ("components", "optimizers", "loggers", "config_sections"):
             if p[kind]:
                 click.echo(f"    {kind.replace('_', ' ')}: {', '.join(p[kind])}")
 

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
     from ipuft.components import ComponentRegistry, VariableSpec
     from ipuft.config.sections import ConfigSectionRegistry
+    from ipuft.loggers import LoggerRegistry
     from ipuft.optim import OptimizerRegistry
     from ipuft.program import StepProgram
     from ipuft.sharding import ShardSpec
@@ -43,6 +44,16 @@ def ipuft_register_optimizers(registry: OptimizerRegistry) -> None:
 
     :param registry: core's registry; ``build`` takes the resolved config and returns an
         :class:`ipuft.optim.Optimizer`. A name registered twice is an error.
+    """
+
+
+@hookspec
+def ipuft_register_loggers(registry: LoggerRegistry) -> None:
+    """Register logging backends with ``registry.add(name, build)``; ``logging.backends`` picks them.
+
+    :param registry: core's registry; ``build(cfg, run_dir)`` returns an :class:`ipuft.loggers.Logger`, which
+        receives the config at start, every step's metrics record, and the end of the run, on rank 0. A
+        backend that raises costs one warning line and is dropped; training goes on.
     """
 
 

@@ -14,14 +14,14 @@ rounds into it (see :mod:`ipuft.precision`).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from ipuft.components import VariableSpec
-from ipuft.errors import PluginError, choices
+from ipuft.registry import NamedRegistry
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -63,46 +63,9 @@ class Optimizer(ABC):
 OptimizerFactory = Callable[["DictConfig"], Optimizer]
 
 
-@dataclass(frozen=True)
-class OptimizerBuilder:
-    """A named optimizer; ``build`` receives the whole resolved config."""
+class OptimizerRegistry(NamedRegistry):
+    """Every optimizer the installed plugins registered (``add(name, build)``, ``build(cfg) -> Optimizer``);
+    refuses duplicates."""
 
-    name: str
-    build: OptimizerFactory
-    description: str = ""
-    plugin: str = ""
-
-
-class OptimizerRegistry:
-    """Every optimizer the installed plugins registered; refuses duplicates."""
-
-    def __init__(self) -> None:
-        self._builders: dict[str, OptimizerBuilder] = {}
-        self._plugin = ""
-
-    def bind_plugin(self, plugin: str) -> None:
-        """Attribute the next registrations to ``plugin`` (done by the hook wrapper, plugin by plugin)."""
-        self._plugin = plugin
-
-    def add(self, name: str, build: OptimizerFactory, description: str = "") -> None:
-        """Register optimizer ``name``; ``training.optimizer.name=<name>`` selects it."""
-        if name in self._builders:
-            raise PluginError(
-                f"optimizer {name!r} is registered twice: by plugin {self._builders[name].plugin!r} "
-                f"and by plugin {self._plugin!r}; disable one with IPUFT_DISABLE_PLUGINS"
-            )
-        self._builders[name] = OptimizerBuilder(name, build, description, self._plugin)
-
-    def get(self, name: str) -> OptimizerBuilder:
-        try:
-            return self._builders[name]
-        except KeyError:
-            raise PluginError(
-                f"training.optimizer.name: unknown optimizer {name!r}; available: {choices(self._builders)}"
-            ) from None
-
-    def names(self) -> list[str]:
-        return sorted(self._builders)
-
-    def __iter__(self) -> Iterator[OptimizerBuilder]:
-        return iter(self._builders.values())
+    kind = "optimizer"
+    key = "training.optimizer.name"

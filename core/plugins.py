@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 from omegaconf import DictConfig
 
-from ipuft import hookspecs
+from ipuft import __version__, hookspecs
 from ipuft.components import ROLES, ComponentRegistry, VariableSpec
 from ipuft.config.sections import ConfigSectionRegistry
 from ipuft.errors import IpuftError, PluginError
+from ipuft.loggers import JSONL, LoggerRegistry
 from ipuft.optim import Optimizer, OptimizerRegistry
 from ipuft.sharding import ShardSpec
 
@@ -80,6 +81,10 @@ def create_plugin_manager(
             ) from None
         _register(pm, plugin, ep.name)
         infos[ep.name] = PluginInfo(ep.name, dist_name, dist_version, ep.value)
+    for name, plugin in builtin_plugins():
+        if name not in blocked:
+            _register(pm, plugin, name)
+            infos[name] = PluginInfo(name, "ipuft", __version__, plugin.__name__)
     for name, plugin in extra_plugins:
         _register(pm, plugin, name)
         infos[name] = PluginInfo(name, "(in-process)", "", getattr(plugin, "__name__", type(plugin).__name__))
@@ -88,6 +93,13 @@ def create_plugin_manager(
     except pluggy.PluginValidationError as exc:
         raise PluginError(f"{exc}; the hook names ipuft defines are in docs/plugins.md") from None
     return PluginHooks(pm, infos)
+
+
+def builtin_plugins() -> list[tuple[str, object]]:
+    """Plugins that ship inside ipuft itself: the logging backends (TensorBoard, W&B)."""
+    from ipuft import loggers
+
+    return [("ipuft.loggers", loggers)]
 
 
 def _register(pm: pluggy.PluginManager, plugin: object, name: str) -> None:
@@ -103,13 +115,17 @@ class Registrations:
 
     components: ComponentRegistry = field(default_factory=ComponentRegistry)
     optimizers: OptimizerRegistry = field(default_factory=OptimizerRegistry)
+    loggers: LoggerRegistry = field(default_factory=LoggerRegistry)
     config_sections: ConfigSectionRegistry = field(default_factory=ConfigSectionRegistry)
 
     def check(self, cfg: DictConfig) -> None:
-        """Check that the components and the optimizer ``cfg`` names are registered."""
+        """Check that the components, the optimizer and the logging backends ``cfg`` names are registered."""
         for role in ROLES:
             self.components.get(role, cfg.model[role])
         self.optimizers.get(cfg.training.optimizer.name)
+        for name in cfg.logging.backends:
+            if name != JSONL:
+                self.loggers.get(name)
 
     def build_optimizer(self, cfg: DictConfig) -> Optimizer:
         """The optimizer ``training.optimizer.name`` names, built from ``cfg``."""
@@ -146,6 +162,7 @@ class PluginHooks:
             reg = Registrations()
             self._call_each("ipuft_register_components", reg.components)
             self._call_each("ipuft_register_optimizers", reg.optimizers)
+            self._call_each("ipuft_register_loggers", reg.loggers)
             self._call_each("ipuft_register_config_sections", reg.config_sections)
             self._registrations = reg
         return self._registrations
@@ -189,6 +206,7 @@ class PluginHooks:
                     "module": info.module,
                     "components": [f"{b.role}:{b.name}" for b in reg.components if b.plugin == name],
                     "optimizers": [b.name for b in reg.optimizers if b.plugin == name],
+                    "loggers": [b.name for b in reg.loggers if b.plugin == name],
                     "config_sections": [f"plugins.{s}" for s in reg.config_sections
                                         if reg.config_sections.owner(s) == name],
                     "hooks": sorted(h.name for h in self.pm.get_hookcallers(self.pm.get_plugin(name)) or []),

@@ -43,6 +43,7 @@ from ipuft.datasets import TokenDataset, data_source, tokenizer_path, tokenizer_
 from ipuft.engine import Initializer, PhasedEngine, StepResult, initial_values, optimizer_state_specs, unit_role
 from ipuft.errors import ConfigError, DataError, Stopped, TrainingError
 from ipuft.hf_checkpoint import hf_initializer
+from ipuft.loggers import Backends
 from ipuft.model import ModelParts, build_model
 from ipuft.parallel import DistributedError, Layout, init_layout
 from ipuft.plugins import PluginHooks
@@ -355,7 +356,7 @@ def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[di
     tokens = cfg.training.global_batch_size * cfg.model.sequence_length
     records, skips, saved = [], 0, None
     with lock, (_metrics_file(out, start) if main else nullcontext()) as metrics, \
-            collective_errors(engine.layout), _Signals() as signals:
+            collective_errors(engine.layout), _Signals() as signals, _backends(cfg, out, hooks, main) as backends:
         if main:
             (out / "config.yaml").write_text(to_yaml(cfg))
         bar = tqdm(range(start, steps), desc="train", unit="step", disable=not (progress and main),
@@ -373,6 +374,7 @@ def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[di
             if main:
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
+                backends.log(step + 1, record)
             bar.set_postfix(loss=f"{result.loss:.3f}", gnorm=f"{result.grad_norm:.2f}", lr=f"{lr:.2e}",
                             tok_s=f"{record['tokens_per_s']:.0f}")
             skips = skips + 1 if result.skipped else 0
@@ -415,6 +417,24 @@ def dataset_loss(engine: PhasedEngine, dataset: TokenDataset, micro_batch_size: 
         raise DataError(f"{dataset.name}: no token of the dataset counts in the loss")
     loss = loss_sum / tokens
     return {"loss": loss, "perplexity": math.exp(loss), "tokens": int(tokens)}
+
+
+@contextmanager
+def _backends(cfg: DictConfig, out: Path | None, hooks: PluginHooks, main: bool):
+    """The run's logging backends (rank 0), told at the end whether the run finished, stopped or failed."""
+    if not main:
+        yield None
+        return
+    backends = Backends(cfg, out, hooks.registrations.loggers)
+    status = "failed"
+    try:
+        yield backends
+        status = "finished"
+    except Stopped:
+        status = "stopped"
+        raise
+    finally:
+        backends.finish(status)
 
 
 def benchmark(cfg: DictConfig, hooks: PluginHooks, timed_steps: int = 5) -> dict:

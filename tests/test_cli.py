@@ -20,7 +20,7 @@ def test_plugins_json_lists_four_distributions(capsys):
     code, out, _ = run_cli(capsys, "plugins", "--json")
     assert code == 0
     assert sorted(p["distribution"] for p in json.loads(out)) == [
-        "ipuft-decoder", "ipuft-embeddings", "ipuft-lm-head", "ipuft-optim-adam"]
+        "ipuft", "ipuft-decoder", "ipuft-embeddings", "ipuft-lm-head", "ipuft-optim-adam"]
 
 
 def test_config_show_prints_the_6b_config(capsys):

@@ -14,9 +14,11 @@ from ipuft.plugins import create_plugin_manager
 SHIPPED = {"ipuft-embeddings", "ipuft-decoder", "ipuft-lm-head", "ipuft-optim-adam"}
 
 
-def test_shipped_plugins_are_four_distributions(hooks):
+def test_shipped_plugins_are_four_distributions_and_the_builtin_logging_backends(hooks):
     described = {p["distribution"]: p for p in hooks.describe()}
-    assert set(described) == SHIPPED
+    assert set(described) == {*SHIPPED, "ipuft"}
+    assert described["ipuft"]["name"] == "ipuft.loggers"
+    assert described["ipuft"]["loggers"] == ["tensorboard", "wandb"]
     assert described["ipuft-embeddings"]["components"] == ["embeddings:gptj"]
     assert described["ipuft-decoder"]["components"] == ["decoder:gptj"]
     assert described["ipuft-decoder"]["config_sections"] == ["plugins.gptj_decoder"]
@@ -111,7 +113,7 @@ def test_uninstalled_plugin_makes_its_component_unavailable(monkeypatch, make_co
 
     monkeypatch.setattr(plugins.metadata, "entry_points", without_decoder)
     hooks = create_plugin_manager()
-    assert {p["distribution"] for p in hooks.describe()} == SHIPPED - {"ipuft-decoder"}
+    assert {p["distribution"] for p in hooks.describe()} == SHIPPED - {"ipuft-decoder"} | {"ipuft"}
     with pytest.raises(PluginError, match=r"model.decoder: unknown decoder component 'gptj'; available: \(none installed\)"):
         hooks.registrations.check(make_config())
 
@@ -119,7 +121,7 @@ def test_uninstalled_plugin_makes_its_component_unavailable(monkeypatch, make_co
 def test_disabling_by_name_or_distribution(monkeypatch):
     monkeypatch.setenv("IPUFT_DISABLE_PLUGINS", "gptj_lm_head, ipuft-optim-adam")
     hooks = create_plugin_manager()
-    assert {p["name"] for p in hooks.describe()} == {"gptj_embeddings", "gptj_decoder"}
+    assert {p["name"] for p in hooks.describe()} == {"gptj_embeddings", "gptj_decoder", "ipuft.loggers"}
     assert hooks.registrations.optimizers.names() == []
 
 
@@ -130,7 +132,7 @@ def test_every_hook_is_prefixed_documented_and_called(make_config):
     import click
 
     specs = {name for name, fn in inspect.getmembers(hookspecs, inspect.isfunction) if name.startswith("ipuft_")}
-    assert len(specs) == 6
+    assert len(specs) == 7
     docs = (pathlib.Path(__file__).parent.parent / "docs" / "plugins.md").read_text()
     for name in specs:
         assert getattr(hookspecs, name).__doc__, name

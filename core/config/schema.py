@@ -176,12 +176,20 @@ class DataConfig:
 
 
 @dataclass
+class LoggingConfig:
+    # Where each step's metrics go besides metrics.jsonl (always written; "jsonl" names it): the logging
+    # backends plugins register, such as tensorboard or wandb (see `ipuft plugins`).
+    backends: list[str] = field(default_factory=lambda: ["jsonl"])
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     execution: ExecutionConfig = field(default_factory=ExecutionConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     # Run directory; null means runs/<timestamp>.
     output_dir: Optional[str] = None
     # Derived: global_batch_size / (data_parallel × micro_batch_size). Setting it is an error.
