@@ -13,7 +13,12 @@ calling ``batch(step, ...)`` for the steps it has left. Nothing here touches the
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
+import os
+import shutil
+import tempfile
+import warnings
 from array import array
 from collections.abc import Iterator
 from functools import lru_cache
@@ -137,7 +142,7 @@ def _rows(path: Path, name: str, suffix: str) -> Iterator[tuple[int, dict[str, A
     if suffix in (".jsonl", ".json"):
         yield from _read_json(path, name)
     elif suffix in (".csv", ".tsv"):
-        with path.open(newline="", encoding="utf-8") as f:
+        with path.open(newline="", encoding="utf-8-sig") as f:  # a spreadsheet's BOM is not a column name
             reader = csv.DictReader(f, delimiter="\t" if suffix == ".tsv" else ",")
             for number, row in enumerate(reader, 1):
                 # A row with more cells than the header gets them under the key None: drop them.
@@ -154,7 +159,7 @@ def _rows(path: Path, name: str, suffix: str) -> Iterator[tuple[int, dict[str, A
 
 
 def _read_json(path: Path, name: str) -> Iterator[tuple[int, dict[str, Any]]]:
-    with path.open(encoding="utf-8") as f:
+    with path.open(encoding="utf-8-sig") as f:
         first = f.read(1)
         while first.isspace():
             first = f.read(1)
@@ -306,8 +311,14 @@ class TokenDataset:
         if fmt is not DataFormat.tokens and tokenizer is None:
             raise DataError(f"data.tokenizer: format {fmt.value!r} needs a tokenizer; set data.tokenizer=DIR "
                             f"or model.hf_checkpoint=DIR")
+        resolved = resolve_data_path(path)
+        cache = TokenCache.for_config(cfg, resolved, tokenizer) if data.cache else None
+        shuffle = data.shuffle if shuffle is None else shuffle
+        if cache is not None and (hit := cache.load(name, cfg.model.embedding.vocab_size)) is not None:
+            tokens, offsets, target_starts = hit
+            return cls(tokens, offsets, target_starts, cfg.model.sequence_length, shuffle, data.seed, name)
         builder = _Builder(name, cfg.model.sequence_length, cfg.model.embedding.vocab_size, data.packing)
-        rows = read_rows(resolve_data_path(path), name)
+        rows = read_rows(resolved, name)
         if fmt is DataFormat.tokens:
             for number, row in rows:
                 builder.add(number, _token_ids(row, number, name), 0)
@@ -317,7 +328,10 @@ class TokenDataset:
         else:
             template = resolve_template(data.template)
             _encode(builder, tokenizer, ((n, *_rendered(template, row, f"{name} row {n}")) for n, row in rows))
-        return builder.build(shuffle=data.shuffle if shuffle is None else shuffle, seed=data.seed)
+        dataset = builder.build(shuffle=shuffle, seed=data.seed)
+        if cache is not None:
+            cache.store(dataset)
+        return dataset
 
     def __len__(self) -> int:
         """The number of rows: examples (unpacked) or chunks (packed)."""
@@ -382,6 +396,93 @@ class TokenDataset:
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Restore the data position (seed and samples seen) from :meth:`state_dict`."""
         self.sampler.load_state_dict(state)
+
+
+CACHE_VERSION = 1  # bump when tokenization or packing changes what a cache entry holds
+
+
+def cache_root() -> Path:
+    """Where tokenized datasets are cached: ``IPUFT_CACHE_DIR``, else ``$XDG_CACHE_HOME/ipuft``, else
+    ``~/.cache/ipuft``."""
+    if os.environ.get("IPUFT_CACHE_DIR"):
+        return Path(os.environ["IPUFT_CACHE_DIR"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "ipuft"
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class TokenCache:
+    """A tokenized dataset kept as ``.npy`` files, memory-mapped when read again: keyed by the data file's
+    SHA-256, the tokenizer's, and every setting that shapes the tokens (format, template, text field,
+    packing, sequence length), so that a second run with the same inputs starts without tokenizing.
+
+    The cache is only an accelerator: an entry that is missing, unreadable or inconsistent is rebuilt,
+    never trusted, and entries are written to a temporary directory and renamed into place.
+    """
+
+    FILES = ("tokens", "offsets", "target_starts")
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    @classmethod
+    def for_config(cls, cfg: DictConfig, path: Path, tokenizer: Tokenizer | None) -> TokenCache:
+        data = cfg.data
+        key = {"version": CACHE_VERSION, "data": _file_sha256(path), "format": DataFormat(data.format).value,
+               "template": data.template, "text_field": data.text_field, "packing": bool(data.packing),
+               "sequence_length": cfg.model.sequence_length,
+               "tokenizer": hashlib.sha256(tokenizer.to_str().encode()).hexdigest() if tokenizer else None}
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+        return cls(cache_root() / "tokens" / digest)
+
+    def load(self, name: str, vocab_size: int) -> tuple[torch.Tensor, ...] | None:
+        """The cached ``(tokens, offsets, target_starts)`` (offsets None when packed), or None on a miss."""
+        import numpy as np
+
+        try:
+            arrays = {f: np.load(self.directory / f"{f}.npy", mmap_mode="r", allow_pickle=False)
+                      for f in self.FILES if (self.directory / f"{f}.npy").exists()}
+        except (OSError, ValueError):
+            return None
+        tokens = arrays.get("tokens")
+        if tokens is None or tokens.dtype != np.int32 or tokens.ndim != 1 or not len(tokens):
+            return None
+        if int(tokens.max()) >= vocab_size or int(tokens.min()) < 0:
+            return None
+        offsets, starts = arrays.get("offsets"), arrays.get("target_starts")
+        if (offsets is None) != (starts is None):
+            return None
+        if offsets is not None and not (offsets.dtype == starts.dtype == np.int64 and len(offsets) == len(starts) + 1
+                                        and offsets[0] == 0 and offsets[-1] == len(tokens)):
+            return None
+        with warnings.catch_warnings():  # read-only memory maps: the dataset never writes to them
+            warnings.simplefilter("ignore", UserWarning)
+            return tuple(None if a is None else torch.from_numpy(a) for a in (tokens, offsets, starts))
+
+    def store(self, dataset: TokenDataset) -> None:
+        """Keep ``dataset``'s arrays; a failure to write (a full or read-only disk) only costs the cache."""
+        import numpy as np
+
+        tmp = None
+        try:
+            self.directory.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=self.directory.parent))
+            np.save(tmp / "tokens.npy", dataset.tokens.numpy())
+            if dataset.offsets is not None:
+                np.save(tmp / "offsets.npy", dataset.offsets.numpy())
+                np.save(tmp / "target_starts.npy", dataset.target_starts.numpy())
+            if self.directory.exists():  # an entry load() did not trust
+                shutil.rmtree(self.directory)
+            os.replace(tmp, self.directory)
+        except OSError:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
 
 
 class _Builder:

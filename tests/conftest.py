@@ -25,6 +25,17 @@ def _no_disabled_plugins(monkeypatch):
     monkeypatch.delenv("IPUFT_DISABLE_PLUGINS", raising=False)
 
 
+@pytest.fixture(scope="session")
+def _token_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("token-cache")
+
+
+@pytest.fixture(autouse=True)
+def _cache_in_tmp(monkeypatch, _token_cache):
+    """The tokenized-data cache of every test (and of the processes it starts) lives in a temporary folder."""
+    monkeypatch.setenv("IPUFT_CACHE_DIR", str(_token_cache))
+
+
 @pytest.fixture
 def hooks():
     return create_plugin_manager()

@@ -319,3 +319,51 @@ def test_packaged_sample_loads_with_the_packaged_tokenizer():
     # Unpacked: only the target (label name and EOS) is in the loss.
     kept = b.labels[b.labels != IGNORE_INDEX]
     assert (kept == 0).sum() == 16
+
+
+def test_tokenized_data_is_cached_and_a_second_run_reads_it_without_tokenizing(hooks, tmp_path, monkeypatch):
+    import ipuft.datasets as datasets
+    from ipuft.config import load_config
+
+    monkeypatch.setenv("IPUFT_CACHE_DIR", str(tmp_path / "cache"))
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"premise": f"cat {i} sleeps", "hypothesis": "a cat", "label": i % 3}) + "\n"
+                            for i in range(40)))
+    overrides = [f"data.path={rows}", "data.tokenizer=sample", "model.embedding.vocab_size=512",
+                 "model.sequence_length=32"]
+    sizes = {}
+    for packing in ("true", "false"):
+        cfg = load_config("tiny", [*overrides, f"data.packing={packing}"], hooks.registrations.config_sections)
+        first = datasets.data_source(cfg)
+        with monkeypatch.context() as m:
+            m.setattr(datasets, "_encode", lambda *a: pytest.fail("tokenized again"))
+            second = datasets.data_source(cfg)
+        assert len(second) == len(first)
+        sizes[packing] = len(first)
+        assert all(torch.equal(first.row(i)[0], second.row(i)[0]) and torch.equal(first.row(i)[1], second.row(i)[1])
+                   for i in range(len(first)))
+    entries = sorted((tmp_path / "cache" / "tokens").iterdir())
+    assert len(entries) == 2  # packed and unpacked are two entries
+    # Another template, another file or another tokenizer is another entry; a damaged entry is rebuilt.
+    cfg = load_config("tiny", [*overrides, "data.template={premise} => {hypothesis}"], hooks.registrations.config_sections)
+    datasets.data_source(cfg)
+    assert len(list((tmp_path / "cache" / "tokens").iterdir())) == 3
+    for entry in entries:
+        (entry / "tokens.npy").write_bytes(b"garbage")
+    encoded = []
+    real_encode = datasets._encode
+    monkeypatch.setattr(datasets, "_encode", lambda *a: encoded.append(1) or real_encode(*a))
+    cfg = load_config("tiny", [*overrides, "data.packing=true"], hooks.registrations.config_sections)
+    assert len(datasets.data_source(cfg)) == sizes["true"] and encoded  # rebuilt, not an error
+    cfg = load_config("tiny", [*overrides, "data.cache=false"], hooks.registrations.config_sections)
+    with monkeypatch.context() as m:
+        m.setattr(datasets.TokenCache, "store", lambda *a: pytest.fail("cached though data.cache=false"))
+        datasets.data_source(cfg)
+
+
+def test_a_csv_with_a_byte_order_mark_reads_its_first_column(tmp_path):
+    from ipuft.datasets import read_rows
+
+    path = tmp_path / "rows.csv"
+    path.write_bytes(b"\xef\xbb\xbfpremise,hypothesis,label\na cat,a pet,0\n")
+    assert list(read_rows(path)) == [(1, {"premise": "a cat", "hypothesis": "a pet", "label": "0"})]

@@ -167,6 +167,9 @@ class DataConfig:
     # Rows to evaluate on every training.eval_steps: a file like data.path (same format, template, packing
     # and tokenizer), read in order, each row once.
     validation_path: Optional[str] = None
+    # Keep the tokenized data in a memory-mapped cache (IPUFT_CACHE_DIR, else ~/.cache/ipuft), keyed by the
+    # file's and the tokenizer's hashes and the settings above, so that a second run starts at once.
+    cache: bool = True
     # Or hold out this fraction of data.path's rows (examples, or packed chunks), drawn by data.seed:
     # training never sees them.
     validation_fraction: float = 0.0
