@@ -21,7 +21,9 @@ from ipuft.config import load_config
 from ipuft.datasets import data_source
 from ipuft.plugins import create_plugin_manager
 
-WORDS = ["the", "a", "cat", "dog", "man", "woman", "child", "runs", "sleeps", "eats", "reads", "sits", "stands", "walks", "in", "on", "under", "near", "house", "park", "street", "car", "book", "table", "happy", "sad", "quickly", "slowly", "today", "yesterday", "red", "blue", "green", "big", "small"]
+WORDS = ["the", "a", "cat", "dog", "man", "woman", "child", "runs", "sleeps", "eats", "reads", "sits", "stands",
+         "walks", "in", "on", "under", "near", "house", "park", "street", "car", "book", "table", "happy", "sad",
+         "quickly", "slowly", "today", "yesterday", "red", "blue", "green", "big", "small"]
 
 
 def sentence(rng: random.Random) -> str:
