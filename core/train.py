@@ -156,11 +156,12 @@ class _Signals:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
 
-    def agreed(self, layout: Layout) -> int | None:
-        """The signal, if any rank received one (every rank must stop at the same step)."""
+    def agreed(self, layout: Layout, device: torch.device) -> int | None:
+        """The signal, if any rank received one (every rank must stop at the same step); the flag is reduced
+        on ``device``, where the process group's backend works."""
         if not layout.distributed:
             return self.received
-        flag = torch.tensor([self.received or 0], dtype=torch.int64)
+        flag = torch.tensor([self.received or 0], dtype=torch.int64, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag) or None
 
@@ -385,7 +386,7 @@ def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[di
                 raise TrainingError(f"{skips} optimizer steps in a row were skipped for a non-finite loss or gradient "
                                     f"norm (last at step {step + 1}); lower the learning rate or set "
                                     f"execution.loss_scaling=dynamic")
-            received = signals.agreed(engine.layout)
+            received = signals.agreed(engine.layout, engine.device)
             if received is not None:
                 saved = save(engine, cfg, root, step + 1, data)
                 where = f"; checkpoint {saved}" if saved else ""
@@ -406,10 +407,10 @@ def dataset_loss(engine: PhasedEngine, dataset: TokenDataset, micro_batch_size: 
     """``{"loss", "perplexity", "tokens"}``: the mean token loss over every row of ``dataset``, once, in
     order, through the engine's forward phases (each DP replica takes its own micro-batches)."""
     layout = engine.layout
-    total = torch.zeros(2, dtype=torch.float64)
+    total = torch.zeros(2, dtype=torch.float64, device=engine.device)  # where the backend (NCCL) can reduce it
     for batch in dataset.eval_batches(micro_batch_size, layout.dp_rank, layout.data_parallel):
         loss_sum, tokens = engine.evaluate(batch)
-        total += torch.tensor([loss_sum, tokens], dtype=torch.float64)
+        total += torch.tensor([loss_sum, tokens], dtype=torch.float64, device=engine.device)
     if layout.data_parallel > 1:
         dist.all_reduce(total, group=layout.dp_group)
     loss_sum, tokens = total.tolist()
