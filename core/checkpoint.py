@@ -68,7 +68,8 @@ def _flat(units: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {f"{unit}.{name}": t.contiguous() for unit, w in units.items() for name, t in w.items()}
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """The SHA-256 hex digest of a file, read in 4 MiB blocks."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
@@ -108,7 +109,7 @@ def save_checkpoint(full_weights: dict[str, dict[str, torch.Tensor]], cfg: DictC
     meta = {"format": FORMAT, "version": 1, "step": step, "units": list(full_weights),
             "optim_state": optim is not None, "versions": _versions(), **(state or {})}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-    manifest = {f.name: _sha256(f) for f in sorted(tmp.iterdir())}
+    manifest = {f.name: sha256_file(f) for f in sorted(tmp.iterdir())}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
     for file in tmp.iterdir():
         _fsync(file)
@@ -242,7 +243,7 @@ def saved_config_data(checkpoint: Path) -> dict:
     from ipuft.config import read_config_data
 
     source = checkpoint / "config.yaml"
-    if _sha256(source) != read_manifest(checkpoint)["config.yaml"]:
+    if sha256_file(source) != read_manifest(checkpoint)["config.yaml"]:
         raise CheckpointError(f"checkpoint {checkpoint}: config.yaml does not match its checksum (corrupted)")
     data = read_config_data(source, f"checkpoint {checkpoint}: config.yaml")
     refuse_interpolations(data, str(source))
@@ -318,7 +319,7 @@ def read_manifest(checkpoint: Path) -> dict[str, str]:
 def verify(checkpoint: Path) -> None:
     """Check every file of a checkpoint against its manifest; a missing, unlisted or altered one is an error."""
     for name, digest in read_manifest(checkpoint).items():
-        if _sha256(checkpoint / name) != digest:
+        if sha256_file(checkpoint / name) != digest:
             raise CheckpointError(f"checkpoint {checkpoint}: {name} does not match its checksum (corrupted)")
 
 

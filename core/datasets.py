@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ipuft.checkpoint import sha256_file
 from ipuft.components import IGNORE_INDEX
 from ipuft.config.schema import DataFormat
 from ipuft.data import SampleData
@@ -409,14 +410,6 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "ipuft"
 
 
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 class TokenCache:
     """A tokenized dataset kept as ``.npy`` files, memory-mapped when read again: keyed by the data file's
     SHA-256, the tokenizer's, and every setting that shapes the tokens (format, template, text field,
@@ -434,7 +427,7 @@ class TokenCache:
     @classmethod
     def for_config(cls, cfg: DictConfig, path: Path, tokenizer: Tokenizer | None) -> TokenCache:
         data = cfg.data
-        key = {"version": CACHE_VERSION, "data": _file_sha256(path), "format": DataFormat(data.format).value,
+        key = {"version": CACHE_VERSION, "data": sha256_file(path), "format": DataFormat(data.format).value,
                "template": data.template, "text_field": data.text_field, "packing": bool(data.packing),
                "sequence_length": cfg.model.sequence_length,
                "tokenizer": hashlib.sha256(tokenizer.to_str().encode()).hexdigest() if tokenizer else None}

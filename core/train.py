@@ -185,6 +185,7 @@ def collective_errors(layout: Layout):
                                f"stopping") from None
 
 
+LOCK = ".ipuft.lock"  # held by a run for its life (exclusive_run); its presence marks a directory ipuft made
 FINISHED = ".ipuft-finished"  # written into the run directory when a run has trained all its steps
 
 
@@ -211,12 +212,12 @@ def checkpoint_bytes(cfg: DictConfig, parts: ModelParts, hooks: PluginHooks) -> 
     """The bytes of one checkpoint of this model: its full weights and, with ``checkpoint.optim_state``, the
     optimizer state (and master copy)."""
     optimizer = hooks.registrations.build_optimizer(cfg)
+    master = recipe(cfg) is Recipe.master
     total = 0
     for unit in parts.program.units():
         variables = parts.variables[unit_role(unit)]
         total += sum(v.nbytes for v in variables)
         if cfg.checkpoint.optim_state:
-            master = recipe(cfg) is Recipe.master
             total += sum(v.nbytes for v in optimizer_state_specs(variables, optimizer, master))
     return total
 
@@ -278,9 +279,6 @@ def metrics_record(step: int, result: StepResult, lr: float, tokens: int, second
               "tokens_per_s": tokens / seconds if seconds > 0 else 0.0, "step_time_s": seconds}
     record.update({k: v for k, v in asdict(result).items() if k not in ("loss", "grad_norm")})
     return record
-
-
-LOCK = ".ipuft.lock"
 
 
 @contextmanager
