@@ -132,6 +132,9 @@ def check_ranks_agree(cfg: DictConfig, device: torch.device) -> None:
     for rank, theirs in enumerate(every):
         difference = _first_difference(every[0], theirs)
         if difference is not None:
+            # Every rank found the same difference; leave the group cleanly, so that no rank's exit aborts a
+            # peer still tearing its connections down.
+            dist.destroy_process_group()
             raise ConfigError(f"rank {rank} resolved another config than rank 0: {difference}; launch every rank "
                               f"with the same --config and overrides")
 
