@@ -17,7 +17,7 @@ from click.core import ParameterSource
 from ipuft.cli.main import fail
 from ipuft.config import load_config, preset_names, to_yaml
 from ipuft.errors import IpuftError
-from ipuft.export import DEFAULT_SHARD_BYTES
+from ipuft.hf import DEFAULT_SHARD_BYTES
 from ipuft.plugins import PluginHooks, create_plugin_manager
 
 DEFAULT_PRESET = "small-cpu"

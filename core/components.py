@@ -28,11 +28,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-import torch
-
 from ipuft.errors import PluginError, choices
 
 if TYPE_CHECKING:
+    import torch
     from omegaconf import DictConfig
 
 ROLES = ("embeddings", "decoder", "head")
@@ -52,6 +51,8 @@ class Init:
 
     def fill_(self, tensor: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """Initialise ``tensor`` in place, drawing from ``generator`` when random."""
+        import torch
+
         with torch.no_grad():
             if self.kind == "zeros":
                 return tensor.zero_()
@@ -62,12 +63,18 @@ class Init:
 
 @dataclass(frozen=True)
 class VariableSpec:
-    """One variable of a component: its local name, shape, dtype and initialisation."""
+    """One variable of a component: its local name, shape, dtype (float32 when not given) and initialisation."""
 
     name: str
     shape: tuple[int, ...]
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype | None = None
     init: Init = field(default_factory=Init)
+
+    def __post_init__(self) -> None:
+        if self.dtype is None:  # torch is imported only once a spec is made, not when plugins are discovered
+            import torch
+
+            object.__setattr__(self, "dtype", torch.float32)
 
     @property
     def numel(self) -> int:
@@ -75,7 +82,7 @@ class VariableSpec:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
 
 @runtime_checkable
@@ -156,7 +163,7 @@ def specs_from_module(module: torch.nn.Module, inits: dict[str, Init]) -> list[V
     ]
 
 
-ComponentFactory = Callable[["DictConfig"], torch.nn.Module]
+ComponentFactory = Callable[["DictConfig"], "torch.nn.Module"]
 
 
 @dataclass(frozen=True)

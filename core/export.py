@@ -16,13 +16,11 @@ from omegaconf import DictConfig, OmegaConf
 from ipuft.checkpoint import WEIGHTS, checkpoint_config, find_checkpoint, read_meta, verify
 from ipuft.datasets import EOS, load_tokenizer
 from ipuft.errors import CheckpointError
-from ipuft.hf import unit_mappings
+from ipuft.hf import DEFAULT_SHARD_BYTES, unit_mappings
 from ipuft.hf_checkpoint import HF_SHAPES
 from ipuft.model import build_model
 from ipuft.plugins import PluginHooks
 from ipuft.precision import DTYPES
-
-DEFAULT_SHARD_BYTES = 5 * 2**30
 
 
 def hf_config(cfg: DictConfig, eos_id: int | None, dtype: str = "float32") -> dict:

@@ -6,10 +6,15 @@ Generic machinery only: the names themselves live in the component plugins.
 from __future__ import annotations
 
 from collections.abc import Mapping
-
-import torch
+from typing import TYPE_CHECKING
 
 from ipuft.errors import IpuftError
+
+if TYPE_CHECKING:
+    import torch
+
+# The largest safetensors file ``export`` writes, as transformers' ``save_pretrained`` shards by default.
+DEFAULT_SHARD_BYTES = 5 * 2**30
 
 
 def unit_mappings(modules: Mapping[str, torch.nn.Module], layers: int) -> dict[str, dict[str, str]]:

@@ -18,12 +18,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
 from ipuft.components import VariableSpec
 from ipuft.registry import NamedRegistry
 
 if TYPE_CHECKING:
+    import torch
     from omegaconf import DictConfig
 
 

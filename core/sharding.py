@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from ipuft.components import VariableSpec
 from ipuft.errors import ConfigError, PluginError
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,8 @@ class ShardSpec:
         if padded != size:
             pad_shape = list(full.shape)
             pad_shape[self.tp_dim] = padded - size
+            import torch  # here, not at the top: plugins import this module when they are discovered
+
             full = torch.cat([full, full.new_zeros(pad_shape)], dim=self.tp_dim)
         return full.chunk(tensor_parallel, dim=self.tp_dim)[tp_rank]
 
@@ -74,6 +78,8 @@ class ShardSpec:
         """Reassemble the full variable from every TP rank's shard, dropping padding."""
         if self.tp_dim is None or len(shards) == 1:
             return shards[0]
+        import torch
+
         full = torch.cat(shards, dim=self.tp_dim)
         if full_size is not None:
             full = full.narrow(self.tp_dim, 0, full_size)

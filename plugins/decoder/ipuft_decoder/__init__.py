@@ -1,9 +1,14 @@
-"""The GPT-J decoder block and its ipuft hooks."""
+"""The GPT-J decoder block's ipuft hooks.
+
+This module imports no torch, so that discovering the plugin (``ipuft --help``) stays fast; the block itself
+is in :mod:`ipuft_decoder.block`, imported when a run builds it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
@@ -12,12 +17,14 @@ from ipuft.components import ComponentRegistry, VariableSpec
 from ipuft.config import ConfigSectionRegistry
 from ipuft.program import Op, Phase, Stage, StepProgram
 from ipuft.sharding import ShardSpec
-from ipuft_decoder.block import GPTJDecoderBlock
+
+if TYPE_CHECKING:
+    from ipuft_decoder.block import GPTJDecoderBlock
 
 NAME = "gptj"
 SECTION = "gptj_decoder"
 
-__all__ = ["DecoderOptions", "GPTJDecoderBlock"]
+__all__ = ["DecoderOptions"]
 
 
 class AttentionKernel(str, Enum):
@@ -34,6 +41,8 @@ class DecoderOptions:
 
 def build(cfg: DictConfig) -> GPTJDecoderBlock:
     """One layer with this tensor-parallel rank's share of the heads and of the MLP width."""
+    from ipuft_decoder.block import GPTJDecoderBlock
+
     m, tp = cfg.model, cfg.execution.tensor_parallel
     return GPTJDecoderBlock(
         hidden_size=m.hidden_size,

@@ -1,51 +1,29 @@
 """GPT-J token embeddings: a lookup table and dropout (no position embeddings: GPT-J is rotary).
 
-Under tensor parallelism each rank holds a contiguous block of the (padded) vocabulary: ids outside it
-contribute zeros, and the partial lookups are summed over the TP group.
+This module holds the hooks only and imports no torch, so that discovering the plugin (``ipuft --help``)
+stays fast; the module itself is in :mod:`ipuft_embeddings.module`, imported when a run builds it.
 """
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING
+
 from omegaconf import DictConfig
 
 from ipuft import hookimpl
-from ipuft.components import ComponentRegistry, Init, VariableSpec, specs_from_module
-from ipuft.parallel import reduce_from_tensor_parallel, vocab_block
+from ipuft.components import ComponentRegistry, VariableSpec
 from ipuft.program import Op, Phase, Stage, StepProgram
 from ipuft.sharding import VOCAB_SHARDED
+
+if TYPE_CHECKING:
+    from ipuft_embeddings.module import GPTJEmbeddings
 
 NAME = "gptj"
 
 
-class GPTJEmbeddings(torch.nn.Module):
-    """``input_ids[B, T] -> hidden[B, T, H]``."""
-
-    def __init__(self, vocab_size: int, hidden_size: int, dropout_prob: float = 0.0, tensor_parallel: int = 1):
-        super().__init__()
-        local_rows = VOCAB_SHARDED.local_shape((vocab_size, hidden_size), tensor_parallel)[0]
-        self.wte = torch.nn.Embedding(local_rows, hidden_size)
-        self.dropout_prob = dropout_prob
-        self.tensor_parallel = tensor_parallel
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.tensor_parallel == 1:
-            return F.dropout(self.wte(input_ids), self.dropout_prob, self.training)
-        rows = self.wte.weight.shape[0]
-        local, inside = vocab_block(input_ids, rows)
-        outside = ~inside
-        partial = self.wte(local.masked_fill(outside, 0)).masked_fill(outside.unsqueeze(-1), 0.0)
-        return F.dropout(reduce_from_tensor_parallel(partial), self.dropout_prob, self.training)
-
-    def variable_specs(self) -> list[VariableSpec]:
-        return specs_from_module(self, {"wte.weight": Init("normal", 0.02)})
-
-    def hf_mapping(self, layer: int | None = None) -> dict[str, str]:
-        return {"wte.weight": "transformer.wte.weight"}
-
-
 def build(cfg: DictConfig) -> GPTJEmbeddings:
+    from ipuft_embeddings.module import GPTJEmbeddings
+
     m = cfg.model
     return GPTJEmbeddings(m.embedding.vocab_size, m.hidden_size, m.dropout_prob, cfg.execution.tensor_parallel)
 

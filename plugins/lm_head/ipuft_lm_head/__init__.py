@@ -1,95 +1,29 @@
 """The GPT-J language-model head: final layer norm, untied projection with bias, mean cross-entropy.
 
-Under tensor parallelism the projection is sharded by vocabulary (padded to a multiple of TP × 16; padded
-columns never win) and the cross-entropy is computed on the shards: the maximum, the sum of exponentials
-and the target logit are reduced over the TP group, so the full logits are never gathered for the loss.
+This module holds the hooks only and imports no torch, so that discovering the plugin (``ipuft --help``)
+stays fast; the module itself is in :mod:`ipuft_lm_head.module`, imported when a run builds it.
 """
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING
+
 from omegaconf import DictConfig
 
 from ipuft import hookimpl
-from ipuft.components import (
-    IGNORE_INDEX,
-    ComponentRegistry,
-    Init,
-    VariableSpec,
-    specs_from_module,
-)
-from ipuft.parallel import (
-    copy_to_tensor_parallel,
-    gather_from_tensor_parallel,
-    max_over_tensor_parallel,
-    reduce_from_tensor_parallel,
-    tensor_parallel_rank,
-    vocab_block,
-)
+from ipuft.components import ComponentRegistry, VariableSpec
 from ipuft.program import Op, Phase, Stage, StepProgram
 from ipuft.sharding import VOCAB_SHARDED, ShardSpec
+
+if TYPE_CHECKING:
+    from ipuft_lm_head.module import GPTJLMHead
 
 NAME = "gptj"
 
 
-class GPTJLMHead(torch.nn.Module):
-    """``hidden[B, T, H] -> logits[B, T, V]``, or the mean loss when ``labels[B, T]`` are given."""
-
-    def __init__(self, hidden_size: int, vocab_size: int, layer_norm_epsilon: float = 1e-5,
-                 tensor_parallel: int = 1) -> None:
-        super().__init__()
-        self.norm = torch.nn.LayerNorm(hidden_size, eps=layer_norm_epsilon)
-        local_rows = VOCAB_SHARDED.local_shape((vocab_size, hidden_size), tensor_parallel)[0]
-        self.proj = torch.nn.Linear(hidden_size, local_rows)
-        self.vocab_size, self.tensor_parallel = vocab_size, tensor_parallel
-
-    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        if self.tensor_parallel == 1:
-            logits = self.proj(self.norm(hidden))
-            if labels is None:
-                return logits
-            # The loss and its softmax are float32 whatever the weights' precision.
-            return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
-        logits = self._local_logits(hidden)
-        if labels is None:
-            return gather_from_tensor_parallel(logits)[..., : self.vocab_size]
-        return self._sharded_cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
-
-    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """This rank's vocabulary block of the logits; padded columns are pushed to the dtype's minimum."""
-        logits = self.proj(copy_to_tensor_parallel(self.norm(hidden)))
-        rows = logits.shape[-1]
-        first = tensor_parallel_rank() * rows
-        if first + rows <= self.vocab_size:
-            return logits
-        padded = torch.arange(first, first + rows, device=logits.device) >= self.vocab_size
-        return logits.masked_fill(padded, torch.finfo(logits.dtype).min)
-
-    def _sharded_cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy over the tokens whose label is not IGNORE_INDEX, from vocabulary shards."""
-        rows = logits.shape[-1]
-        shift = max_over_tensor_parallel(logits.max(dim=-1, keepdim=True).values)
-        shifted = logits - shift
-        sum_exp = reduce_from_tensor_parallel(shifted.exp().sum(dim=-1))
-        local, mine = vocab_block(labels, rows)
-        target = shifted.gather(-1, local.clamp(0, rows - 1).unsqueeze(-1)).squeeze(-1) * mine
-        target = reduce_from_tensor_parallel(target)
-        keep = labels != IGNORE_INDEX
-        losses = (sum_exp.log() - target) * keep
-        return losses.sum() / keep.sum()
-
-    def variable_specs(self) -> list[VariableSpec]:
-        inits = {"norm.weight": Init("ones"), "norm.bias": Init("zeros"),
-                 "proj.weight": Init("normal", 0.02), "proj.bias": Init("zeros")}
-        return specs_from_module(self, inits)
-
-    def hf_mapping(self, layer: int | None = None) -> dict[str, str]:
-        return {"norm.weight": "transformer.ln_f.weight", "norm.bias": "transformer.ln_f.bias",
-                "proj.weight": "lm_head.weight", "proj.bias": "lm_head.bias"}
-
-
 def build(cfg: DictConfig) -> GPTJLMHead:
+    from ipuft_lm_head.module import GPTJLMHead
+
     m = cfg.model
     return GPTJLMHead(m.hidden_size, m.embedding.vocab_size, m.layer_norm_epsilon, cfg.execution.tensor_parallel)
 

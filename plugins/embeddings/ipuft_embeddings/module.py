@@ -1,0 +1,40 @@
+"""The GPT-J embeddings module.
+
+Under tensor parallelism each rank holds a contiguous block of the (padded) vocabulary: ids outside it
+contribute zeros, and the partial lookups are summed over the TP group.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ipuft.components import Init, VariableSpec, specs_from_module
+from ipuft.parallel import reduce_from_tensor_parallel, vocab_block
+from ipuft.sharding import VOCAB_SHARDED
+
+
+class GPTJEmbeddings(torch.nn.Module):
+    """``input_ids[B, T] -> hidden[B, T, H]``."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dropout_prob: float = 0.0, tensor_parallel: int = 1):
+        super().__init__()
+        local_rows = VOCAB_SHARDED.local_shape((vocab_size, hidden_size), tensor_parallel)[0]
+        self.wte = torch.nn.Embedding(local_rows, hidden_size)
+        self.dropout_prob = dropout_prob
+        self.tensor_parallel = tensor_parallel
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tensor_parallel == 1:
+            return F.dropout(self.wte(input_ids), self.dropout_prob, self.training)
+        rows = self.wte.weight.shape[0]
+        local, inside = vocab_block(input_ids, rows)
+        outside = ~inside
+        partial = self.wte(local.masked_fill(outside, 0)).masked_fill(outside.unsqueeze(-1), 0.0)
+        return F.dropout(reduce_from_tensor_parallel(partial), self.dropout_prob, self.training)
+
+    def variable_specs(self) -> list[VariableSpec]:
+        return specs_from_module(self, {"wte.weight": Init("normal", 0.02)})
+
+    def hf_mapping(self, layer: int | None = None) -> dict[str, str]:
+        return {"wte.weight": "transformer.wte.weight"}
