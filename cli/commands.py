@@ -10,6 +10,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import click
 from click.core import ParameterSource
@@ -145,16 +146,23 @@ def export(hooks: PluginHooks, checkpoint: str, out: str, max_shard_size: int, d
 
 @cli.command("eval")
 @config_arguments
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (with tokens_per_s, device_peak_bytes).")
 @click.option("--task", type=click.Choice(["loss", "mnli"]), default="loss", show_default=True,
-              help="loss: mean token loss and perplexity; mnli: label accuracy by greedy generation.")
-def eval_command(hooks: PluginHooks, cfg, as_json: bool, task: str) -> None:
-    """Evaluate on data.path. Weights come from checkpoint.load or model.hf_checkpoint.
+              help="loss: mean token loss and perplexity; mnli: label accuracy.")
+@click.option("--mode", type=click.Choice(["score", "generate"]), default="score", show_default=True,
+              help="--task mnli: score compares each label's log-likelihood after the prompt (one forward pass); "
+                   "generate decodes the label greedily, as the reference did.")
+@click.option("--batch-size", default=8, show_default=True, type=click.IntRange(min=1),
+              help="--task mnli: rows per layer-major pass (the loss task uses execution.micro_batch_size).")
+def eval_command(hooks: PluginHooks, cfg, as_json: bool, task: str, mode: str, batch_size: int) -> None:
+    """Evaluate on data.path. Weights come from checkpoint.load or model.hf_checkpoint; they stay in host
+    memory and come to the device one unit at a time, as in training.
 
     \b
     Examples:
       ipuft eval --checkpoint runs/a data.path=val.jsonl              # loss and perplexity
-      ipuft eval --checkpoint runs/a data.path=val.jsonl --task mnli  # label accuracy
+      ipuft eval --checkpoint runs/a data.path=val.jsonl --task mnli  # label accuracy by log-likelihood
+      ipuft eval --checkpoint runs/a data.path=val.jsonl --task mnli --mode generate --batch-size 32
       ipuft eval --checkpoint runs/a                                  # its run's data.validation_path
     """
     from ipuft.evaluate import evaluate_loss, evaluate_mnli
@@ -172,11 +180,11 @@ def eval_command(hooks: PluginHooks, cfg, as_json: bool, task: str) -> None:
         click.echo("ipuft: note: no checkpoint.load or model.hf_checkpoint: evaluating random weights", err=True)
     if validation is not None and task == "mnli":
         raise click.UsageError("eval --task mnli: give data.path=FILE with MNLI rows")
-    result = evaluate_mnli(cfg, hooks) if task == "mnli" else evaluate_loss(cfg, hooks, validation)
+    result = evaluate_mnli(cfg, hooks, mode, batch_size) if task == "mnli" else evaluate_loss(cfg, hooks, validation)
     if as_json:
         click.echo(json.dumps(result))
     elif task == "mnli":
-        click.echo(f"accuracy {result['accuracy']:.4f} ({result['correct']}/{result['examples']})")
+        click.echo(f"accuracy {result['accuracy']:.4f} ({result['correct']}/{result['examples']}, {mode})")
     else:
         click.echo(f"loss {result['loss']:.4f}  perplexity {result['perplexity']:.3f}  tokens {result['tokens']}")
 
@@ -184,39 +192,53 @@ def eval_command(hooks: PluginHooks, cfg, as_json: bool, task: str) -> None:
 @cli.command()
 @click.option("--checkpoint", "path", required=True, metavar="PATH",
               help="An ipuft checkpoint or run directory, or a Hugging Face GPT-J directory.")
+@click.option("--prompts", "prompts_file", default=None, metavar="FILE", type=click.Path(dir_okay=False),
+              help="A UTF-8 file of prompts, one per line (then every argument is a KEY=VALUE override).")
+@click.option("--batch-size", default=8, show_default=True, type=click.IntRange(min=1),
+              help="Prompts decoded together: each unit's weights come to the device once per step for all of them.")
 @click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0),
               help="0: greedy decoding.")
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0), help="0: off.")
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(min=0.0, max=1.0, min_open=True))
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the sampling.")
-@click.argument("prompt")
-@click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON object: completions, new_tokens, tokens_per_s, device_peak_bytes.")
+@click.argument("args", nargs=-1, metavar="[PROMPT] [KEY=VALUE]...")
 @click.pass_obj
-def generate(hooks: PluginHooks, path: str, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
-             seed: int, prompt: str, overrides: tuple[str, ...]) -> None:
-    """Continue PROMPT with a KV cache, greedily or by sampling; stops at <|endoftext|>.
+def generate(hooks: PluginHooks, path: str, prompts_file: str | None, batch_size: int, max_new_tokens: int,
+             temperature: float, top_k: int, top_p: float, seed: int, as_json: bool, args: tuple[str, ...]) -> None:
+    """Continue PROMPT (or every line of --prompts FILE) with a KV cache, greedily or by sampling; each
+    row stops at <|endoftext|>. Weights stay in host memory and come to the device one unit at a time.
 
     \b
     Examples:
       ipuft generate --checkpoint runs/a "mnli hypothesis: ... target:"
+      ipuft generate --checkpoint runs/a --prompts prompts.txt --batch-size 16 --json
       ipuft generate --checkpoint /models/gpt-j-6b --temperature 0.8 --top-p 0.9 "Once upon" data.tokenizer=DIR
     """
-    import torch
+    from ipuft.evaluate import generate_texts, inference_config
 
-    from ipuft.evaluate import EOS, inference_config, inference_model, tokenizer_for
-    from ipuft.generate import generate as run_generate
-
+    if prompts_file is None:
+        if not args:
+            raise click.UsageError("give a PROMPT, or --prompts FILE")
+        prompts, overrides = [args[0]], args[1:]
+    else:
+        try:
+            text = Path(prompts_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise click.UsageError(f"--prompts {prompts_file}: cannot be read ({exc})") from None
+        prompts, overrides = [line for line in text.splitlines() if line.strip()], args
+        if not prompts:
+            raise click.UsageError(f"--prompts {prompts_file}: no prompt in it (one per line)")
     cfg = inference_config(path, hooks, overrides)
-    tokenizer = tokenizer_for(cfg)
-    parts, weights = inference_model(cfg, hooks)
-    ids = tokenizer.encode(prompt, add_special_tokens=False).ids
-    if not ids:
-        raise click.UsageError("the prompt is empty after tokenization")
-    new = run_generate(parts.modules, weights, cfg.model.layers, ids, max_new_tokens, temperature=temperature,
-                       top_k=top_k, top_p=top_p, eos_id=tokenizer.token_to_id(EOS),
-                       generator=torch.Generator(next(iter(weights["head"].values())).device).manual_seed(seed))
-    click.echo(prompt + tokenizer.decode(new, skip_special_tokens=False))
+    result = generate_texts(cfg, hooks, prompts, max_new_tokens, batch_size, temperature=temperature, top_k=top_k,
+                            top_p=top_p, seed=seed)
+    if as_json:
+        click.echo(json.dumps(result))
+    else:
+        for completion in result["completions"]:
+            click.echo(completion)
 
 
 @cli.group("config")

@@ -155,6 +155,11 @@ def find_checkpoint(path: str | Path) -> Path:
 _PLACEMENT = ("output_dir", "checkpoint.save", "model.init_checkpoint")
 
 
+# Keys that earlier versions saved and that no longer exist: dropped from a checkpoint's config, so that its
+# checkpoints stay loadable.
+RETIRED = ("model.eval",)
+
+
 # The model's shape, which a checkpoint's weights fix.
 SHAPE_KEYS = (
     "model.layers", "model.hidden_size", "model.intermediate_size", "model.embedding.vocab_size",
@@ -229,7 +234,7 @@ def checkpoint_config(path: str | Path, sections, overrides: list[str] | tuple[s
 
     found = find_checkpoint(path)
     data = saved_config_data(found)
-    for key in _PLACEMENT:
+    for key in (*_PLACEMENT, *RETIRED):
         parent, _, leaf = key.rpartition(".")
         node = data.get(parent) if parent else data
         if isinstance(node, dict):

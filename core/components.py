@@ -26,7 +26,7 @@ import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ipuft.errors import PluginError, choices
 
@@ -221,8 +221,3 @@ class ComponentRegistry:
 
     def __iter__(self) -> Iterator[ComponentBuilder]:
         return iter(self._builders.values())
-
-
-def describe(builder: ComponentBuilder) -> dict[str, Any]:
-    """A JSON-ready description of a builder, for ``ipuft plugins``."""
-    return {"role": builder.role, "name": builder.name, "description": builder.description}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ipuft.engine import Batch
+from ipuft.batch import Batch
 
 LEXICON_WORDS = 48
 WORD_LENGTHS = (3, 8)

@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ipuft.batch import Batch
 from ipuft.checkpoint import sha256_file
 from ipuft.components import IGNORE_INDEX
 from ipuft.config.schema import DataFormat
 from ipuft.data import SampleData
-from ipuft.engine import Batch
 from ipuft.errors import DataError
 from ipuft.templates import Template, resolve_template
 

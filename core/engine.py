@@ -24,7 +24,9 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from ipuft.activations import ActivationBuffers, working_set
+from ipuft.batch import Batch
 from ipuft.components import IGNORE_INDEX, Init, VariableSpec, bound, recompute
+from ipuft.inference import evaluating
 from ipuft.model import ModelParts
 from ipuft.optim import Optimizer, StepContext
 from ipuft.parallel import Layout, active
@@ -33,22 +35,6 @@ from ipuft.precision import Recipe, compute_dtype, recipe, rounding_key, roundin
 from ipuft.program import Op, Phase
 from ipuft.scaling import LossScale
 from ipuft.store import Tensors, VariableStore, nbytes
-
-
-@dataclass
-class Batch:
-    """One optimizer step's data for this replica: ``[GA, micro_batch_size, sequence_length]`` each."""
-
-    input_ids: torch.Tensor
-    labels: torch.Tensor
-
-    @property
-    def micro_batches(self) -> int:
-        return self.input_ids.shape[0]
-
-    @property
-    def tokens(self) -> int:
-        return self.input_ids.numel()
 
 
 @dataclass
@@ -130,9 +116,12 @@ def initial_values(unit: str, specs: list[VariableSpec], seed: int) -> Tensors:
 class PhasedEngine:
     """Owns the variable store and runs optimizer steps through the step program."""
 
-    def __init__(self, cfg: DictConfig, parts: ModelParts, optimizer: Optimizer, device: torch.device,
+    def __init__(self, cfg: DictConfig, parts: ModelParts, optimizer: Optimizer | None, device: torch.device,
                  layout: Layout | None = None, initializer: Initializer | None = None) -> None:
-        """``initializer(unit, specs)`` gives a unit's full initial weights (default: random, seeded)."""
+        """``initializer(unit, specs)`` gives a unit's full initial weights (default: random, seeded).
+
+        Without an ``optimizer`` the engine is for inference (:mod:`ipuft.inference`): it stores the weights
+        only, with no optimizer state and no gradients, and cannot :meth:`step`."""
         self.cfg = cfg
         self.parts = parts
         self.program = parts.program
@@ -149,7 +138,7 @@ class PhasedEngine:
         self.updates = 0  # optimizer steps taken; Adam's bias correction counts from 1
         self.modules = parts.modules
         for module in self.modules.values():
-            module.train(True)
+            module.train(optimizer is not None)
         self._allocate(initializer or (lambda unit, specs: initial_values(unit, specs, cfg.model.seed)))
 
     # ---- setup ----
@@ -167,6 +156,8 @@ class PhasedEngine:
             wide = {n: placed[n].to_stored(t) for n, t in full.items()}
             del full
             self.store.put(unit, "fwd", {n: t.to(specs[n].dtype) for n, t in wide.items()})
+            if self.optimizer is None:
+                continue
             stored = [p.stored_spec() for p in placed.values()]
             self.store.allocate(unit, "optim", optimizer_state_specs(stored, self.optimizer, master))
             if master:
@@ -180,6 +171,8 @@ class PhasedEngine:
 
     def step(self, batch: Batch, lr: float) -> StepResult:
         """Run one optimizer step over this replica's ``batch`` with learning rate ``lr``."""
+        if self.optimizer is None:
+            raise TypeError("an inference engine (built without an optimizer) cannot take training steps")
         if batch.micro_batches != self.cfg.gradient_accumulation:
             raise ValueError(f"batch has {batch.micro_batches} micro-batches, "
                              f"expected {self.cfg.gradient_accumulation}")
@@ -272,7 +265,7 @@ class PhasedEngine:
         and the head's loss, layer-major, with no gradient and no update. Sums are over this replica."""
         batch = Batch(batch.input_ids.to(self.device), batch.labels.to(self.device))
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        with torch.no_grad():
+        with torch.no_grad(), evaluating(self.modules):
             for phase in self.program:
                 if not any(op in (Op.FORWARD, Op.LOSS_BACKWARD) for op in phase.ops):
                     continue

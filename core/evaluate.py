@@ -1,18 +1,24 @@
-"""``ipuft eval``: the mean token loss and perplexity over ``data.path``, and MNLI accuracy by generation.
+"""``ipuft eval`` and ``ipuft generate``: loss and perplexity, MNLI accuracy, and text continuation.
 
-The loss pass runs the phased engine forward-only, layer-major, so it works for models larger than the
-device like training does. MNLI accuracy generates the label after ``target:`` greedily, as the
-reference's validation did: a prediction that matches no label counts as wrong.
+Everything runs through an inference engine (the model's weights in the variable store, no optimizer
+state) and layer-major passes, so these commands hold one unit on the device like training does.
+
+MNLI accuracy has two modes. ``score`` (the standard way to score a classification with a language
+model) compares the log-likelihood of each label's target text after the prompt, in one forward pass over
+every row and label, without generating. ``generate`` is the reference's validation: greedy generation of
+the text after ``target:``, where a prediction that matches no label counts as wrong.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
 
 from ipuft.checkpoint import checkpoint_config
+from ipuft.components import IGNORE_INDEX
 from ipuft.config import load_config
 from ipuft.datasets import (
     EOS,
@@ -23,24 +29,30 @@ from ipuft.datasets import (
     resolve_data_path,
     tokenizer_source,
 )
-from ipuft.engine import unit_role
 from ipuft.errors import DataError
 from ipuft.generate import generate
-from ipuft.model import ModelParts, build_model
+from ipuft.inference import LayerMajor, dataset_loss
 from ipuft.plugins import PluginHooks
+from ipuft.runtime import collective_errors, inference_engine
 from ipuft.templates import resolve_template
-from ipuft.train import build_engine, collective_errors, dataset_loss, initializer, select_device
+
+MNLI_MODES = ("score", "generate")
 
 
 def evaluate_loss(cfg: DictConfig, hooks: PluginHooks, dataset: TokenDataset | None = None) -> dict:
-    """``{"loss", "perplexity", "tokens"}`` over every row of ``data.path`` (or of ``dataset``), once, in order."""
+    """``{"loss", "perplexity", "tokens", "tokens_per_s", "device_peak_bytes"}`` over every row of
+    ``data.path`` (or of ``dataset``), once, in order."""
     if dataset is None and cfg.data.path is None:
         raise DataError("data.path: eval needs a dataset; set data.path=FILE")
     dataset = dataset if dataset is not None else data_source(cfg)
     assert isinstance(dataset, TokenDataset)
-    engine = build_engine(cfg, hooks)
+    engine = inference_engine(cfg, hooks)
+    engine.store.ledger.reset_peak()
+    began = time.perf_counter()
     with collective_errors(engine.layout):
-        return dataset_loss(engine, dataset, cfg.execution.micro_batch_size)
+        result = dataset_loss(engine, dataset, cfg.execution.micro_batch_size)
+    return {**result, "tokens_per_s": result["tokens"] / (time.perf_counter() - began),
+            "device_peak_bytes": engine.store.ledger.peak}
 
 
 def inference_config(path: str, hooks: PluginHooks, overrides: tuple[str, ...] | list[str] = ()) -> DictConfig:
@@ -54,17 +66,6 @@ def inference_config(path: str, hooks: PluginHooks, overrides: tuple[str, ...] |
     return checkpoint_config(path, sections, [*single, *overrides])
 
 
-def inference_model(cfg: DictConfig, hooks: PluginHooks) -> tuple[ModelParts, dict[str, dict[str, torch.Tensor]]]:
-    """The components and every unit's full weights (no optimizer state), at TP=1, on the configured
-    device (``execution.device``: a GPU when one is available), loaded unit by unit."""
-    parts = build_model(cfg, hooks)
-    device = select_device(cfg)
-    init = initializer(cfg, parts)
-    weights = {unit: {n: t.to(device) for n, t in init(unit, parts.variables[unit_role(unit)]).items()}
-               for unit in parts.program.units()}
-    return parts, weights
-
-
 def tokenizer_for(cfg: DictConfig):
     """The tokenizer saved with the model ``cfg`` loads (in its checkpoint or Hugging Face directory), else
     ``data.tokenizer``."""
@@ -76,8 +77,67 @@ def tokenizer_for(cfg: DictConfig):
     raise DataError(f"{home} holds no tokenizer.json; set data.tokenizer=DIR")
 
 
-def evaluate_mnli(cfg: DictConfig, hooks: PluginHooks, max_new_tokens: int = 8) -> dict:
-    """``{"accuracy", "examples", "correct"}``: greedy generation of each row's label after ``target:``."""
+def batches(items: list, size: int):
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def generate_texts(cfg: DictConfig, hooks: PluginHooks, prompts: list[str], max_new_tokens: int,
+                   batch_size: int = 8, **sampling) -> dict:
+    """Continue each prompt, ``batch_size`` prompts decoded together; ``{"completions", "new_tokens",
+    "tokens_per_s" (new tokens per second), "device_peak_bytes"}``. ``sampling``: temperature, top_k, top_p,
+    seed (see :func:`ipuft.generate.generate`)."""
+    tokenizer = tokenizer_for(cfg)
+    encoded = [tokenizer.encode(p, add_special_tokens=False).ids for p in prompts]
+    for number, ids in enumerate(encoded, start=1):
+        if not ids:
+            raise DataError(f"prompt {number} is empty after tokenization")
+    engine = inference_engine(cfg, hooks)
+    runner = LayerMajor(engine)
+    seed = sampling.pop("seed", 0)
+    generator = torch.Generator(engine.device).manual_seed(seed)
+    engine.store.ledger.reset_peak()
+    began = time.perf_counter()
+    new = []
+    for chunk in batches(encoded, batch_size):
+        new += generate(runner, chunk, max_new_tokens, eos_id=tokenizer.token_to_id(EOS), generator=generator,
+                        **sampling)
+    seconds = time.perf_counter() - began
+    count = sum(len(n) for n in new)
+    return {"completions": [p + tokenizer.decode(n, skip_special_tokens=False) for p, n in zip(prompts, new)],
+            "new_tokens": count, "tokens_per_s": count / seconds, "device_peak_bytes": engine.store.ledger.peak}
+
+
+def label_log_likelihoods(runner: LayerMajor, prompts: list[list[int]],
+                          candidates: list[list[int]]) -> list[list[float]]:
+    """For each of ``prompts`` and each candidate continuation, the sum of the continuation's token
+    log-probabilities after the prompt: one forward pass over every pair, right-padded (under the causal
+    mask a real token never sees the pads after it)."""
+    pairs = [(p, c) for p in prompts for c in candidates]
+    width = max(len(p) + len(c) for p, c in pairs)
+    ids = torch.tensor([p + c + [0] * (width - len(p) - len(c)) for p, c in pairs], dtype=torch.long)
+    # Position t predicts token t + 1: the head runs only where a candidate token is predicted.
+    span = max(len(c) for c in candidates)
+    where = torch.zeros(len(pairs), span, dtype=torch.long)
+    targets = torch.full((len(pairs), span), IGNORE_INDEX, dtype=torch.long)
+    for i, (p, c) in enumerate(pairs):
+        where[i] = len(p) - 1
+        where[i, : len(c)] += torch.arange(len(c))
+        targets[i, : len(c)] = torch.tensor(c)
+    logits = runner.head(runner.hidden(ids), where).float()
+    targets = targets.to(logits.device)
+    keep = targets != IGNORE_INDEX
+    log_probs = logits.log_softmax(-1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    sums = (log_probs * keep).sum(-1).tolist()
+    return [sums[i : i + len(candidates)] for i in range(0, len(sums), len(candidates))]
+
+
+def evaluate_mnli(cfg: DictConfig, hooks: PluginHooks, mode: str = "score", batch_size: int = 8,
+                  max_new_tokens: int = 8) -> dict:
+    """``{"accuracy", "examples", "correct", "mode", "tokens_per_s", "device_peak_bytes"}`` over the MNLI rows
+    of ``data.path``, ``batch_size`` rows per pass (see the module docstring for the two modes)."""
+    if mode not in MNLI_MODES:
+        raise ValueError(f"mode must be one of {MNLI_MODES}, not {mode!r}")
     if cfg.data.path is None:
         raise DataError("data.path: eval --task mnli needs MNLI rows (premise, hypothesis, label)")
     template = resolve_template("mnli")
@@ -85,18 +145,35 @@ def evaluate_mnli(cfg: DictConfig, hooks: PluginHooks, max_new_tokens: int = 8) 
     if source is None:
         raise DataError("data.tokenizer: eval --task mnli needs a tokenizer; set data.tokenizer or model.hf_checkpoint")
     tokenizer = load_tokenizer(*source)
-    eos_id = tokenizer.token_to_id(EOS)
-    parts, weights = inference_model(cfg, hooks)
     path = resolve_data_path(cfg.data.path)
-    correct = examples = 0
+    examples = []
     for number, row in read_rows(path):
         prompt, target = template.render(row, f"{path} row {number}")
-        expected = target.replace(EOS, "").strip()
-        ids = tokenizer.encode(prompt, add_special_tokens=False).ids
-        new = generate(parts.modules, weights, cfg.model.layers, ids, max_new_tokens, eos_id=eos_id)
-        predicted = tokenizer.decode(new, skip_special_tokens=False).replace(EOS, "").strip()
-        correct += predicted == expected
-        examples += 1
-    if examples == 0:
+        examples.append((tokenizer.encode(prompt, add_special_tokens=False).ids, target.replace(EOS, "").strip()))
+    if not examples:
         raise DataError(f"{path}: the dataset is empty")
-    return {"accuracy": correct / examples, "examples": examples, "correct": correct}
+    labels = [template.labels[k] for k in sorted(template.labels)]
+    engine = inference_engine(cfg, hooks)
+    runner = LayerMajor(engine)
+    engine.store.ledger.reset_peak()
+    began = time.perf_counter()
+    correct = tokens = 0
+    if mode == "score":
+        # Each label's text exactly as the template renders it after the prompt, tokenized on its own as in training.
+        candidates = [tokenizer.encode(template.target.format(label=name), add_special_tokens=False).ids
+                      for name in labels]
+        for chunk in batches(examples, batch_size):
+            scores = label_log_likelihoods(runner, [ids for ids, _ in chunk], candidates)
+            for (_, expected), row_scores in zip(chunk, scores):
+                correct += labels[max(range(len(labels)), key=row_scores.__getitem__)] == expected
+            tokens += sum(len(ids) + len(c) for ids, _ in chunk for c in candidates)
+    else:
+        eos_id = tokenizer.token_to_id(EOS)
+        for chunk in batches(examples, batch_size):
+            new = generate(runner, [ids for ids, _ in chunk], max_new_tokens, eos_id=eos_id)
+            for (_, expected), ids in zip(chunk, new):
+                correct += tokenizer.decode(ids, skip_special_tokens=False).replace(EOS, "").strip() == expected
+            tokens += sum(len(ids) for ids in new)
+    seconds = time.perf_counter() - began
+    return {"accuracy": correct / len(examples), "examples": len(examples), "correct": correct, "mode": mode,
+            "tokens_per_s": tokens / seconds, "device_peak_bytes": engine.store.ledger.peak}

@@ -1,36 +1,64 @@
-"""Text generation from the three components, with a key/value cache.
+"""Text generation: the key/value cache, token choice, and batched decoding through the layer-major runner.
 
-The modules are the engine's own (possibly on the meta device): they are always run with the per-unit
-weights (``embeddings``, ``decoder.{n}``, ``head``) bound in place of their parameters
-(:func:`ipuft.components.bound`), as in training. A decoder that supports caching takes
-``forward(hidden, cache=LayerKVCache)``: it rotates the new tokens from position ``cache.length``, appends
-their keys and values and attends over all of them.
+Decoding runs a batch of prompts together (:func:`generate`): the prompts are left-padded to one length
+and prefilled in one pass, then every step decodes one token for every row that has not finished. Each
+pass goes unit by unit through :class:`ipuft.inference.LayerMajor`, so a unit's weights come to the
+device once per step for the whole batch, not once per row.
 
-Decoding is one sequence at a time: the prompt is run once (prefill), then one token per step.
+A decoder that supports caching takes ``forward(hidden, cache=LayerKVCache)``: it rotates the new tokens
+from their positions (:meth:`LayerKVCache.positions`), appends their keys and values, and attends over all
+of them under :meth:`LayerKVCache.attention_mask` when the rows are padded.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
-from ipuft.components import bound
+if TYPE_CHECKING:
+    from ipuft.inference import LayerMajor
 
 
 class LayerKVCache:
-    """One layer's keys and values so far, ``[B, heads, T_past, head_dim]`` (``None`` while empty)."""
+    """One layer's keys and values so far, ``[B, heads, T_past, head_dim]`` (``None`` while empty).
 
-    def __init__(self) -> None:
+    ``pad[B]``: how many pad tokens each row starts with (left padding), or ``None`` when no row is padded.
+    A row's first real token is its position 0, and no query attends to a pad key.
+    """
+
+    def __init__(self, pad: torch.Tensor | None = None) -> None:
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
+        self.pad = pad
 
     @property
     def length(self) -> int:
-        """How many positions are cached: the position of the next token."""
+        """How many positions are cached, pads included: the index of the next token."""
         return 0 if self.keys is None else self.keys.shape[-2]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values) if t is not None)
+
+    def positions(self, new: int, device: torch.device) -> torch.Tensor:
+        """``[B, new]``: the rotary positions of the next ``new`` tokens of each row (pads get 0)."""
+        index = torch.arange(self.length, self.length + new, device=device)
+        if self.pad is None:
+            return index.unsqueeze(0)
+        return (index.unsqueeze(0) - self.pad.to(device).unsqueeze(1)).clamp_(min=0)
+
+    def attention_mask(self, new: int, device: torch.device) -> torch.Tensor:
+        """``[B, 1, new, length + new]``: which cached and new keys each of the next ``new`` queries may see:
+        causal, and never a pad key. A pad query sees itself, so that no softmax row is empty."""
+        total = self.length + new
+        query = torch.arange(self.length, total, device=device).unsqueeze(1)
+        key = torch.arange(total, device=device).unsqueeze(0)
+        causal = key <= query
+        if self.pad is None:
+            return causal[None, None]
+        real = key.unsqueeze(0) >= self.pad.to(device).view(-1, 1, 1)  # [B, 1, total]
+        return (causal & (real | (key == query))).unsqueeze(1)
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append the new positions' keys and values; return every key and value so far."""
@@ -41,12 +69,25 @@ class LayerKVCache:
             self.values = torch.cat([self.values, values], dim=-2)
         return self.keys, self.values
 
+    def to(self, device: torch.device, pin: bool = False) -> None:
+        """Move the cached keys and values to ``device`` (host memory pinned with ``pin``)."""
+        def move(t: torch.Tensor) -> torch.Tensor:
+            if t.device == device:
+                return t
+            if device.type == "cpu":
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+                return host.copy_(t, non_blocking=pin)
+            return t.to(device, non_blocking=pin)
+
+        if self.keys is not None:
+            self.keys, self.values = move(self.keys), move(self.values)
+
 
 class KVCache:
-    """One :class:`LayerKVCache` per decoder layer."""
+    """One :class:`LayerKVCache` per decoder layer, sharing the rows' padding."""
 
-    def __init__(self, layers: int) -> None:
-        self.layers = [LayerKVCache() for _ in range(layers)]
+    def __init__(self, layers: int, pad: torch.Tensor | None = None) -> None:
+        self.layers = [LayerKVCache(pad) for _ in range(layers)]
 
     def __getitem__(self, layer: int) -> LayerKVCache:
         return self.layers[layer]
@@ -58,45 +99,9 @@ class KVCache:
     def length(self) -> int:
         return self.layers[0].length if self.layers else 0
 
-
-@contextmanager
-def evaluating(modules: Mapping[str, nn.Module]) -> Iterator[None]:
-    """Dropout off: every (sub)module's ``training`` flag is False inside, and restored afterwards.
-
-    The modules are shared with the training engine, so their flags are put back as they were.
-    """
-    flags = [(m, m.training) for module in modules.values() for m in module.modules()]
-    try:
-        for m, _ in flags:
-            m.training = False
-        yield
-    finally:
-        for m, training in flags:
-            m.training = training
-
-
-def forward_logits(
-    modules: Mapping[str, nn.Module],
-    weights: Mapping[str, Mapping[str, torch.Tensor]],
-    layers: int,
-    input_ids: torch.Tensor,
-    cache: KVCache | None = None,
-    last_only: bool = False,
-) -> torch.Tensor:
-    """Logits ``[B, T, V]`` of ``input_ids[B, T]`` (``[B, 1, V]``, the last position's, if ``last_only``).
-
-    With a ``cache`` the ids continue the cached positions, and the cache is extended by them.
-    """
-    with bound(modules["embeddings"], weights["embeddings"]) as embeddings:
-        hidden = embeddings(input_ids)
-    for n in range(layers):
-        kwargs = {} if cache is None else {"cache": cache[n]}
-        with bound(modules["decoder"], weights[f"decoder.{n}"]) as decoder:
-            hidden = decoder(hidden, **kwargs)
-    if last_only:
-        hidden = hidden[:, -1:]
-    with bound(modules["head"], weights["head"]) as head:
-        return head(hidden)
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
 
 
 def next_token(
@@ -129,11 +134,18 @@ def next_token(
     return int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
 
 
+def left_padded(rows: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(ids[B, T], pad[B])``: the rows left-padded with ``pad_id`` to the longest one; ``pad`` is ``None``
+    when every row has the same length (nothing to mask)."""
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[pad_id] * (width - len(r)) + list(r) for r in rows], dtype=torch.long)
+    pad = torch.tensor([width - len(r) for r in rows], dtype=torch.long)
+    return ids, (pad if bool(pad.any()) else None)
+
+
 def generate(
-    modules: dict[str, nn.Module],
-    weights: dict[str, dict[str, torch.Tensor]],
-    layers: int,
-    prompt_ids: list[int],
+    runner: LayerMajor,
+    prompts: list[list[int]],
     max_new_tokens: int,
     *,
     temperature: float = 0.0,
@@ -142,27 +154,44 @@ def generate(
     eos_id: int | None = None,
     use_cache: bool = True,
     generator: torch.Generator | None = None,
-) -> list[int]:
-    """Continue ``prompt_ids`` by up to ``max_new_tokens`` tokens; return the new tokens only.
+) -> list[list[int]]:
+    """Continue each of ``prompts`` by up to ``max_new_tokens`` tokens, all rows together; return the new
+    tokens of each row.
 
-    Stops after emitting ``eos_id`` (included in the result). With ``use_cache=False`` every step runs the
-    whole sequence again (slow; the reference for the cache). ``generator`` drives the sampling, and must
-    be on the logits' device.
+    A row stops after emitting ``eos_id`` (included in its result); the batch stops when every row has.
+    With ``use_cache=False`` every step runs the whole sequences again (slow; the reference for the cache).
+    Sampling draws from ``generator`` (on the runner's device) row by row, in order.
     """
-    if not prompt_ids:
-        raise ValueError("generate needs a prompt of at least one token")
-    device = next(iter(weights["embeddings"].values())).device
-    step_ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
-    cache = KVCache(layers) if use_cache else None
-    new: list[int] = []
-    with torch.no_grad(), evaluating(modules):
-        while len(new) < max_new_tokens:
-            logits = forward_logits(modules, weights, layers, step_ids, cache, last_only=True)[0, -1]
-            token = next_token(logits, temperature, top_k, top_p, generator)
-            new.append(token)
-            if token == eos_id:
-                break
-            token_ids = torch.tensor([[token]], dtype=torch.long, device=device)
-            # With the cache only the new token runs; without it, the whole sequence again.
-            step_ids = token_ids if use_cache else torch.cat([step_ids, token_ids], dim=1)
+    if not prompts or any(not p for p in prompts):
+        raise ValueError("generate needs prompts of at least one token each")
+    ids, pad = left_padded(prompts)
+    ids = ids.to(runner.device)
+    new: list[list[int]] = [[] for _ in prompts]
+    done = [False] * len(prompts)
+    cache = KVCache(runner.layers, pad) if use_cache else None
+    step_ids = ids
+    try:
+        with torch.no_grad():
+            while max_new_tokens > 0:
+                if not use_cache:
+                    cache = KVCache(runner.layers, pad)  # no reuse: every pass starts from an empty cache
+                logits = runner.logits(step_ids, cache, last_only=True)[:, -1]
+                if not use_cache:
+                    runner.release(cache)
+                chosen = []
+                for row, row_logits in enumerate(logits):
+                    token = eos_id if done[row] else next_token(row_logits, temperature, top_k, top_p, generator)
+                    chosen.append(token if token is not None else 0)
+                    if not done[row]:
+                        new[row].append(token)
+                        done[row] = token == eos_id or len(new[row]) == max_new_tokens
+                if all(done):
+                    break
+                token_ids = torch.tensor(chosen, dtype=torch.long, device=runner.device).unsqueeze(1)
+                ids = torch.cat([ids, token_ids], dim=1)
+                # With the cache only the new tokens run; without it, the whole sequences again.
+                step_ids = token_ids if use_cache else ids
+    finally:
+        if use_cache:
+            runner.release(cache)
     return new

@@ -8,7 +8,6 @@ and ``metrics.jsonl`` (one JSON object per step).
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import signal
@@ -40,50 +39,16 @@ from ipuft.checkpoint import (
 from ipuft.config import to_yaml
 from ipuft.data import SampleData
 from ipuft.datasets import TokenDataset, data_source, tokenizer_path, tokenizer_source, validation_source
-from ipuft.engine import Initializer, PhasedEngine, StepResult, initial_values, optimizer_state_specs, unit_role
-from ipuft.errors import ConfigError, DataError, Stopped, TrainingError
-from ipuft.hf_checkpoint import hf_initializer
+from ipuft.engine import PhasedEngine, StepResult, optimizer_state_specs, unit_role
+from ipuft.errors import ConfigError, Stopped, TrainingError
+from ipuft.inference import dataset_loss
 from ipuft.loggers import Backends
 from ipuft.model import ModelParts, build_model
-from ipuft.parallel import DistributedError, Layout, init_layout
+from ipuft.parallel import Layout
 from ipuft.plugins import PluginHooks
 from ipuft.precision import Recipe, recipe
+from ipuft.runtime import build_engine, collective_errors
 from ipuft.schedule import learning_rate
-
-
-def select_device(cfg: DictConfig) -> torch.device:
-    """``execution.device``: ``auto`` takes CUDA when available; under torchrun, the local rank's GPU."""
-    choice = cfg.execution.device.value
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("execution.device: cuda was asked for but no CUDA device is available; use auto or cpu")
-    if choice == "auto":
-        choice = "cuda" if torch.cuda.is_available() else "cpu"
-    if choice == "cuda":
-        index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
-        torch.cuda.set_device(index)
-        return torch.device("cuda", index)
-    return torch.device(choice)
-
-
-def initializer(cfg: DictConfig, parts: ModelParts) -> Initializer:
-    """Initial weights from ``checkpoint.load``, ``model.init_checkpoint`` or ``model.hf_checkpoint``, else
-    random (seeded by ``model.seed``)."""
-    for source in (cfg.checkpoint.load, cfg.model.init_checkpoint):
-        if source is not None:
-            return checkpoint_initializer(find_checkpoint(source))
-    if cfg.model.hf_checkpoint is not None:
-        return hf_initializer(cfg.model.hf_checkpoint, parts.modules, cfg.model.layers)
-    return lambda unit, specs: initial_values(unit, specs, cfg.model.seed)
-
-
-def build_engine(cfg: DictConfig, hooks: PluginHooks, parts: ModelParts | None = None) -> PhasedEngine:
-    """Join the process layout, then build the components (unless given), the optimizer and the engine."""
-    device = select_device(cfg)
-    layout = init_layout(cfg, device)
-    parts = parts or build_model(cfg, hooks)
-    optimizer = hooks.registrations.build_optimizer(cfg)
-    torch.manual_seed(cfg.model.seed)
-    return PhasedEngine(cfg, parts, optimizer, device, layout, initializer(cfg, parts))
 
 
 def tokenizer_file(cfg: DictConfig) -> Path | None:
@@ -170,19 +135,6 @@ def replica_batch(cfg: DictConfig, data: SampleData | TokenDataset, step: int, l
     """This rank's micro-batches of global batch ``step`` (TP ranks of one DP replica share them)."""
     return data.batch(step, cfg.training.global_batch_size, cfg.execution.micro_batch_size,
                       layout.dp_rank, layout.data_parallel)
-
-
-@contextmanager
-def collective_errors(layout: Layout):
-    """Turn a failed collective (a dead or stuck peer) into one clear error naming this rank."""
-    try:
-        yield
-    except (RuntimeError, dist.DistBackendError) as exc:
-        if not layout.distributed:
-            raise
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise DistributedError(f"rank {layout.rank}: a peer rank died or stopped responding ({first}); "
-                               f"stopping") from None
 
 
 LOCK = ".ipuft.lock"  # held by a run for its life (exclusive_run); its presence marks a directory ipuft made
@@ -399,23 +351,6 @@ def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[di
         tqdm.write(f"loss {records[0]['loss']:.3f} -> {records[-1]['loss']:.3f} over steps {start + 1}-{steps}; "
                    f"run directory {out}" + (f"; checkpoint {saved}" if saved else ""))
     return records
-
-
-def dataset_loss(engine: PhasedEngine, dataset: TokenDataset, micro_batch_size: int) -> dict:
-    """``{"loss", "perplexity", "tokens"}``: the mean token loss over every row of ``dataset``, once, in
-    order, through the engine's forward phases (each DP replica takes its own micro-batches)."""
-    layout = engine.layout
-    total = torch.zeros(2, dtype=torch.float64, device=engine.device)  # where the backend (NCCL) can reduce it
-    for batch in dataset.eval_batches(micro_batch_size, layout.dp_rank, layout.data_parallel):
-        loss_sum, tokens = engine.evaluate(batch)
-        total += torch.tensor([loss_sum, tokens], dtype=torch.float64, device=engine.device)
-    if layout.data_parallel > 1:
-        dist.all_reduce(total, group=layout.dp_group)
-    loss_sum, tokens = total.tolist()
-    if tokens == 0:
-        raise DataError(f"{dataset.name}: no token of the dataset counts in the loss")
-    loss = loss_sum / tokens
-    return {"loss": loss, "perplexity": math.exp(loss), "tokens": int(tokens)}
 
 
 @contextmanager

@@ -14,8 +14,9 @@ def train_configs(rank: int, configs: dict[str, list[str]], steps: int, out: str
     from ipuft.placement import Placement
     from ipuft.plan import estimate
     from ipuft.plugins import create_plugin_manager
+    from ipuft.runtime import build_engine
     from ipuft.schedule import learning_rate
-    from ipuft.train import build_engine, replica_batch
+    from ipuft.train import replica_batch
 
     reductions = 0
     reduce_gradient = Placement.reduce_gradient
@@ -49,11 +50,11 @@ def train_configs(rank: int, configs: dict[str, list[str]], steps: int, out: str
 
 def tp_logits(rank: int, overrides: list[str], hf_state: dict, ids: torch.Tensor, out: str) -> None:
     """Forward logits at this layout from the given Hugging Face weights, gathered over TP."""
+    from hf_reference import hf_units
     from torch.func import functional_call
 
     from ipuft.config import load_config
     from ipuft.engine import placements
-    from ipuft.hf import from_hf
     from ipuft.model import build_model
     from ipuft.parallel import init_layout
     from ipuft.plugins import create_plugin_manager
@@ -63,7 +64,7 @@ def tp_logits(rank: int, overrides: list[str], hf_state: dict, ids: torch.Tensor
     layout = init_layout(cfg, torch.device("cpu"))
     parts = build_model(cfg, hooks)
     placed = placements(parts, layout, rts=False)
-    full = from_hf(parts.modules, cfg.model.layers, hf_state)
+    full = hf_units(parts.modules, cfg.model.layers, hf_state)
     local = {unit: {n: placed[unit.split(".")[0]][n].to_stored(t) for n, t in w.items()} for unit, w in full.items()}
     with torch.no_grad():
         h = functional_call(parts.modules["embeddings"], local["embeddings"], (ids,))
@@ -122,7 +123,7 @@ def hf_load(rank: int, overrides: list[str], out: str) -> None:
     """Load a Hugging Face directory into this rank's shards; rank 0 saves the gathered weights."""
     from ipuft.config import load_config
     from ipuft.plugins import create_plugin_manager
-    from ipuft.train import build_engine
+    from ipuft.runtime import build_engine
 
     hooks = create_plugin_manager()
     engine = build_engine(load_config(None, overrides, hooks.registrations.config_sections), hooks)

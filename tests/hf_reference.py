@@ -25,3 +25,34 @@ def hf_gptj(cfg: DictConfig, seed: int = 0):
             if "ln" in name or "bias" in name:
                 p.normal_(1.0 if name.endswith(("ln_1.weight", "ln_f.weight")) else 0.0, 0.1)
     return model
+
+
+def hf_units(modules, layers: int, hf_state) -> dict:
+    """A Hugging Face state dict split into ipuft's units (``embeddings``, ``decoder.N``, ``head``) by each
+    component's own ``hf_mapping``."""
+    from ipuft.hf import unit_mappings
+
+    return {unit: {local: hf_state[hf] for local, hf in mapping.items()}
+            for unit, mapping in unit_mappings(modules, layers).items()}
+
+
+def hf_state(modules, layers: int, units) -> dict:
+    """ipuft's per-unit tensors under their Hugging Face names (the inverse of :func:`hf_units`)."""
+    from ipuft.hf import unit_mappings
+
+    return {hf: units[unit][local] for unit, mapping in unit_mappings(modules, layers).items()
+            for local, hf in mapping.items()}
+
+
+def hf_runner(cfg: DictConfig, hooks, state):
+    """A layer-major inference runner (:class:`ipuft.inference.LayerMajor`) over an inference engine whose
+    store holds the Hugging Face state dict ``state``'s weights."""
+    from ipuft.engine import PhasedEngine
+    from ipuft.inference import LayerMajor
+    from ipuft.model import build_model
+
+    parts = build_model(cfg, hooks)
+    units = hf_units(parts.modules, cfg.model.layers, state)
+    engine = PhasedEngine(cfg, parts, None, torch.device("cpu"),
+                          initializer=lambda unit, specs: {s.name: units[unit][s.name].to(s.dtype) for s in specs})
+    return LayerMajor(engine)

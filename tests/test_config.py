@@ -103,3 +103,25 @@ def test_preset_file_by_path(hooks, tmp_path):
     path.write_text("model:\n  layerz: 3\n")
     with pytest.raises(ConfigError, match=r"preset .*mine.yaml: unknown config key model.layerz"):
         load_config(str(path), [], hooks.registrations.config_sections)
+
+
+def test_a_checkpoint_saved_with_a_retired_key_still_loads(hooks, trained, tmp_path):
+    """``model.eval`` (never read) was removed; a checkpoint whose config.yaml still has it loads, without it."""
+    import hashlib
+    import json
+    import shutil
+
+    from ipuft.checkpoint import checkpoint_config, find_checkpoint
+
+    old = tmp_path / "old"
+    shutil.copytree(find_checkpoint(trained / "run"), old)
+    config = (old / "config.yaml").read_text().replace("model:\n", "model:\n  eval: false\n", 1)
+    assert "  eval: false" in config
+    (old / "config.yaml").write_text(config)
+    manifest = json.loads((old / "manifest.json").read_text())
+    manifest["config.yaml"] = hashlib.sha256(config.encode()).hexdigest()
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    cfg = checkpoint_config(old, hooks.registrations.config_sections)
+    assert "eval" not in cfg.model and cfg.checkpoint.load == str(old)
+    with pytest.raises(ConfigError, match="model.eval"):
+        load_config("tiny", ["model.eval=false"], hooks.registrations.config_sections)

@@ -16,8 +16,9 @@ from test_engine import max_rel
 
 from ipuft.config import load_config
 from ipuft.datasets import data_source
+from ipuft.runtime import build_engine
 from ipuft.schedule import learning_rate
-from ipuft.train import build_engine, replica_batch
+from ipuft.train import replica_batch
 
 STEPS = 5
 COMMON = ["model.embedding.vocab_size=100", "execution.micro_batch_size=1", "training.optimizer.weight_decay=0.1",
@@ -157,7 +158,8 @@ def test_dropout_seeds_agree_within_tp_and_differ_across_dp(hooks):
 
 
 def test_hf_checkpoint_streams_into_each_ranks_shards(hooks, tmp_path):
-    from ipuft.hf import to_hf
+    from hf_reference import hf_state
+
     from ipuft.model import build_model
 
     cfg = load_config("tiny", ["model.embedding.vocab_size=100"])
@@ -168,7 +170,7 @@ def test_hf_checkpoint_streams_into_each_ranks_shards(hooks, tmp_path):
     spawn(4, dist_workers.hf_load, overrides, str(tmp_path), tmp=tmp_path)
     parts = build_model(load_config("tiny", ["model.embedding.vocab_size=100"], hooks.registrations.config_sections),
                         hooks)
-    gathered = to_hf(parts.modules, cfg.model.layers, torch.load(tmp_path / "hf.rank0.pt")["weights"])
+    gathered = hf_state(parts.modules, cfg.model.layers, torch.load(tmp_path / "hf.rank0.pt")["weights"])
     for name, tensor in model.state_dict().items():
         assert torch.equal(gathered[name], tensor), name
     total = sum(t.numel() for t in model.state_dict().values())

@@ -5,11 +5,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_reference import hf_gptj
+from hf_reference import hf_gptj, hf_state
 
 from ipuft.data import SampleData
 from ipuft.engine import PhasedEngine
-from ipuft.hf import to_hf
 from ipuft.model import build_model
 from ipuft.plan import estimate, working_bytes
 from ipuft.schedule import learning_rate
@@ -82,7 +81,7 @@ def reference_training(cfg, initial_hf_state, update=None):
 
 
 def initial_weights(engine, cfg):
-    return to_hf(engine.modules, cfg.model.layers,
+    return hf_state(engine.modules, cfg.model.layers,
                  {u: {n: t.clone() for n, t in w.items()} for u, w in engine.weights().items()})
 
 
@@ -96,7 +95,7 @@ def assert_matches(cfg, engine, results, reference, initial):
     for r, loss, norm in zip(results, ref_losses, ref_norms, strict=True):
         assert abs(r.loss - loss) / abs(loss) <= 1e-5
         assert abs(r.grad_norm - norm) / norm <= 1e-5
-    weights = to_hf(engine.modules, cfg.model.layers, engine.weights())
+    weights = hf_state(engine.modules, cfg.model.layers, engine.weights())
     assert set(weights) == set(ref_weights)
     for name, w in weights.items():
         assert max_rel(w, ref_weights[name]) <= 1e-5, name

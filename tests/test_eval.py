@@ -82,10 +82,16 @@ def test_mnli_accuracy_matches_transformers_generation(capsys, tmp_path):
     rows = (resources.files("ipuft.sample_data") / "mnli_sample.jsonl").read_text().splitlines()[:24]
     subset = tmp_path / "val.jsonl"
     subset.write_text("\n".join(rows) + "\n")
-    code, out, err = cli(capsys, "eval", "--checkpoint", str(run), f"data.path={subset}", "--task", "mnli", "--json")
+    code, out, err = cli(capsys, "eval", "--checkpoint", str(run), f"data.path={subset}", "--task", "mnli",
+                         "--mode", "generate", "--json")
     assert code == 0, err
     ours = json.loads(out)
-    assert ours["examples"] == 24
+    assert ours["examples"] == 24 and ours["mode"] == "generate"
+    # One row at a time decodes the same labels as batches of 8 rows of different lengths.
+    code, out, err = cli(capsys, "eval", "--checkpoint", str(run), f"data.path={subset}", "--task", "mnli",
+                         "--mode", "generate", "--batch-size", "1", "--json")
+    assert code == 0, err
+    assert json.loads(out)["correct"] == ours["correct"]
 
     code, _, err = cli(capsys, "export", "--checkpoint", str(run), "--hf", str(tmp_path / "hf"))
     assert code == 0, err
@@ -107,3 +113,49 @@ def test_mnli_accuracy_matches_transformers_generation(capsys, tmp_path):
         correct += text.replace("<|endoftext|>", "").strip() == target.replace("<|endoftext|>", "").strip()
     assert ours["correct"] == correct
     assert ours["accuracy"] > 0.6  # the brief training learned the labels
+
+
+def test_mnli_score_mode_equals_transformers_log_likelihoods(capsys, make_config, hooks, tmp_path):
+    """--mode score: the sum of each label text's token log-probabilities after the prompt, as transformers
+    computes them on the same weights; the label with the highest one is the prediction."""
+    from hf_reference import hf_runner
+
+    from ipuft.datasets import load_tokenizer
+    from ipuft.evaluate import label_log_likelihoods
+    from ipuft.templates import resolve_template
+
+    cfg = make_config("model.embedding.vocab_size=512", "model.sequence_length=64")
+    model = hf_gptj(cfg, seed=5)
+    src = tmp_path / "hf"
+    model.save_pretrained(src)
+    shutil.copyfile(str(SAMPLE_TOKENIZER), src / "tokenizer.json")
+    tokenizer = load_tokenizer(str(src))
+    template = resolve_template("mnli")
+    rows = [json.loads(line) for line in
+            (resources.files("ipuft.sample_data") / "mnli_sample.jsonl").read_text().splitlines()[:12]]
+    prompts = [tokenizer.encode(template.render(r, "row")[0], add_special_tokens=False).ids for r in rows]
+    labels = [template.labels[k] for k in sorted(template.labels)]
+    candidates = [tokenizer.encode(template.target.format(label=name), add_special_tokens=False).ids for name in labels]
+    assert len({len(p) for p in prompts}) > 1  # rows of different lengths: padding is exercised
+    ours = label_log_likelihoods(hf_runner(cfg, hooks, model.state_dict()), prompts, candidates)
+    for prompt, scores in zip(prompts, ours, strict=True):
+        for candidate, score in zip(candidates, scores, strict=True):
+            ids = torch.tensor([prompt + candidate])
+            with torch.no_grad():
+                log_probs = model(ids).logits[0].log_softmax(-1)
+            theirs = sum(log_probs[len(prompt) - 1 + j, t].item() for j, t in enumerate(candidate))
+            assert abs(score - theirs) <= 1e-4 * max(1.0, abs(theirs))
+
+    # The command: the same predictions, batched or one row at a time.
+    subset = src.parent / "val.jsonl"
+    subset.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    expected = sum(labels[max(range(3), key=s.__getitem__)] == template.render(r, "row")[1].replace(
+        "<|endoftext|>", "").strip() for s, r in zip(ours, rows))
+    for batch in ("5", "1"):
+        code, out, err = cli(capsys, "eval", "--config", "tiny", f"model.hf_checkpoint={src}",
+                             "model.embedding.vocab_size=512", "model.sequence_length=64", f"data.path={subset}",
+                             "--task", "mnli", "--batch-size", batch, "--json")
+        assert code == 0, err
+        result = json.loads(out)
+        assert result["mode"] == "score" and result["examples"] == 12 and result["correct"] == expected
+        assert result["tokens_per_s"] > 0 and result["device_peak_bytes"] > 0

@@ -1,18 +1,18 @@
-"""Generation with a KV cache: the cache changes nothing but speed, and greedy decoding is transformers'."""
+"""Generation through the layer-major runner: the cache changes nothing but speed, a batch of prompts of
+different lengths decodes exactly as each prompt alone, greedy decoding is transformers', and the device
+holds one unit plus buffers however deep the model is."""
 
 import pytest
 import torch
-from hf_reference import hf_gptj
+from hf_reference import hf_gptj, hf_runner
 
-from ipuft.generate import KVCache, forward_logits, generate
-from ipuft.hf import from_hf
-from ipuft.model import build_model
+from ipuft.generate import KVCache, generate
 
 PROMPTS = [[5, 17, 99, 3], [1], [100, 2, 7, 7, 7, 64, 12, 90, 3, 44]]
 
 
 def tiny_model(make_config, hooks, *overrides):
-    """A tiny transformers GPT-J and the same weights as ipuft units.
+    """A tiny transformers GPT-J, and a runner whose engine holds the same weights.
 
     hf_gptj's default init gives logits dominated by the head's bias (every prompt continues with the same
     token); larger matrices make the continuations depend on the context.
@@ -25,9 +25,7 @@ def tiny_model(make_config, hooks, *overrides):
             if p.dim() == 2:
                 std = 1.0 if "wte" in name else p.shape[1] ** -0.5
                 p.copy_(torch.randn(p.shape, generator=generator) * std)
-    parts = build_model(cfg, hooks)
-    weights = from_hf(parts.modules, cfg.model.layers, hf.state_dict())
-    return cfg, hf, parts, weights
+    return cfg, hf, hf_runner(cfg, hooks, hf.state_dict())
 
 
 @pytest.fixture
@@ -36,8 +34,8 @@ def model(make_config, hooks):
 
 
 def run(model, prompt, new, **kwargs):
-    cfg, _, parts, weights = model
-    return generate(parts.modules, weights, cfg.model.layers, prompt, new, **kwargs)
+    """The new tokens of one prompt, decoded alone."""
+    return generate(model[2], [prompt], new, **kwargs)[0]
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -67,7 +65,7 @@ def test_sampling_is_reproducible_and_seeded(model):
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_equals_transformers_generate(model, prompt):
-    _, hf, _, _ = model
+    _, hf, _ = model
     hf.generation_config.eos_token_id = None  # hf_gptj's eos is token 0: do not stop early
     out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                       do_sample=False, max_new_tokens=20, use_cache=True, pad_token_id=0)
@@ -75,20 +73,47 @@ def test_greedy_equals_transformers_generate(model, prompt):
 
 
 @pytest.mark.parametrize("kernel", ["sdpa", "eager"])
+def test_a_batch_of_different_lengths_equals_each_prompt_alone_and_transformers(make_config, hooks, kernel):
+    """Left padding with per-row positions and masked pad keys: the batch decodes token for token as each
+    prompt does alone, and as transformers' greedy generate does."""
+    model = tiny_model(make_config, hooks, f"plugins.gptj_decoder.attention_kernel={kernel}")
+    _, hf, runner = model
+    prompts = [*PROMPTS, [9, 9, 9, 9, 9, 9, 9]]
+    batched = generate(runner, prompts, 16)
+    hf.generation_config.eos_token_id = None
+    for prompt, tokens in zip(prompts, batched, strict=True):
+        assert tokens == run(model, prompt, 16)
+        theirs = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             do_sample=False, max_new_tokens=16, pad_token_id=0)
+        assert tokens == theirs[0, len(prompt):].tolist()
+    # The same prompts in another order and batch split: the same continuations.
+    assert generate(runner, prompts[::-1], 16) == batched[::-1]
+    assert generate(runner, prompts[:2], 16) + generate(runner, prompts[2:], 16) == batched
+
+
+def test_rows_stop_at_their_own_eos_while_the_others_go_on(model):
+    alone = [run(model, p, 12) for p in PROMPTS]
+    eos = alone[0][3]  # the first row emits it at its fourth token
+    batched = generate(model[2], PROMPTS, 12, eos_id=eos)
+    for tokens, full in zip(batched, alone):
+        assert tokens == (full[: full.index(eos) + 1] if eos in full else full)
+    assert len(batched[0]) == 4
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "eager"])
 @pytest.mark.parametrize("chunks", [(5, 1, 1, 1), (3, 3, 2)], ids=["prefill5+1+1+1", "chunks3+3+2"])
 def test_cached_logits_equal_full_sequence_logits(make_config, hooks, kernel, chunks):
-    cfg, _, parts, weights = tiny_model(make_config, hooks, f"plugins.gptj_decoder.attention_kernel={kernel}")
+    cfg, _, runner = tiny_model(make_config, hooks, f"plugins.gptj_decoder.attention_kernel={kernel}")
     layers = cfg.model.layers
     ids = torch.randint(0, cfg.model.embedding.vocab_size, (1, sum(chunks)), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        full = forward_logits(parts.modules, weights, layers, ids)
-        cache = KVCache(layers)
-        start = 0
-        for size in chunks:
-            step = forward_logits(parts.modules, weights, layers, ids[:, start : start + size], cache)
-            assert cache.length == start + size
-            torch.testing.assert_close(step, full[:, start : start + size], atol=1e-5, rtol=0)
-            start += size
+    full = runner.logits(ids)
+    cache = KVCache(layers)
+    start = 0
+    for size in chunks:
+        step = runner.logits(ids[:, start : start + size], cache)
+        assert cache.length == start + size
+        torch.testing.assert_close(step, full[:, start : start + size], atol=1e-5, rtol=0)
+        start += size
     assert cache[0].keys.shape == (1, cfg.model.attention.heads, sum(chunks),
                                    cfg.model.hidden_size // cfg.model.attention.heads)
 
@@ -122,14 +147,50 @@ def test_max_new_tokens_is_respected(model, new):
 
 
 def test_dropout_is_off_while_generating_and_training_flags_are_restored(make_config, hooks):
-    cfg, _, parts, weights = tiny_model(make_config, hooks, "model.dropout_prob=0.5")
-    for module in parts.modules.values():
+    _, _, runner = tiny_model(make_config, hooks, "model.dropout_prob=0.5")
+    modules = runner.engine.modules
+    for module in modules.values():
         module.train()
-    first = generate(parts.modules, weights, cfg.model.layers, PROMPTS[0], 10)
-    assert first == generate(parts.modules, weights, cfg.model.layers, PROMPTS[0], 10, use_cache=False)
-    assert all(m.training for module in parts.modules.values() for m in module.modules())
+    first = generate(runner, [PROMPTS[0]], 10)
+    assert first == generate(runner, [PROMPTS[0]], 10, use_cache=False)
+    assert all(m.training for module in modules.values() for m in module.modules())
 
 
 def test_empty_prompt_is_refused(model):
     with pytest.raises(ValueError, match="prompt"):
         run(model, [], 3)
+
+
+def unit_bytes(runner) -> int:
+    """The largest unit's weights, as the device holds them while the unit runs."""
+    return max(sum(t.numel() * t.element_size() for t in group["fwd"].values())
+               for group in runner.store.entries.values())
+
+
+@pytest.mark.parametrize("activation_offload", [True, False])
+def test_device_holds_one_unit_plus_buffers_however_deep(make_config, hooks, activation_offload):
+    """Weights offloaded: the device peak is the largest unit plus the batch's buffers. With the KV cache
+    offloaded too (activation_offload), a model eight times deeper does not raise the peak at all; with
+    the cache on the device, it grows by exactly the deeper model's extra cache."""
+    peaks, caches = {}, {}
+    for layers in (2, 16):
+        cfg, _, runner = tiny_model(make_config, hooks, f"model.layers={layers}", "execution.offload=true",
+                                    f"execution.activation_offload={str(activation_offload).lower()}")
+        runner.store.ledger.reset_peak()
+        prompts = [p * 2 for p in PROMPTS]
+        generate(runner, prompts, 8)
+        peaks[layers] = runner.store.ledger.peak
+        assert runner.store.ledger.resident == 0  # everything the passes brought is gone again
+        batch, width = len(prompts), max(len(p) for p in prompts) + 8
+        h = cfg.model.hidden_size
+        caches[layers] = 2 * layers * batch * width * h * 4  # keys and values of every layer, float32
+        # The largest unit (the head), the hidden states in and out, the logits of the last positions, and
+        # the KV cache: one layer's with offload, every layer's without.
+        buffers = 3 * batch * width * h * 4 + batch * cfg.model.embedding.vocab_size * 4
+        cache = caches[layers] // layers if activation_offload else caches[layers]
+        assert unit_bytes(runner) <= peaks[layers] <= unit_bytes(runner) + buffers + cache
+    if activation_offload:
+        assert peaks[16] == peaks[2]
+    else:
+        assert peaks[16] - peaks[2] <= caches[16] - caches[2]
+        assert peaks[16] > peaks[2]

@@ -11,7 +11,8 @@ from ipuft.checkpoint import find_checkpoint
 from ipuft.config import load_config
 from ipuft.errors import CheckpointError, ConfigError
 from ipuft.export import export_hf
-from ipuft.train import build_engine, train
+from ipuft.runtime import build_engine
+from ipuft.train import train
 
 
 def save_hf(tmp_path, cfg, how="safetensors", name="hf"):

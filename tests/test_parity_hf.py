@@ -2,11 +2,10 @@
 
 import pytest
 import torch
-from hf_reference import hf_gptj
+from hf_reference import hf_gptj, hf_state, hf_units
 from torch.func import functional_call
 
 from ipuft.components import IGNORE_INDEX
-from ipuft.hf import from_hf, to_hf
 from ipuft.model import build_model
 
 
@@ -24,7 +23,7 @@ def test_logits_loss_and_gradients_match_transformers(hooks, make_config, kernel
     cfg = make_config(f"plugins.gptj_decoder.attention_kernel={kernel}", "model.layers=3")
     hf = hf_gptj(cfg)
     parts = build_model(cfg, hooks)
-    units = from_hf(parts.modules, cfg.model.layers, {k: v.detach().clone().requires_grad_() for k, v in
+    units = hf_units(parts.modules, cfg.model.layers, {k: v.detach().clone().requires_grad_() for k, v in
                                                       hf.state_dict().items()})
     ids = torch.randint(0, cfg.model.embedding.vocab_size, (3, cfg.model.sequence_length),
                         generator=torch.Generator().manual_seed(1))
@@ -40,7 +39,7 @@ def test_logits_loss_and_gradients_match_transformers(hooks, make_config, kernel
 
     hf_out.loss.backward()
     loss.backward()
-    ours = to_hf(parts.modules, cfg.model.layers, units)
+    ours = hf_state(parts.modules, cfg.model.layers, units)
     hf_params = dict(hf.named_parameters())
     assert set(ours) == set(hf_params)
     for name, p in hf_params.items():
@@ -51,7 +50,7 @@ def test_every_variable_maps_to_a_distinct_hf_parameter(hooks, make_config):
     cfg = make_config()
     parts = build_model(cfg, hooks)
     hf = hf_gptj(cfg)
-    mapped = to_hf(parts.modules, cfg.model.layers,
+    mapped = hf_state(parts.modules, cfg.model.layers,
                    {u: {v.name: v for v in parts.variables[u.split(".")[0]]}
                     for u in parts.program.units()})
     shapes = {name: tuple(p.shape) for name, p in hf.named_parameters()}

@@ -12,8 +12,9 @@ from ipuft.datasets import data_source
 from ipuft.engine import MASTER
 from ipuft.plan import estimate
 from ipuft.precision import random_bits, round_stochastically, rounding_key
+from ipuft.runtime import build_engine
 from ipuft.schedule import learning_rate
-from ipuft.train import build_engine, replica_batch
+from ipuft.train import replica_batch
 
 BF16_SR = ("model.precision=bfloat16", "training.stochastic_rounding=true")
 BF16_MASTER = ("model.precision=bfloat16", "training.master_weights=true")

@@ -22,7 +22,8 @@ from ipuft.checkpoint import (
 )
 from ipuft.config import load_config
 from ipuft.errors import CheckpointError, TrainingError
-from ipuft.train import build_engine, train
+from ipuft.runtime import build_engine
+from ipuft.train import train
 
 MNLI = ["data.path=mnli-sample", "data.tokenizer=sample", "model.embedding.vocab_size=512",
         "model.sequence_length=32", "training.global_batch_size=4", "training.optimizer.learning_rate.maximum=1e-3",

@@ -9,9 +9,11 @@ Under tensor parallelism the block is built with this rank's share of the heads 
 parallel, one all-reduce (core's ``reduce_from_tensor_parallel``) sums both partial outputs; fc_out's
 bias is added once, after it. At TP=1 the collectives are the identity.
 
-For generation, ``forward(x, cache)`` takes an optional per-layer key/value cache
+For inference, ``forward(x, cache)`` takes an optional per-layer key/value cache
 (:class:`ipuft.generate.LayerKVCache`): the new tokens' positions start at ``cache.length``, their keys
-(after rotary) and values are appended to it, and the queries attend over every cached and new key. In
+(after rotary) and values are appended to it, and the queries attend over every cached and new key. A
+batch of rows of different lengths is left-padded: the cache then carries each row's padding, which sets
+the row's positions (its first real token is position 0) and hides its pad keys from every query. In
 training the cache is ``None`` and nothing of this runs.
 """
 
@@ -139,18 +141,32 @@ class GPTJAttention(nn.Module):
 
     def forward(self, h: torch.Tensor, cache: LayerKVCache | None = None) -> torch.Tensor:
         split = (self.heads, self.head_dim)
-        rotor = self._rotor(0 if cache is None else cache.length, h.shape[1], h.device)
+        new = h.shape[1]
+        mask = None
+        if cache is not None and cache.pad is not None:  # left-padded rows: per-row positions, pad keys hidden
+            positions = cache.positions(new, h.device)
+            table = self._rotor(0, 1 << (cache.length + new - 1).bit_length(), h.device)  # covers every position
+            rotor = table[positions]  # [B, T, 1, rotary_dim / 2]
+            mask = cache.attention_mask(new, h.device)
+        else:
+            rotor = self._rotor(0 if cache is None else cache.length, new, h.device)
         q = apply_interleaved_rotary(self.q_proj(h).unflatten(-1, split), rotor).transpose(1, 2)
         k = apply_interleaved_rotary(self.k_proj(h).unflatten(-1, split), rotor).transpose(1, 2)
         v = self.v_proj(h).unflatten(-1, split).transpose(1, 2)
         if cache is not None:
             k, v = cache.append(k, v)  # every key and value so far: [B, heads, T_past + T, head_dim]
-        out = self._attend(q, k, v).transpose(1, 2).flatten(-2)
+        out = self._attend(q, k, v, mask).transpose(1, 2).flatten(-2)
         return output_projection(self.out_proj.weight, out)  # partial under TP
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention of the last ``T_q`` positions over all ``T_k``: query i sees keys ≤ T_k - T_q + i."""
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Causal attention of the last ``T_q`` positions over all ``T_k``: query i sees keys ≤ T_k - T_q + i
+        (and of those only the ones ``mask[B, 1, T_q, T_k]`` allows, when given)."""
         t_q, t_k = q.shape[-2], k.shape[-2]
+        if mask is not None:
+            if self.kernel == "sdpa":
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            scores = (q @ k.transpose(-1, -2)) / math.sqrt(self.head_dim)
+            return scores.masked_fill(~mask, torch.finfo(scores.dtype).min).softmax(-1) @ v
         if self.kernel == "sdpa":
             if t_q == t_k:  # no past: the plain causal mask
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True)

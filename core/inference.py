@@ -1,0 +1,191 @@
+"""Forward-only passes through the engine's store, layer-major: ``eval``, ``generate`` and MNLI scoring.
+
+A batch of rows runs unit by unit, as a training step's forward does: each unit's weights come to the
+device once for the whole batch (gathered over TP), and leave before the next unit's come. Between units
+only the batch's hidden states survive, and each decoder layer's key/value cache lives where the
+activations do: on the device, or in host memory with ``execution.activation_offload=true`` (brought to
+the device only while its layer runs). So the device holds one unit plus the batch's buffers however deep
+the model is, and with offloaded weights a decoding step pays one load per unit for every row of the
+batch together, not one per row: the argument for batch serialisation, again.
+
+The engine's ledger counts what is on the device (``device_peak_bytes``) and its traffic counters the
+host↔device copies, as in training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from ipuft.components import bound
+from ipuft.errors import DataError
+from ipuft.generate import KVCache, LayerKVCache
+from ipuft.program import Op, Phase
+
+if TYPE_CHECKING:
+    from ipuft.datasets import TokenDataset
+    from ipuft.engine import PhasedEngine
+
+
+@contextlib.contextmanager
+def evaluating(modules) -> Iterator[None]:
+    """Dropout off: every (sub)module's ``training`` flag is False inside, and restored afterwards (the
+    modules are shared with a training engine, whose validation passes run between its steps)."""
+    flags = [(m, m.training) for module in modules.values() for m in module.modules()]
+    try:
+        for m, _ in flags:
+            m.training = False
+        yield
+    finally:
+        for m, training in flags:
+            m.training = training
+
+
+def forward_phases(engine: PhasedEngine) -> list[Phase]:
+    """The program's phases that run a unit's forward (the head's is its loss phase), in order."""
+    return [p for p in engine.program if Op.FORWARD in p.ops or Op.LOSS_BACKWARD in p.ops]
+
+
+class LayerMajor:
+    """Runs batches forward through an engine's units, one unit's weights on the device at a time."""
+
+    def __init__(self, engine: PhasedEngine) -> None:
+        self.engine = engine
+        self.store = engine.store
+        self.device = engine.device
+        self.layers = engine.cfg.model.layers
+        self.offload = bool(engine.cfg.execution.activation_offload)
+        self.pin = self.offload and self.device.type == "cuda"
+        phases = forward_phases(engine)
+        self.body = [p for p in phases if p.role != "head"]
+        self.head_phase = next(p for p in phases if p.role == "head")
+
+    @contextlib.contextmanager
+    def _unit(self, phase: Phase) -> Iterator[torch.nn.Module]:
+        """The unit's module with its weights on the device, bound, for the block."""
+        stored = self.store.load(phase.unit, "fwd")
+        weights, gathered = self.engine._gather(phase, stored)
+        module = self.engine.modules[phase.role]
+        try:
+            with bound(module, weights):
+                yield module
+        finally:
+            self.store.ledger.release(gathered)
+            self.store.release(phase.unit, "fwd", stored)
+
+    # ---- where the batch's buffers live ----
+
+    def _park(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Keep ``hidden`` between units: moved to the host with activation offload, else counted on the device."""
+        size = hidden.numel() * hidden.element_size()
+        if not self.offload:
+            self.store.ledger.acquire(size)
+            return hidden
+        host = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=self.pin)
+        host.copy_(hidden, non_blocking=self.pin)
+        self.store.traffic.d2h["activation"] += size
+        return host
+
+    def _fetch(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` back on the device for the next unit; its parked bytes are then the unit's input."""
+        if self.offload:
+            size = hidden.numel() * hidden.element_size()
+            self.store.traffic.h2d["activation"] += size
+            self.store.ledger.acquire(size)
+            return hidden.to(self.device, non_blocking=self.pin)
+        return hidden
+
+    def _done_with(self, hidden: torch.Tensor) -> None:
+        self.store.ledger.release(hidden.numel() * hidden.element_size())
+
+    @contextlib.contextmanager
+    def _layer_cache(self, cache: LayerKVCache | None) -> Iterator[LayerKVCache | None]:
+        """The layer's cache on the device while its layer runs; back to the host after, with offload."""
+        if cache is None:
+            yield None
+            return
+        before = cache.nbytes
+        if self.offload:
+            cache.to(self.device)
+            self.store.traffic.h2d["activation"] += before
+            self.store.ledger.acquire(before)
+        try:
+            yield cache
+        finally:
+            grown = cache.nbytes - before
+            self.store.ledger.acquire(grown)  # the new positions' keys and values, made on the device
+            if self.offload:
+                cache.to(torch.device("cpu"), self.pin)
+                self.store.traffic.d2h["activation"] += cache.nbytes
+                self.store.ledger.release(cache.nbytes)
+
+    def release(self, cache: KVCache | None) -> None:
+        """The caller is done with ``cache``: its device bytes (without offload) are free."""
+        if cache is not None and not self.offload:
+            self.store.ledger.release(cache.nbytes)
+
+    # ---- passes ----
+
+    def hidden(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """The final hidden states ``[B, T, H]`` of ``input_ids[B, T]`` on the device, before the head (the
+        caller owns their device bytes until :meth:`head`). With a ``cache`` the ids continue its positions."""
+        hidden = None
+        with torch.no_grad(), evaluating(self.engine.modules):
+            for phase in self.body:
+                with self._unit(phase) as module:
+                    if phase.layer is None:
+                        out = module(input_ids.to(self.device))
+                    else:
+                        x = self._fetch(hidden)
+                        with self._layer_cache(None if cache is None else cache[phase.layer]) as layer:
+                            out = module(x) if layer is None else module(x, cache=layer)
+                        self._done_with(x)
+                hidden = self._park(out)
+        return self._fetch(hidden)
+
+    def head(self, hidden: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The head's logits of ``hidden[B, T, H]`` (on the device), or only of ``positions[B, K]`` of each row
+        (``[B, K, V]``); frees ``hidden``'s device bytes."""
+        if positions is not None:
+            index = positions.to(hidden.device).unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
+            picked = hidden.gather(1, index)
+            self.store.ledger.acquire(picked.numel() * picked.element_size())
+            self._done_with(hidden)
+            hidden = picked
+        with torch.no_grad(), evaluating(self.engine.modules), self._unit(self.head_phase) as module:
+            logits = module(hidden)
+            size = logits.numel() * logits.element_size()
+            self.store.ledger.acquire(size)  # counted at its peak, with the head's weights
+            self.store.ledger.release(size)
+        self._done_with(hidden)
+        return logits
+
+    def logits(self, input_ids: torch.Tensor, cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor:
+        """Logits ``[B, T, V]`` of ``input_ids[B, T]`` (``[B, 1, V]``, the last position's, if ``last_only``)."""
+        hidden = self.hidden(input_ids, cache)
+        if not last_only:
+            return self.head(hidden)
+        last = torch.full((hidden.shape[0], 1), hidden.shape[1] - 1, dtype=torch.long)
+        return self.head(hidden, last)
+
+
+def dataset_loss(engine: PhasedEngine, dataset: TokenDataset, micro_batch_size: int) -> dict:
+    """``{"loss", "perplexity", "tokens"}``: the mean token loss over every row of ``dataset``, once, in
+    order, through the engine's forward phases (each DP replica takes its own micro-batches)."""
+    layout = engine.layout
+    total = torch.zeros(2, dtype=torch.float64, device=engine.device)  # where the backend (NCCL) can reduce it
+    for batch in dataset.eval_batches(micro_batch_size, layout.dp_rank, layout.data_parallel):
+        loss_sum, tokens = engine.evaluate(batch)
+        total += torch.tensor([loss_sum, tokens], dtype=torch.float64, device=engine.device)
+    if layout.data_parallel > 1:
+        dist.all_reduce(total, group=layout.dp_group)
+    loss_sum, tokens = total.tolist()
+    if tokens == 0:
+        raise DataError(f"{dataset.name}: no token of the dataset counts in the loss")
+    loss = loss_sum / tokens
+    return {"loss": loss, "perplexity": math.exp(loss), "tokens": int(tokens)}

@@ -1,0 +1,82 @@
+"""From a resolved, validated config to a ready engine: what ``train``, ``eval``, ``generate``, ``bench`` and
+the tests share.
+
+The config arrives resolved and validated (:func:`ipuft.config.load_config`, or a checkpoint's through
+:func:`ipuft.checkpoint.checkpoint_config`); nothing here changes it. It picks the device, joins the
+process layout, builds the components and, for training, the optimizer, and fills the variable store
+from ``checkpoint.load``, ``model.init_checkpoint``, ``model.hf_checkpoint`` or the seeded random init.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from ipuft.checkpoint import checkpoint_initializer, find_checkpoint
+from ipuft.engine import Initializer, PhasedEngine, initial_values
+from ipuft.errors import ConfigError
+from ipuft.hf_checkpoint import hf_initializer
+from ipuft.model import ModelParts, build_model
+from ipuft.parallel import DistributedError, Layout, init_layout
+from ipuft.plugins import PluginHooks
+
+
+def select_device(cfg: DictConfig) -> torch.device:
+    """``execution.device``: ``auto`` takes CUDA when available; under torchrun, the local rank's GPU."""
+    choice = cfg.execution.device.value
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("execution.device: cuda was asked for but no CUDA device is available; use auto or cpu")
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda":
+        index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device(choice)
+
+
+def initializer(cfg: DictConfig, parts: ModelParts) -> Initializer:
+    """Initial weights from ``checkpoint.load``, ``model.init_checkpoint`` or ``model.hf_checkpoint``, else
+    random (seeded by ``model.seed``)."""
+    for source in (cfg.checkpoint.load, cfg.model.init_checkpoint):
+        if source is not None:
+            return checkpoint_initializer(find_checkpoint(source))
+    if cfg.model.hf_checkpoint is not None:
+        return hf_initializer(cfg.model.hf_checkpoint, parts.modules, cfg.model.layers)
+    return lambda unit, specs: initial_values(unit, specs, cfg.model.seed)
+
+
+def build_engine(cfg: DictConfig, hooks: PluginHooks, parts: ModelParts | None = None) -> PhasedEngine:
+    """Join the process layout, then build the components (unless given), the optimizer and the engine."""
+    device = select_device(cfg)
+    layout = init_layout(cfg, device)
+    parts = parts or build_model(cfg, hooks)
+    optimizer = hooks.registrations.build_optimizer(cfg)
+    torch.manual_seed(cfg.model.seed)
+    return PhasedEngine(cfg, parts, optimizer, device, layout, initializer(cfg, parts))
+
+
+def inference_engine(cfg: DictConfig, hooks: PluginHooks) -> PhasedEngine:
+    """An engine holding the model's weights only (no optimizer state, no gradients), for ``eval`` and
+    ``generate`` through :class:`ipuft.inference.LayerMajor`."""
+    device = select_device(cfg)
+    layout = init_layout(cfg, device)
+    parts = build_model(cfg, hooks)
+    return PhasedEngine(cfg, parts, None, device, layout, initializer(cfg, parts))
+
+
+@contextmanager
+def collective_errors(layout: Layout):
+    """Turn a failed collective (a dead or stuck peer) into one clear error naming this rank."""
+    try:
+        yield
+    except (RuntimeError, dist.DistBackendError) as exc:
+        if not layout.distributed:
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DistributedError(f"rank {layout.rank}: a peer rank died or stopped responding ({first}); "
+                               f"stopping") from None
