@@ -127,6 +127,14 @@ def save_checkpoint(full_weights: dict[str, dict[str, torch.Tensor]], cfg: DictC
     return final
 
 
+def latest_of_run(cfg: DictConfig) -> Path:
+    """``checkpoint.load=latest``: the newest checkpoint of the run ``output_dir`` (or ``checkpoint.save``)."""
+    if cfg.output_dir is None and cfg.checkpoint.save in (None, DEFAULT_SAVE):
+        raise ConfigError("checkpoint.load=latest: set output_dir to the run to resume (or checkpoint.save)")
+    root = checkpoint_root(cfg, Path(cfg.output_dir or ".")) or Path(cfg.output_dir) / "checkpoints"
+    return find_checkpoint(root)
+
+
 def _step_of(checkpoint: Path) -> int:
     return int(checkpoint.name.split("-")[1])
 

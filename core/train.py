@@ -21,11 +21,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from tqdm import tqdm
 
 from ipuft.checkpoint import (
-    DEFAULT_SAVE,
     OPTIM,
     checkpoint_initializer,
     checkpoint_root,
@@ -71,16 +70,6 @@ def save(engine: PhasedEngine, cfg: DictConfig, root: Path | None, step: int, da
              "data": data.state_dict() if hasattr(data, "state_dict") else {"step": step}}
     return save_checkpoint(weights, cfg, root, step, tokenizer_file(cfg), keep=cfg.checkpoint.to_keep,
                            optim=optim, state=state)
-
-
-def resolve_load(cfg: DictConfig) -> DictConfig:
-    """``checkpoint.load=latest``: the newest checkpoint of this run's checkpoint directory."""
-    if cfg.checkpoint.load != "latest":
-        return cfg
-    if cfg.output_dir is None and cfg.checkpoint.save in (None, DEFAULT_SAVE):
-        raise ConfigError("checkpoint.load=latest: set output_dir to the run to resume (or checkpoint.save)")
-    root = checkpoint_root(cfg, Path(cfg.output_dir or ".")) or Path(cfg.output_dir) / "checkpoints"
-    return OmegaConf.merge(cfg, {"checkpoint": {"load": str(find_checkpoint(root))}})
 
 
 def restore(engine: PhasedEngine, cfg: DictConfig, checkpoint: Path, data) -> int:
@@ -281,7 +270,6 @@ def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[di
     A non-finite loss or gradient norm skips the update; ``training.max_consecutive_skips`` in a row stop
     the run. SIGINT or SIGTERM saves a checkpoint (when saving is on) and stops with exit code 130 or 143.
     """
-    cfg = resolve_load(cfg)
     resumed = find_checkpoint(cfg.checkpoint.load) if cfg.checkpoint.load is not None else None
     if resumed is not None:
         meta = read_meta(resumed)

@@ -123,5 +123,5 @@ def test_a_checkpoint_saved_with_a_retired_key_still_loads(hooks, trained, tmp_p
     (old / "manifest.json").write_text(json.dumps(manifest))
     cfg = checkpoint_config(old, hooks.registrations.config_sections)
     assert "eval" not in cfg.model and cfg.checkpoint.load == str(old)
-    with pytest.raises(ConfigError, match="model.eval"):
+    with pytest.raises(ConfigError, match=r"model\.eval"):
         load_config("tiny", ["model.eval=false"], hooks.registrations.config_sections)

@@ -176,6 +176,10 @@ def load_config(
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as exc:
         raise _explain(exc, schema, "config") from None
+    if cfg.checkpoint.load == "latest":
+        from ipuft.checkpoint import latest_of_run
+
+        cfg.checkpoint.load = str(latest_of_run(cfg))
     if cfg.model.hf_checkpoint is not None:
         from ipuft.hf_checkpoint import apply_hf_shapes, resolve_hf_directory
 
