@@ -88,9 +88,11 @@ def train(hooks: PluginHooks, cfg) -> None:
 @cli.command()
 @config_arguments
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def plan(hooks: PluginHooks, cfg, as_json: bool) -> None:
+@click.option("--batch-size", default=8, show_default=True, type=click.IntRange(min=1),
+              help="Rows decoded together in the inference view (generate, eval --task mnli).")
+def plan(hooks: PluginHooks, cfg, as_json: bool, batch_size: int) -> None:
     """Print the step program and its memory and traffic estimate, without allocating the model, and
-    whether the run fits this machine.
+    whether the run fits this machine; then the memory of generate and eval for --batch-size rows.
 
     \b
     Examples:
@@ -102,7 +104,7 @@ def plan(hooks: PluginHooks, cfg, as_json: bool) -> None:
     from ipuft.precision import vanishing_updates_warning
 
     parts = build_model(cfg, hooks)
-    result = estimate(cfg, parts, hooks)
+    result = estimate(cfg, parts, hooks, batch_size)
     result["machine"] = fit(cfg, hooks, result)
     if as_json:
         click.echo(json.dumps(result, indent=2))

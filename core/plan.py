@@ -165,8 +165,13 @@ def device_peak_estimate(cfg: DictConfig, parts: ModelParts, sizes: dict[str, di
     return peak
 
 
-def estimate(cfg: DictConfig, parts: ModelParts, hooks: PluginHooks) -> dict:
-    """Everything ``ipuft plan`` prints, as a JSON-ready dict; memory and traffic are per rank."""
+GENERATE_NEW_TOKENS = 64  # the inference view: prompts that fill the sequence but for this many new tokens
+
+
+def estimate(cfg: DictConfig, parts: ModelParts, hooks: PluginHooks, inference_batch_size: int = 8) -> dict:
+    """Everything ``ipuft plan`` prints, as a JSON-ready dict; memory and traffic are per rank. ``inference``:
+    the view of ``generate`` with ``inference_batch_size`` prompts of ``sequence_length - 64`` tokens, each
+    continued by 64 (see :func:`inference_estimate`)."""
     optimizer = hooks.registrations.build_optimizer(cfg)
     sizes = group_bytes(cfg, parts, optimizer)
     moved = traffic(cfg, parts, sizes)
@@ -203,6 +208,58 @@ def estimate(cfg: DictConfig, parts: ModelParts, hooks: PluginHooks) -> dict:
         "h2d_bytes_per_step": sum(moved["h2d"].values()),
         "d2h_bytes_per_step": sum(moved["d2h"].values()),
         "traffic": moved,
+        "inference": inference_estimate(cfg, parts, inference_batch_size,
+                                        max(1, cfg.model.sequence_length - GENERATE_NEW_TOKENS),
+                                        min(GENERATE_NEW_TOKENS, cfg.model.sequence_length - 1) or 1),
+    }
+
+
+def inference_estimate(cfg: DictConfig, parts: ModelParts, batch_size: int, prompt_tokens: int,
+                       new_tokens: int) -> dict:
+    """``generate``'s memory (one process, TP=1): ``batch_size`` prompts of ``prompt_tokens`` tokens continued
+    by ``new_tokens``, through :class:`ipuft.inference.LayerMajor`. The device peak is exact: it follows
+    the runner's ledger (the passes' largest moment is the prefill or the last decoding step).
+
+    Per unit, the device holds the unit's weights (offloaded) or every weight (not), the batch's hidden
+    states, and the key/value cache: one layer's while it runs with ``activation_offload``, every layer's
+    otherwise. The head runs on the last position only.
+    """
+    itemsize = torch.empty((), dtype=compute_dtype(cfg)).element_size()
+    m, layers, b = cfg.model, cfg.model.layers, batch_size
+    units = {role: _bytes(parts.variables[role]) for role in ("embeddings", "decoder", "head")}
+    weights = units["embeddings"] + layers * units["decoder"] + units["head"]
+    offload, act_offload = cfg.execution.offload, cfg.execution.activation_offload
+    resident = 0 if offload else weights
+    load = {role: n if offload else 0 for role, n in units.items()}
+
+    def hidden(t: int) -> int:
+        return b * t * m.hidden_size * itemsize
+
+    def cache(t: int) -> int:  # one layer's keys and values for t positions
+        return 2 * b * t * m.hidden_size * itemsize
+
+    logits = b * m.embedding.vocab_size * itemsize
+
+    def peak(t: int, past: int) -> int:
+        """The largest moment of one pass of ``t`` new tokens over ``past`` cached positions."""
+        if act_offload:
+            moments = [load["embeddings"], load["decoder"] + hidden(t) + cache(past + t),
+                       hidden(t) + hidden(1), hidden(1) + load["head"] + logits]
+        else:
+            caches = layers * cache(past + t)
+            moments = [load["embeddings"] + hidden(t), caches + hidden(t) + load["decoder"],
+                       caches + hidden(t) + hidden(1), caches + hidden(1) + load["head"] + logits]
+        return resident + max(moments)
+
+    passes = [peak(prompt_tokens, 0)] + ([peak(1, prompt_tokens + new_tokens - 2)] if new_tokens > 1 else [])
+    positions = prompt_tokens + max(new_tokens - 1, 0)
+    return {
+        "batch_size": batch_size,
+        "prompt_tokens": prompt_tokens,
+        "new_tokens": new_tokens,
+        "kv_cache_bytes": layers * cache(positions),
+        "device_peak_bytes": max(passes),
+        "host_bytes": (weights if offload else 0) + (layers * cache(positions) if act_offload else 0),
     }
 
 
@@ -320,4 +377,11 @@ def format_plan(result: dict) -> str:
     for direction in ("h2d", "d2h"):
         parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(result["traffic"][direction].items()))
         lines.append(f"  {direction} by kind:        {parts}")
+    inf = result["inference"]
+    lines += [
+        f"generate ({inf['batch_size']} rows together, {inf['prompt_tokens']}-token prompts "
+        f"+ {inf['new_tokens']} new; one process, TP=1):",
+        f"  device peak:        {format_bytes(inf['device_peak_bytes'])}",
+        f"  host memory:        {format_bytes(inf['host_bytes'])} (KV cache {format_bytes(inf['kv_cache_bytes'])})",
+    ]
     return "\n".join(lines)

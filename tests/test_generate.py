@@ -194,3 +194,21 @@ def test_device_holds_one_unit_plus_buffers_however_deep(make_config, hooks, act
     else:
         assert peaks[16] - peaks[2] <= caches[16] - caches[2]
         assert peaks[16] > peaks[2]
+
+
+@pytest.mark.parametrize("offload", [True, False])
+@pytest.mark.parametrize("activation_offload", [True, False])
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_plan_inference_view_equals_the_measured_device_peak(make_config, hooks, offload, activation_offload,
+                                                              precision):
+    from ipuft.plan import inference_estimate
+
+    cfg, _, runner = tiny_model(make_config, hooks, "model.layers=3", f"execution.offload={str(offload).lower()}",
+                                f"execution.activation_offload={str(activation_offload).lower()}",
+                                f"model.precision={precision}")
+    prompts = [[(7 * r + i) % 50 + 1 for i in range(6)] for r in range(5)]
+    runner.store.ledger.reset_peak()
+    out = generate(runner, prompts, 9)
+    assert all(len(tokens) == 9 for tokens in out)
+    planned = inference_estimate(cfg, runner.engine.parts, batch_size=5, prompt_tokens=6, new_tokens=9)
+    assert planned["device_peak_bytes"] == runner.store.ledger.peak
