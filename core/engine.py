@@ -25,8 +25,7 @@ from omegaconf import DictConfig
 
 from ipuft.activations import ActivationBuffers, working_set
 from ipuft.batch import Batch
-from ipuft.components import IGNORE_INDEX, Init, VariableSpec, bound, recompute
-from ipuft.inference import evaluating
+from ipuft.components import Init, VariableSpec, bound, recompute
 from ipuft.model import ModelParts
 from ipuft.optim import Optimizer, StepContext
 from ipuft.parallel import Layout, active
@@ -259,33 +258,6 @@ class PhasedEngine:
             self.store.release(unit, group, tensors)
         if phase.computes_gradient and "grad" not in loaded:
             self.store.ledger.release(nbytes(grads.values()))
-
-    def evaluate(self, batch: Batch) -> tuple[float, int]:
-        """The sum of token losses and the number of tokens over ``batch``: the program's forward phases
-        and the head's loss, layer-major, with no gradient and no update. Sums are over this replica."""
-        batch = Batch(batch.input_ids.to(self.device), batch.labels.to(self.device))
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        with torch.no_grad(), evaluating(self.modules):
-            for phase in self.program:
-                if not any(op in (Op.FORWARD, Op.LOSS_BACKWARD) for op in phase.ops):
-                    continue
-                stored = self.store.load(phase.unit, "fwd")
-                weights, gathered = self._gather(phase, stored)
-                module = self.modules[phase.role]
-                if Op.FORWARD in phase.ops:
-                    self._forward(phase, module, weights, batch)
-                else:
-                    x_in, _ = self.program.activation_rows(phase)
-                    with bound(module, weights):
-                        for mb in range(batch.micro_batches):
-                            labels = batch.labels[mb]
-                            with self.buffers.read("x", x_in, mb, consume=True) as x:
-                                loss = module(x, labels)
-                            total += loss.double() * (labels != IGNORE_INDEX).sum()
-                self.store.ledger.release(gathered)
-                self.store.release(phase.unit, "fwd", stored)
-        self.buffers.clear()
-        return total.item(), int((batch.labels != IGNORE_INDEX).sum())
 
     # ---- ops ----
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from ipuft.components import bound
+from ipuft.components import IGNORE_INDEX, bound
 from ipuft.errors import DataError
 from ipuft.generate import KVCache, LayerKVCache
 from ipuft.program import Op, Phase
@@ -165,6 +165,17 @@ class LayerMajor:
         self._done_with(hidden)
         return logits
 
+    def loss_sum(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The sum of the token losses (float64, on the device) and the number of tokens that count, over
+        ``input_ids[B, T]`` and its already shifted ``labels[B, T]`` (``IGNORE_INDEX``: not counted)."""
+        hidden = self.hidden(input_ids)
+        labels = labels.to(self.device)
+        with torch.no_grad(), evaluating(self.engine.modules), self._unit(self.head_phase) as module:
+            mean = module(hidden, labels)
+        self._done_with(hidden)
+        count = int((labels != IGNORE_INDEX).sum())
+        return mean.double() * count, count
+
     def logits(self, input_ids: torch.Tensor, cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor:
         """Logits ``[B, T, V]`` of ``input_ids[B, T]`` (``[B, 1, V]``, the last position's, if ``last_only``)."""
         hidden = self.hidden(input_ids, cache)
@@ -176,12 +187,16 @@ class LayerMajor:
 
 def dataset_loss(engine: PhasedEngine, dataset: TokenDataset, micro_batch_size: int) -> dict:
     """``{"loss", "perplexity", "tokens"}``: the mean token loss over every row of ``dataset``, once, in
-    order, through the engine's forward phases (each DP replica takes its own micro-batches)."""
+    order, layer-major through the engine's units, one micro-batch of rows per pass (each DP replica takes its
+    own micro-batches)."""
     layout = engine.layout
+    runner = LayerMajor(engine)
     total = torch.zeros(2, dtype=torch.float64, device=engine.device)  # where the backend (NCCL) can reduce it
     for batch in dataset.eval_batches(micro_batch_size, layout.dp_rank, layout.data_parallel):
-        loss_sum, tokens = engine.evaluate(batch)
-        total += torch.tensor([loss_sum, tokens], dtype=torch.float64, device=engine.device)
+        for mb in range(batch.micro_batches):
+            loss_sum, tokens = runner.loss_sum(batch.input_ids[mb], batch.labels[mb])
+            total[0] += loss_sum
+            total[1] += tokens
     if layout.data_parallel > 1:
         dist.all_reduce(total, group=layout.dp_group)
     loss_sum, tokens = total.tolist()

@@ -212,3 +212,24 @@ def test_plan_inference_view_equals_the_measured_device_peak(make_config, hooks,
     assert all(len(tokens) == 9 for tokens in out)
     planned = inference_estimate(cfg, runner.engine.parts, batch_size=5, prompt_tokens=6, new_tokens=9)
     assert planned["device_peak_bytes"] == runner.store.ledger.peak
+
+
+@pytest.mark.parametrize("activation_offload", [True, False])
+def test_eval_loss_and_scoring_do_not_grow_with_depth(make_config, hooks, activation_offload):
+    """The loss pass and MNLI scoring keep one batch of hidden states between units (no cache), so their
+    device peak is the same for 2 and 16 layers, with or without activation offload."""
+    from ipuft.components import IGNORE_INDEX
+    from ipuft.evaluate import label_log_likelihoods
+
+    peaks = {}
+    for layers in (2, 16):
+        _, _, runner = tiny_model(make_config, hooks, f"model.layers={layers}", "execution.offload=true",
+                                  f"execution.activation_offload={str(activation_offload).lower()}")
+        ids = torch.randint(1, 100, (4, 24), generator=torch.Generator().manual_seed(0))
+        labels = torch.cat([ids[:, 1:], torch.full((4, 1), IGNORE_INDEX)], dim=1)
+        runner.store.ledger.reset_peak()
+        runner.loss_sum(ids, labels)
+        label_log_likelihoods(runner, PROMPTS, [[3, 4], [5]])
+        assert runner.store.ledger.resident == 0
+        peaks[layers] = runner.store.ledger.peak
+    assert peaks[16] == peaks[2]
