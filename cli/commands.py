@@ -9,6 +9,7 @@ import functools
 import json
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from ipuft.cli.main import fail
 from ipuft.config import load_config, preset_names, to_yaml
 from ipuft.errors import IpuftError
 from ipuft.hf import DEFAULT_SHARD_BYTES
-from ipuft.plugins import PluginHooks, create_plugin_manager
+from ipuft.plugins import DEBUG_ENV, PluginHooks, create_plugin_manager, debugging
 
 DEFAULT_PRESET = "small-cpu"
 
@@ -56,7 +57,8 @@ def config_arguments(command: Callable) -> Callable:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="ipuft")
-def cli() -> None:
+@click.option("--debug", is_flag=True, help="Errors come with their full traceback (as IPUFT_DEBUG=1 does).")
+def cli(debug: bool) -> None:
     """Fine-tune GPT-J-family models larger than the accelerator's memory."""
 
 
@@ -273,12 +275,17 @@ def plugins_command(hooks: PluginHooks, as_json: bool) -> None:
 
 def run(argv: list[str] | None = None) -> None:
     """Run the command line on ``argv``; see :func:`ipuft.cli.main.main`."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if "--debug" in args[: args.index("--")] if "--" in args else "--debug" in args:
+        os.environ[DEBUG_ENV] = "1"  # before the plugins load, so that their import errors show tracebacks too
     try:
         hooks = create_plugin_manager()
         hooks.registrations  # noqa: B018 - surface registration errors before any command runs
         hooks.register_commands(cli)
         cli.main(args=argv, prog_name="ipuft", obj=hooks, standalone_mode=False)
     except IpuftError as exc:
+        if debugging():
+            traceback.print_exception(exc)
         fail(str(exc), exc.exit_code)
     except click.exceptions.Abort:
         fail("aborted", 130)

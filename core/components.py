@@ -29,10 +29,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ipuft.errors import PluginError, choices
+from ipuft.registry import Origin, Registry
 
 if TYPE_CHECKING:
     import torch
     from omegaconf import DictConfig
+
+    from ipuft.sharding import ShardSpec
 
 ROLES = ("embeddings", "decoder", "head")
 IGNORE_INDEX = -100
@@ -164,48 +167,60 @@ def specs_from_module(module: torch.nn.Module, inits: dict[str, Init]) -> list[V
 
 
 ComponentFactory = Callable[["DictConfig"], "torch.nn.Module"]
+# A component's TP layout, given with its registration: a mapping of variable name to ShardSpec, or a
+# function of (full variable specs, tensor_parallel) returning one.
+ShardSpecs = Mapping[str, "ShardSpec"] | Callable[[list[VariableSpec], int], Mapping[str, "ShardSpec"]]
 
 
 @dataclass(frozen=True)
 class ComponentBuilder:
-    """A named way to build the component of one role from the resolved config."""
+    """A named way to build the component of one role from the resolved config, with its TP layout."""
 
     role: str
     name: str
     build: ComponentFactory
     description: str = ""
     plugin: str = ""
+    shard_specs: ShardSpecs | None = None
+
+    def shard_specs_for(self, variables: list[VariableSpec], tensor_parallel: int) -> Mapping[str, ShardSpec] | None:
+        """The registered TP layout of this component's variables, or ``None`` if none was registered."""
+        if self.shard_specs is None or isinstance(self.shard_specs, Mapping):
+            return self.shard_specs
+        return self.shard_specs(variables, tensor_parallel)
 
 
-class ComponentRegistry:
-    """Every component builder the installed plugins registered, keyed by role and name.
+class ComponentRegistry(Registry):
+    """Every component builder the installed plugins registered, keyed by role and name (see
+    :mod:`ipuft.registry` for attribution and the duplicate rule)."""
 
-    Core owns the registry, so it can list every name and refuse a duplicate.
-    """
+    kind = "component"
 
     def __init__(self) -> None:
+        super().__init__()
         self._builders: dict[tuple[str, str], ComponentBuilder] = {}
-        self._plugin = ""
+        self._origins: dict[tuple[str, str], Origin] = {}
 
-    def bind_plugin(self, plugin: str) -> None:
-        """Attribute the next registrations to ``plugin`` (done by the hook wrapper, plugin by plugin)."""
-        self._plugin = plugin
+    def add(self, role: str, name: str, build: ComponentFactory, description: str = "",
+            shard_specs: ShardSpecs | None = None) -> None:
+        """Register ``build`` as component ``name`` for ``role`` (one of :data:`ROLES`).
 
-    def add(self, role: str, name: str, build: ComponentFactory, description: str = "") -> None:
-        """Register ``build`` as component ``name`` for ``role`` (one of :data:`ROLES`)."""
+        ``shard_specs``: how its variables split over tensor-parallel ranks (``{name: ShardSpec}``, or a
+        function of the full variable specs and ``tensor_parallel``). Without it, a plugin may still answer
+        ``ipuft_shard_spec`` for it; else every variable is replicated (``tensor_parallel`` must be 1).
+        """
+        origin = self.origin()
         if role not in ROLES:
             raise PluginError(
-                f"plugin {self._plugin!r} registers component {name!r} for unknown role {role!r}; "
+                f"plugin {origin.plugin!r} registers component {name!r} for unknown role {role!r}; "
                 f"roles: {', '.join(ROLES)}"
             )
         key = (role, name)
         if key in self._builders:
-            raise PluginError(
-                f"{role} component {name!r} is registered twice: by plugin "
-                f"{self._builders[key].plugin!r} and by plugin {self._plugin!r}; "
-                f"disable one with IPUFT_DISABLE_PLUGINS"
-            )
-        self._builders[key] = ComponentBuilder(role, name, build, description, self._plugin)
+            self._keep_first(f"{role} component {name!r}", self._origins[key], origin)
+            return
+        self._builders[key] = ComponentBuilder(role, name, build, description, origin.plugin, shard_specs)
+        self._origins[key] = origin
 
     def get(self, role: str, name: str) -> ComponentBuilder:
         """The builder for ``role`` named ``name``; a :class:`PluginError` naming the choices if none."""

@@ -66,7 +66,10 @@ def build_model(cfg: DictConfig, hooks: PluginHooks) -> ModelParts:
     shard_specs = {}
     for role, b in builders.items():
         who = f"{role} component {b.name!r}"
-        specs = resolve_shard_specs(who, variables[role], hooks.shard_spec(role, b.name, variables[role], tp), tp)
+        answer = b.shard_specs_for(variables[role], tp)
+        if answer is None:
+            answer = hooks.shard_spec(role, b.name, variables[role], tp)
+        specs = resolve_shard_specs(who, variables[role], answer, tp)
         local = {v.name: v.shape for v in modules[role].variable_specs()}
         expected = {v.name: specs[v.name].local_shape(v.shape, tp) for v in variables[role]}
         if local != expected:

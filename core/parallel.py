@@ -248,3 +248,31 @@ def vocab_block(ids: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tenso
     """``ids`` relative to this TP rank's block of ``rows`` vocabulary rows, and which of them fall in it."""
     local = ids - tensor_parallel_rank() * rows
     return local, (local >= 0) & (local < rows)
+
+
+def vocab_parallel_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """This TP rank's block ``logits[..., rows]`` of a vocabulary padded to a multiple of TP ranks, with its
+    padded columns (ids ≥ ``vocab_size``) pushed to the dtype's minimum so that they never win."""
+    rows = logits.shape[-1]
+    first = tensor_parallel_rank() * rows
+    if first + rows <= vocab_size:
+        return logits
+    padded = torch.arange(first, first + rows, device=logits.device) >= vocab_size
+    return logits.masked_fill(padded, torch.finfo(logits.dtype).min)
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """The mean cross-entropy over the tokens whose label is not ``ignore_index``, from each TP rank's
+    vocabulary block of the logits (``logits[N, rows]``, float32; ``labels[N]``): the maximum, the sum of
+    exponentials and the target logit are reduced over the TP group, so the full logits are never gathered.
+    At TP=1 it is ``F.cross_entropy``'s value. Gradients flow through the paired collectives."""
+    rows = logits.shape[-1]
+    shift = max_over_tensor_parallel(logits.max(dim=-1, keepdim=True).values)
+    shifted = logits - shift
+    sum_exp = reduce_from_tensor_parallel(shifted.exp().sum(dim=-1))
+    local, mine = vocab_block(labels, rows)
+    target = shifted.gather(-1, local.clamp(0, rows - 1).unsqueeze(-1)).squeeze(-1) * mine
+    target = reduce_from_tensor_parallel(target)
+    keep = labels != ignore_index
+    losses = (sum_exp.log() - target) * keep
+    return losses.sum() / keep.sum()

@@ -2,14 +2,21 @@
 ``pm.hook.*`` call, so the rest of ipuft never touches pluggy directly.
 
 Plugins are found only through the ``ipuft`` entry-point group; core never imports a plugin package.
+Every hook is called through pluggy, once, so ``wrapper=True`` (and old-style ``hookwrapper``),
+``tryfirst`` and ``trylast`` behave as pluggy documents them. An exception a plugin raises in a hook is one
+line naming the plugin and the hook (:class:`~ipuft.errors.PluginError`); ``IPUFT_DEBUG=1`` (or ``ipuft
+--debug``) adds the full traceback, for import failures too.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import traceback
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
+from types import CodeType, TracebackType
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -21,6 +28,7 @@ from ipuft.config.sections import ConfigSectionRegistry
 from ipuft.errors import IpuftError, PluginError
 from ipuft.loggers import JSONL, LoggerRegistry
 from ipuft.optim import Optimizer, OptimizerRegistry
+from ipuft.registry import PLAIN, TRYFIRST, TRYLAST, Origin
 from ipuft.sharding import ShardSpec
 
 if TYPE_CHECKING:
@@ -30,6 +38,12 @@ if TYPE_CHECKING:
 
 ENTRY_POINT_GROUP = hookspecs.PROJECT
 DISABLE_ENV = "IPUFT_DISABLE_PLUGINS"
+DEBUG_ENV = "IPUFT_DEBUG"
+
+
+def debugging() -> bool:
+    """``IPUFT_DEBUG=1``: errors come with their full traceback besides the one line."""
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
 @dataclass(frozen=True)
@@ -75,10 +89,12 @@ def create_plugin_manager(
         try:
             plugin = ep.load()
         except Exception as exc:  # noqa: BLE001 (any import failure is the plugin's, reported as one line)
-            raise PluginError(
+            error = PluginError(
                 f"plugin {ep.name!r} (distribution {dist_name} {dist_version}) failed to import: "
-                f"{type(exc).__name__}: {exc}; fix or uninstall it, or set {DISABLE_ENV}={ep.name}"
-            ) from None
+                f"{type(exc).__name__}: {exc}; fix or uninstall it, or set {DISABLE_ENV}={ep.name} "
+                f"({DEBUG_ENV}=1 shows the traceback)"
+            )
+            raise error from (exc if debugging() else None)
         _register(pm, plugin, ep.name)
         infos[ep.name] = PluginInfo(ep.name, dist_name, dist_version, ep.value)
     for name, plugin in builtin_plugins():
@@ -132,70 +148,124 @@ class Registrations:
         return self.optimizers.get(cfg.training.optimizer.name).build(cfg)
 
 
+def _priority(impl: pluggy.HookImpl) -> int:
+    return TRYFIRST if impl.tryfirst else TRYLAST if impl.trylast else PLAIN
+
+
 class PluginHooks:
-    """The typed face of the plugin manager: one method per hook."""
+    """The typed face of the plugin manager: one method per hook, each calling it through ``pm.hook``."""
 
     def __init__(self, pm: pluggy.PluginManager, infos: dict[str, PluginInfo]) -> None:
         self.pm = pm
         self.infos = infos
         self._registrations: Registrations | None = None
+        self.commands: dict[str, list[str]] = {}
 
-    # ---- registration hooks, called plugin by plugin so that registries know who registered what ----
+    # ---- calling hooks ----
 
-    def _call_each(self, hook_name: str, registry: Any) -> None:
-        caller = getattr(self.pm.hook, hook_name)
-        for impl in caller.get_hookimpls():
-            registry.bind_plugin(impl.plugin_name)
-            try:
-                impl.function(**{arg: registry for arg in impl.argnames})
-            except IpuftError:
-                raise
-            except Exception as exc:  # noqa: BLE001 (the plugin's bug, reported as one line naming it)
-                raise PluginError(
-                    f"plugin {impl.plugin_name!r} failed in {hook_name}: {type(exc).__name__}: {exc}"
-                ) from None
+    def _impls(self, hook_name: str) -> dict[CodeType, pluggy.HookImpl]:
+        """The code object of each implementation of ``hook_name``, to recognise it on a stack."""
+        return {impl.function.__code__: impl for impl in getattr(self.pm.hook, hook_name).get_hookimpls()}
+
+    def origin_in(self, hook_name: str):
+        """A callback naming the implementation of ``hook_name`` that is running (the innermost on the call
+        stack): how a registry learns who registers, with pluggy calling every implementation itself."""
+        def origin() -> Origin:
+            impls = self._impls(hook_name)
+            frame = sys._getframe(1)
+            while frame is not None:
+                impl = impls.get(frame.f_code)
+                if impl is not None:
+                    return Origin(impl.plugin_name, _priority(impl))
+                frame = frame.f_back
+            return Origin("(unknown)", PLAIN)
+
+        return origin
+
+    def _culprit(self, hook_name: str, tb: TracebackType | None) -> str:
+        """The plugin whose implementation of ``hook_name`` raised: the innermost one in the traceback."""
+        impls = self._impls(hook_name)
+        found = "(unknown)"
+        for frame, _ in traceback.walk_tb(tb):
+            if frame.f_code in impls:
+                found = impls[frame.f_code].plugin_name
+        return found
+
+    def call(self, hook_name: str, **kwargs: Any) -> Any:
+        """Call hook ``hook_name`` through pluggy. An :class:`IpuftError` a plugin raises passes as it is; any
+        other exception becomes one :class:`PluginError` line naming the plugin and the hook."""
+        try:
+            return getattr(self.pm.hook, hook_name)(**kwargs)
+        except IpuftError:
+            raise
+        except Exception as exc:  # noqa: BLE001 (a plugin's bug, reported as one line naming it)
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            error = PluginError(f"plugin {self._culprit(hook_name, exc.__traceback__)!r} failed in {hook_name}: "
+                                f"{type(exc).__name__}{': ' + message[:300] if message else ''} "
+                                f"({DEBUG_ENV}=1 shows the traceback)")
+            raise error from (exc if debugging() else None)
+
+    # ---- registration hooks ----
+
+    def _register(self, hook_name: str, registry: Any) -> None:
+        registry.origin = self.origin_in(hook_name)
+        self.call(hook_name, registry=registry)
 
     @property
     def registrations(self) -> Registrations:
-        """Components, optimizers and config sections of every plugin (computed once)."""
+        """Components, optimizers, logging backends and config sections of every plugin (computed once)."""
         if self._registrations is None:
             reg = Registrations()
-            self._call_each("ipuft_register_components", reg.components)
-            self._call_each("ipuft_register_optimizers", reg.optimizers)
-            self._call_each("ipuft_register_loggers", reg.loggers)
-            self._call_each("ipuft_register_config_sections", reg.config_sections)
+            self._register("ipuft_register_components", reg.components)
+            self._register("ipuft_register_optimizers", reg.optimizers)
+            self._register("ipuft_register_loggers", reg.loggers)
+            self._register("ipuft_register_config_sections", reg.config_sections)
             self._registrations = reg
         return self._registrations
 
     def register_commands(self, cli: click.Group) -> dict[str, list[str]]:
-        """Let plugins add subcommands; returns the commands each plugin added."""
+        """Let plugins add subcommands; returns (and keeps) the commands each plugin added."""
+        origin = self.origin_in("ipuft_register_commands")
+        add_command = cli.add_command
         added: dict[str, list[str]] = {}
-        for impl in self.pm.hook.ipuft_register_commands.get_hookimpls():
-            before = set(cli.commands)
-            impl.function(cli=cli)
-            added[impl.plugin_name] = sorted(set(cli.commands) - before)
-        return added
+
+        def attributed(command, name=None):
+            add_command(command, name)
+            added.setdefault(origin().plugin, []).append(name or command.name)
+
+        cli.add_command = attributed  # type: ignore[method-assign]
+        try:
+            self.call("ipuft_register_commands", cli=cli)
+        finally:
+            del cli.add_command  # the instance attribute goes; the class's method is back
+        self.commands = {plugin: sorted(names) for plugin, names in added.items()}
+        return self.commands
 
     # ---- model construction hooks ----
 
     def shard_spec(
         self, role: str, name: str, variables: list[VariableSpec], tensor_parallel: int
     ) -> dict[str, ShardSpec] | None:
-        """The owning plugin's shard specs for component ``name`` of ``role``, or ``None``."""
-        return self.pm.hook.ipuft_shard_spec(
-            role=role, name=name, variables=variables, tensor_parallel=tensor_parallel
-        )
+        """A plugin's answer to ``ipuft_shard_spec`` for component ``name`` of ``role``, or ``None``."""
+        return self.call("ipuft_shard_spec", role=role, name=name, variables=variables,
+                         tensor_parallel=tensor_parallel)
 
     def emit_phases(self, program: StepProgram, role: str, name: str) -> None:
-        """Have the owning plugin emit the phases of component ``name``; an error if no plugin does."""
-        if not self.pm.hook.ipuft_emit_phases(program=program, role=role, name=name):
-            raise PluginError(f"model.{role}: no plugin emits the phases of {role} component {name!r}")
+        """Have a plugin emit the phases of component ``name``; if none answers, core emits the role's
+        standard phases (:func:`ipuft.program.emit_standard_phases`)."""
+        if not self.call("ipuft_emit_phases", program=program, role=role, name=name):
+            from ipuft.program import emit_standard_phases
+
+            emit_standard_phases(program, role)
 
     # ---- introspection ----
 
     def describe(self) -> list[dict[str, Any]]:
         """For each plugin: name, distribution, version and what it registers (``ipuft plugins``)."""
         reg = self.registrations
+        shadowed = [(kind, name, first, second) for kind, registry in
+                    (("components", reg.components), ("optimizers", reg.optimizers), ("loggers", reg.loggers),
+                     ("config_sections", reg.config_sections)) for name, first, second in registry.shadowed]
         out = []
         for name, info in sorted(self.infos.items()):
             out.append(
@@ -209,6 +279,9 @@ class PluginHooks:
                     "loggers": [b.name for b in reg.loggers if b.plugin == name],
                     "config_sections": [f"plugins.{s}" for s in reg.config_sections
                                         if reg.config_sections.owner(s) == name],
+                    "commands": self.commands.get(name, []),
+                    "shadowed": [f"{label} (overridden by plugin {first.plugin!r})"
+                                 for _, label, first, second in shadowed if second.plugin == name],
                     "hooks": sorted(h.name for h in self.pm.get_hookcallers(self.pm.get_plugin(name)) or []),
                 }
             )

@@ -1,6 +1,7 @@
 """The step program: the fixed sequence of phases that makes one optimizer step.
 
-Plugins emit phases into the program through the ``ipuft_emit_phases`` hook. A phase brings one unit
+Core emits each role's standard phases (:func:`emit_standard_phases`, the reference's); a plugin that needs
+others emits them through the ``ipuft_emit_phases`` hook instead. A phase brings one unit
 (the embeddings, one decoder layer, or the head) to the compute device, runs its ops over every
 gradient-accumulation micro-batch (layer-major batch serialisation), and stores back what it changed.
 The engine interprets the ops; the program only says what runs, in which order, and so what each phase
@@ -183,3 +184,31 @@ class StepProgram:
 def _need(condition: bool, phase: Phase, why: str) -> None:
     if not condition:
         raise PluginError(f"invalid step program at phase {phase.name}: {why}")
+
+
+def emit_standard_phases(program: StepProgram, role: str) -> None:
+    """The reference's phases of a component of ``role``: what every stock component runs, and what core
+    emits for any component whose plugin does not answer ``ipuft_emit_phases``.
+
+    - embeddings: forward; then backward, the global norm and the update in one phase (the embedding
+      gradient is used at once, never stored, and this phase finishes the norm every update needs);
+    - decoder: each layer's forward in order, backward in reverse order, update in order;
+    - head: loss and backward; update.
+    """
+    if role == "embeddings":
+        program.emit(Stage.EMBEDDINGS_FORWARD, Phase("embeddings", None, (Op.FORWARD,)))
+        program.emit(Stage.EMBEDDINGS_BACKWARD_OPTIMIZER,
+                     Phase("embeddings", None, (Op.BACKWARD, Op.GLOBAL_NORM, Op.OPTIMIZER_STEP)))
+    elif role == "decoder":
+        layers = range(program.layers)
+        for n in layers:
+            program.emit(Stage.DECODER_FORWARD, Phase("decoder", n, (Op.FORWARD,)))
+        for n in reversed(layers):
+            program.emit(Stage.DECODER_BACKWARD, Phase("decoder", n, (Op.BACKWARD,)))
+        for n in layers:
+            program.emit(Stage.DECODER_OPTIMIZER, Phase("decoder", n, (Op.OPTIMIZER_STEP,)))
+    elif role == "head":
+        program.emit(Stage.HEAD_FORWARD_BACKWARD, Phase("head", None, (Op.LOSS_BACKWARD,)))
+        program.emit(Stage.HEAD_OPTIMIZER, Phase("head", None, (Op.OPTIMIZER_STEP,)))
+    else:
+        raise PluginError(f"no standard phases for role {role!r}")

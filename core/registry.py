@@ -1,13 +1,58 @@
-"""A registry of named builders that plugins fill through a registration hook (optimizers, logging
-backends): core owns it, so it can list every name, attribute each to its plugin and refuse duplicates."""
+"""Registries that plugins fill through registration hooks (components, optimizers, logging backends,
+config sections): core owns them, so it can list every name, attribute each to its plugin and decide
+duplicates.
+
+Core calls a registration hook once, through pluggy (``pm.hook``), so wrappers, ``tryfirst`` and
+``trylast`` work as pluggy defines them. A registry learns which plugin is registering from its
+:attr:`Registry.origin` callback, which :class:`ipuft.plugins.PluginHooks` sets to find the hook
+implementation running on the call stack.
+
+**Overriding by ordering.** A name registered twice is an error, unless the two registrations come from
+hook implementations of different priority (``tryfirst`` > plain > ``trylast``): pluggy calls the higher
+one first, and its registration wins; the other is kept as shadowed, and ``ipuft plugins`` lists it. So a
+plugin replaces a stock component by registering the same role and name from a ``tryfirst`` hookimpl,
+without uninstalling anything.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ipuft.errors import PluginError, choices
+
+TRYLAST, PLAIN, TRYFIRST = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Who made a registration: the plugin, and the priority of the hook implementation that made it."""
+
+    plugin: str = ""
+    priority: int = PLAIN
+
+
+class Registry:
+    """What every registry shares: the origin callback and the duplicate rule."""
+
+    kind = "builder"
+
+    def __init__(self) -> None:
+        self.origin: Callable[[], Origin] = Origin
+        self.shadowed: list[tuple[str, Origin, Origin]] = []  # (name, the winner's origin, the shadowed one's)
+
+    def _keep_first(self, label: str, first: Origin, second: Origin) -> None:
+        """``label`` (say, ``decoder component 'gptj'``) was registered by ``first`` and now again by ``second``:
+        keep the first if it has the higher priority (it ran first), else refuse both with one line."""
+        if first.priority > second.priority:
+            self.shadowed.append((label, first, second))
+            return
+        raise PluginError(
+            f"{label} is registered twice: by plugin {first.plugin!r} and by plugin {second.plugin!r}; "
+            f"disable one with IPUFT_DISABLE_PLUGINS, or register the one that should win from a hookimpl "
+            f"marked tryfirst=True"
+        )
 
 
 @dataclass(frozen=True)
@@ -18,30 +63,28 @@ class Builder:
     build: Callable[..., Any]
     description: str = ""
     plugin: str = ""
+    options: dict[str, Any] = field(default_factory=dict)
 
 
-class NamedRegistry:
+class NamedRegistry(Registry):
     """Builders by name. ``kind`` names what is built and ``key`` the config key that selects it, in errors."""
 
-    kind = "builder"
     key = ""
 
     def __init__(self) -> None:
+        super().__init__()
         self._builders: dict[str, Builder] = {}
-        self._plugin = ""
+        self._origins: dict[str, Origin] = {}
 
-    def bind_plugin(self, plugin: str) -> None:
-        """Attribute the next registrations to ``plugin`` (done by the hook wrapper, plugin by plugin)."""
-        self._plugin = plugin
-
-    def add(self, name: str, build: Callable[..., Any], description: str = "") -> None:
-        """Register ``build`` as ``name``; the config key :attr:`key` selects it by that name."""
+    def add(self, name: str, build: Callable[..., Any], description: str = "", **options: Any) -> None:
+        """Register ``build`` as ``name``; the config key :attr:`key` selects it by that name. ``options``
+        are what a kind of builder declares besides (see the registry's subclass)."""
+        origin = self.origin()
         if name in self._builders:
-            raise PluginError(
-                f"{self.kind} {name!r} is registered twice: by plugin {self._builders[name].plugin!r} "
-                f"and by plugin {self._plugin!r}; disable one with IPUFT_DISABLE_PLUGINS"
-            )
-        self._builders[name] = Builder(name, build, description, self._plugin)
+            self._keep_first(f"{self.kind} {name!r}", self._origins[name], origin)
+            return
+        self._builders[name] = Builder(name, build, description, origin.plugin, options)
+        self._origins[name] = origin
 
     def get(self, name: str) -> Builder:
         try:

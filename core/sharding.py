@@ -1,9 +1,11 @@
 """The sharding contract: how each variable of a component splits for tensor parallelism, and whether
 it may be replica-sharded (RTS, ZeRO-style) over the data-parallel ranks.
 
-Component plugins answer the ``ipuft_shard_spec`` hook for their own components; core turns the answer
-into local shapes and shards. A component with no answer is fully replicated, which is only valid at
-``tensor_parallel == 1``.
+A component plugin gives its components' specs with their registration (``registry.add(...,
+shard_specs=...)``), or answers the ``ipuft_shard_spec`` hook (for components of other plugins); core turns
+the answer into local shapes and shards. A component with no answer is fully replicated, which is only
+allowed at ``tensor_parallel == 1``; :func:`replicated` states it explicitly, for a component every TP rank
+computes whole.
 """
 
 from __future__ import annotations
@@ -86,6 +88,12 @@ class ShardSpec:
         return full
 
 
+def replicated(variables: list[VariableSpec]) -> dict[str, ShardSpec]:
+    """Every variable whole on every TP rank (and RTS-shardable): for a component each TP rank computes in
+    full, with no tensor-parallel collective."""
+    return {v.name: ShardSpec() for v in variables}
+
+
 def resolve_shard_specs(
     component: str, variables: list[VariableSpec], answer: dict[str, ShardSpec] | None, tensor_parallel: int
 ) -> dict[str, ShardSpec]:
@@ -97,8 +105,8 @@ def resolve_shard_specs(
     if answer is None:
         if tensor_parallel > 1:
             raise ConfigError(
-                f"{component} declares no tensor-parallel sharding; set execution.tensor_parallel=1 "
-                f"or use a component that answers ipuft_shard_spec"
+                f"{component} declares no tensor-parallel sharding; set execution.tensor_parallel=1, or register "
+                f"it with shard_specs (ipuft.sharding.replicated if every TP rank computes it whole)"
             )
         return {n: ShardSpec() for n in names}
     missing = sorted(set(names) - set(answer))

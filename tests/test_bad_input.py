@@ -376,7 +376,8 @@ def test_plugin_that_raises_on_import(fake_dist, capsys):
     _, err = capsys.readouterr()
     assert info.value.code == 2
     assert err == ("ipuft: error: plugin 'bad_import' (distribution ipuft-bad-import 0.1.0) failed to import: "
-                   "ImportError: needs libfoo; fix or uninstall it, or set IPUFT_DISABLE_PLUGINS=bad_import\n")
+                   "ImportError: needs libfoo; fix or uninstall it, or set IPUFT_DISABLE_PLUGINS=bad_import "
+                   "(IPUFT_DEBUG=1 shows the traceback)\n")
 
 
 def test_corpus_is_large_enough():

@@ -76,7 +76,7 @@ def test_plugin_that_fails_to_import(fake_dist, monkeypatch):
     with pytest.raises(PluginError) as info:
         create_plugin_manager()
     assert str(info.value) == ("plugin 'broken' (distribution ipuft-broken 0.1.0) failed to import: RuntimeError: "
-                               "boom; fix or uninstall it, or set IPUFT_DISABLE_PLUGINS=broken")
+                               "boom; fix or uninstall it, or set IPUFT_DISABLE_PLUGINS=broken (IPUFT_DEBUG=1 shows the traceback)")
     monkeypatch.setenv("IPUFT_DISABLE_PLUGINS", "broken")
     assert "broken" not in create_plugin_manager().infos
 
@@ -125,8 +125,9 @@ def test_disabling_by_name_or_distribution(monkeypatch):
     assert hooks.registrations.optimizers.names() == []
 
 
-def test_every_hook_is_prefixed_documented_and_called(make_config):
-    """A meta-test: a new hook needs a docstring, an entry in docs/plugins.md, and a caller in core."""
+def test_every_hook_is_prefixed_documented_and_called(fake_dist, make_config):
+    """A meta-test: a new hook needs a docstring, an entry in docs/plugins.md, and a caller in core, which
+    calls it through pluggy (so pluggy's call monitoring sees every one)."""
     import pathlib
 
     import click
@@ -138,13 +139,108 @@ def test_every_hook_is_prefixed_documented_and_called(make_config):
         assert getattr(hookspecs, name).__doc__, name
         assert f"`{name}(" in docs, f"{name} is not documented in docs/plugins.md"
 
+    fake_dist("ipuft-test-head", {"tiny_lm_head": "ipuft_test_head"})  # registers no shard specs: the hook is asked
     hooks = create_plugin_manager()
     called = set()
     hooks.pm.add_hookcall_monitoring(lambda name, impls, kwargs: called.add(name), lambda *a: None)
-    _ = hooks.registrations  # registration hooks are called impl by impl, so record them from the impls
-    called |= {name for name in specs if name.startswith("ipuft_register_") and name != "ipuft_register_commands"
-               and getattr(hooks.pm.hook, name).get_hookimpls()}
+    _ = hooks.registrations
     hooks.register_commands(click.Group())
-    called.add("ipuft_register_commands")
-    build_model(make_config("execution.tensor_parallel=2"), hooks)
+    build_model(make_config("model.head=tiny_lm"), hooks)
     assert called == specs
+
+
+def test_a_wrapper_runs_around_the_other_implementations(fake_dist):
+    """``@hookimpl(wrapper=True)`` works because core calls every hook through pluggy: the wrapper sees the
+    registry before and after every other plugin registered."""
+    fake_dist("ipuft-wrap", {"wrap": "wrap_plugin"}, {"wrap_plugin": """
+        from ipuft import hookimpl
+        seen = {}
+        @hookimpl(wrapper=True)
+        def ipuft_register_components(registry):
+            seen["before"] = registry.names("decoder")
+            result = yield
+            seen["after"] = registry.names("decoder")
+            return result
+    """})
+    import wrap_plugin
+
+    create_plugin_manager().registrations  # noqa: B018
+    assert wrap_plugin.seen == {"before": [], "after": ["gptj"]}
+
+
+def test_a_stock_component_is_overridden_by_ordering_not_by_uninstalling(fake_dist, make_config):
+    """A ``tryfirst`` registration of the same role and name wins; the stock one is shadowed, listed, and its
+    shard specs are not used. The same registration without tryfirst is a duplicate, one line."""
+    source = """
+        import torch
+        from ipuft import hookimpl
+        from ipuft_decoder import SHARD_SPECS, build as stock_build
+
+        class Louder(torch.nn.Module):
+            def __init__(self, block):
+                super().__init__()
+                self.block = block
+            def forward(self, x, cache=None):
+                return self.block(x, cache) * 2.0
+            def variable_specs(self):
+                return [type(v)("block." + v.name, v.shape, v.dtype, v.init) for v in self.block.variable_specs()]
+            def hf_mapping(self, layer):
+                return {"block." + k: v for k, v in self.block.hf_mapping(layer).items()}
+
+        @hookimpl(MARKER)
+        def ipuft_register_components(registry):
+            registry.add("decoder", "gptj", lambda cfg: Louder(stock_build(cfg)), "louder GPT-J",
+                         shard_specs={"block." + k: v for k, v in SHARD_SPECS.items()})
+    """
+    fake_dist("ipuft-louder", {"louder": "louder_plugin"},
+              {"louder_plugin": source.replace("MARKER", "tryfirst=True")})
+    hooks = create_plugin_manager()
+    parts = build_model(make_config("execution.tensor_parallel=2"), hooks)
+    assert type(parts.modules["decoder"]).__name__ == "Louder"
+    assert parts.shard_specs["decoder"]["block.attn.q_proj.weight"].tp_dim == 0
+    described = {p["name"]: p for p in hooks.describe()}
+    assert described["louder"]["components"] == ["decoder:gptj"]
+    assert described["gptj_decoder"]["components"] == []
+    assert described["gptj_decoder"]["shadowed"] == ["decoder component 'gptj' (overridden by plugin 'louder')"]
+
+    fake_dist("ipuft-louder2", {"louder2": "louder2_plugin"}, {"louder2_plugin": source.replace("MARKER", "")})
+    with pytest.raises(PluginError, match=r"^decoder component 'gptj' is registered twice: by plugin '\w+' and by "
+                                          r"plugin '\w+'; disable one .* tryfirst=True$"):
+        create_plugin_manager(disabled={"louder"}).registrations  # noqa: B018
+
+
+HOOK_CALLS = {
+    "ipuft_register_components": "registry", "ipuft_register_optimizers": "registry",
+    "ipuft_register_loggers": "registry", "ipuft_register_config_sections": "registry",
+    "ipuft_register_commands": "cli", "ipuft_shard_spec": "role, name, variables, tensor_parallel",
+    "ipuft_emit_phases": "program, role, name",
+}
+
+
+@pytest.mark.parametrize("hook", sorted(HOOK_CALLS))
+@pytest.mark.parametrize("debug", [False, True])
+def test_an_exception_in_any_hook_is_one_line_naming_the_plugin_and_the_hook(fake_dist, capsys, monkeypatch, hook,
+                                                                               debug):
+    """Whatever hook raises, ``ipuft plan`` (which calls every one; the test head registers no shard specs, so
+    ``ipuft_shard_spec`` is asked) prints one line naming the plugin and the hook and exits 2; with --debug
+    the traceback comes first."""
+    from cli_helpers import run_cli
+
+    monkeypatch.setenv("IPUFT_DEBUG", "0")  # off; --debug sets it to 1, and the test puts it back afterwards
+    fake_dist("ipuft-test-head", {"tiny_lm_head": "ipuft_test_head"})
+
+    assert set(HOOK_CALLS) == {n for n, _ in inspect.getmembers(hookspecs, inspect.isfunction) if n.startswith("ipuft_")}
+    fake_dist("ipuft-raiser", {"raiser": "raiser_plugin"}, {"raiser_plugin": f"""
+        from ipuft import hookimpl
+        @hookimpl
+        def {hook}({HOOK_CALLS[hook]}):
+            raise ZeroDivisionError("bad arithmetic in the plugin")
+    """})
+    code, _, err = run_cli(capsys, *(["--debug"] if debug else []), "plan", "--config", "tiny", "model.head=tiny_lm")
+    assert code == 2
+    line = (f"ipuft: error: plugin 'raiser' failed in {hook}: ZeroDivisionError: bad arithmetic in the plugin "
+            f"(IPUFT_DEBUG=1 shows the traceback)\n")
+    if debug:
+        assert err.startswith("Traceback") and "raiser_plugin.py" in err and err.endswith(line)
+    else:
+        assert err == line

@@ -6,36 +6,34 @@ import dataclasses
 from collections.abc import Iterator
 
 from ipuft.errors import PluginError
+from ipuft.registry import Origin, Registry
 
 
-class ConfigSectionRegistry:
+class ConfigSectionRegistry(Registry):
     """The typed config sections plugins contribute; refuses duplicates and non-dataclasses."""
 
-    def __init__(self) -> None:
-        self._sections: dict[str, type] = {}
-        self._owners: dict[str, str] = {}
-        self._plugin = ""
+    kind = "config section"
 
-    def bind_plugin(self, plugin: str) -> None:
-        """Attribute the next registrations to ``plugin`` (done by the hook wrapper, plugin by plugin)."""
-        self._plugin = plugin
+    def __init__(self) -> None:
+        super().__init__()
+        self._sections: dict[str, type] = {}
+        self._origins: dict[str, Origin] = {}
 
     def add(self, name: str, schema: type) -> None:
         """Contribute section ``plugins.<name>`` typed by the dataclass ``schema``."""
+        origin = self.origin()
         if not (isinstance(schema, type) and dataclasses.is_dataclass(schema)):
-            raise PluginError(f"plugin {self._plugin!r}: config section {name!r} must be a dataclass type")
+            raise PluginError(f"plugin {origin.plugin!r}: config section {name!r} must be a dataclass type")
         if not name.isidentifier():
-            raise PluginError(f"plugin {self._plugin!r}: config section name {name!r} is not an identifier")
+            raise PluginError(f"plugin {origin.plugin!r}: config section name {name!r} is not an identifier")
         if name in self._sections:
-            raise PluginError(
-                f"config section plugins.{name} is contributed twice: by plugin {self._owners[name]!r} "
-                f"and by plugin {self._plugin!r}"
-            )
+            self._keep_first(f"config section plugins.{name}", self._origins[name], origin)
+            return
         self._sections[name] = schema
-        self._owners[name] = self._plugin
+        self._origins[name] = origin
 
     def owner(self, name: str) -> str:
-        return self._owners[name]
+        return self._origins[name].plugin
 
     def schema_type(self) -> type:
         """A dataclass with one field per section, each defaulting to its dataclass's defaults."""

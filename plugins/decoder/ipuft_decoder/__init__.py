@@ -13,9 +13,8 @@ from typing import TYPE_CHECKING
 from omegaconf import DictConfig
 
 from ipuft import hookimpl
-from ipuft.components import ComponentRegistry, VariableSpec
+from ipuft.components import ComponentRegistry
 from ipuft.config import ConfigSectionRegistry
-from ipuft.program import Op, Phase, Stage, StepProgram
 from ipuft.sharding import ShardSpec
 
 if TYPE_CHECKING:
@@ -57,46 +56,29 @@ def build(cfg: DictConfig) -> GPTJDecoderBlock:
     )
 
 
+_COLUMN, _ROW, _REPLICATED = ShardSpec(tp_dim=0), ShardSpec(tp_dim=1), ShardSpec()
+SHARD_SPECS = {
+    "norm.weight": _REPLICATED,
+    "norm.bias": _REPLICATED,
+    # Attention is sharded by heads: q, k, v by output rows, out_proj by input columns.
+    "attn.q_proj.weight": _COLUMN,
+    "attn.k_proj.weight": _COLUMN,
+    "attn.v_proj.weight": _COLUMN,
+    "attn.out_proj.weight": _ROW,
+    "mlp.fc_in.weight": _COLUMN,
+    "mlp.fc_in.bias": _COLUMN,
+    "mlp.fc_out.weight": _ROW,
+    # Added once, after the all-reduce that attention and MLP share.
+    "mlp.fc_out.bias": _REPLICATED,
+}
+
+
 @hookimpl
 def ipuft_register_components(registry: ComponentRegistry) -> None:
-    registry.add("decoder", NAME, build, "GPT-J block: parallel attention (interleaved rotary) and gelu_new MLP")
+    registry.add("decoder", NAME, build, "GPT-J block: parallel attention (interleaved rotary) and gelu_new MLP",
+                 shard_specs=SHARD_SPECS)
 
 
 @hookimpl
 def ipuft_register_config_sections(registry: ConfigSectionRegistry) -> None:
     registry.add(SECTION, DecoderOptions)
-
-
-@hookimpl
-def ipuft_shard_spec(role: str, name: str, variables: list[VariableSpec], tensor_parallel: int):
-    if (role, name) != ("decoder", NAME):
-        return None
-    column, row, replicated = ShardSpec(tp_dim=0), ShardSpec(tp_dim=1), ShardSpec()
-    return {
-        "norm.weight": replicated,
-        "norm.bias": replicated,
-        # Attention is sharded by heads: q, k, v by output rows, out_proj by input columns.
-        "attn.q_proj.weight": column,
-        "attn.k_proj.weight": column,
-        "attn.v_proj.weight": column,
-        "attn.out_proj.weight": row,
-        "mlp.fc_in.weight": column,
-        "mlp.fc_in.bias": column,
-        "mlp.fc_out.weight": row,
-        # Added once, after the all-reduce that attention and MLP share.
-        "mlp.fc_out.bias": replicated,
-    }
-
-
-@hookimpl
-def ipuft_emit_phases(program: StepProgram, role: str, name: str):
-    if (role, name) != ("decoder", NAME):
-        return None
-    layers = range(program.layers)
-    for n in layers:
-        program.emit(Stage.DECODER_FORWARD, Phase("decoder", n, (Op.FORWARD,)))
-    for n in reversed(layers):
-        program.emit(Stage.DECODER_BACKWARD, Phase("decoder", n, (Op.BACKWARD,)))
-    for n in layers:
-        program.emit(Stage.DECODER_OPTIMIZER, Phase("decoder", n, (Op.OPTIMIZER_STEP,)))
-    return True

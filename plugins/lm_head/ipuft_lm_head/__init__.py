@@ -11,8 +11,7 @@ from typing import TYPE_CHECKING
 from omegaconf import DictConfig
 
 from ipuft import hookimpl
-from ipuft.components import ComponentRegistry, VariableSpec
-from ipuft.program import Op, Phase, Stage, StepProgram
+from ipuft.components import ComponentRegistry
 from ipuft.sharding import VOCAB_SHARDED, ShardSpec
 
 if TYPE_CHECKING:
@@ -28,23 +27,12 @@ def build(cfg: DictConfig) -> GPTJLMHead:
     return GPTJLMHead(m.hidden_size, m.embedding.vocab_size, m.layer_norm_epsilon, cfg.execution.tensor_parallel)
 
 
+# The projection is sharded by vocabulary; the final layer norm is replicated.
+SHARD_SPECS = {"norm.weight": ShardSpec(), "norm.bias": ShardSpec(), "proj.weight": VOCAB_SHARDED,
+               "proj.bias": VOCAB_SHARDED}
+
+
 @hookimpl
 def ipuft_register_components(registry: ComponentRegistry) -> None:
-    registry.add("head", NAME, build, "GPT-J LM head: ln_f, untied projection with bias, mean cross-entropy")
-
-
-@hookimpl
-def ipuft_shard_spec(role: str, name: str, variables: list[VariableSpec], tensor_parallel: int):
-    if (role, name) != ("head", NAME):
-        return None
-    return {"norm.weight": ShardSpec(), "norm.bias": ShardSpec(),
-            "proj.weight": VOCAB_SHARDED, "proj.bias": VOCAB_SHARDED}
-
-
-@hookimpl
-def ipuft_emit_phases(program: StepProgram, role: str, name: str):
-    if (role, name) != ("head", NAME):
-        return None
-    program.emit(Stage.HEAD_FORWARD_BACKWARD, Phase("head", None, (Op.LOSS_BACKWARD,)))
-    program.emit(Stage.HEAD_OPTIMIZER, Phase("head", None, (Op.OPTIMIZER_STEP,)))
-    return True
+    registry.add("head", NAME, build, "GPT-J LM head: ln_f, untied projection with bias, mean cross-entropy",
+                 shard_specs=SHARD_SPECS)

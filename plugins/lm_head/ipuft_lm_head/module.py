@@ -1,8 +1,8 @@
 """The GPT-J language-model head module.
 
 Under tensor parallelism the projection is sharded by vocabulary (padded to a multiple of TP × 16; padded
-columns never win) and the cross-entropy is computed on the shards: the maximum, the sum of exponentials
-and the target logit are reduced over the TP group, so the full logits are never gathered for the loss.
+columns never win) and the loss is core's vocabulary-parallel cross-entropy
+(:func:`ipuft.parallel.vocab_parallel_cross_entropy`), so the full logits are never gathered for it.
 """
 
 from __future__ import annotations
@@ -14,10 +14,8 @@ from ipuft.components import IGNORE_INDEX, Init, VariableSpec, specs_from_module
 from ipuft.parallel import (
     copy_to_tensor_parallel,
     gather_from_tensor_parallel,
-    max_over_tensor_parallel,
-    reduce_from_tensor_parallel,
-    tensor_parallel_rank,
-    vocab_block,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_logits,
 )
 from ipuft.sharding import VOCAB_SHARDED
 
@@ -43,30 +41,11 @@ class GPTJLMHead(torch.nn.Module):
         logits = self._local_logits(hidden)
         if labels is None:
             return gather_from_tensor_parallel(logits)[..., : self.vocab_size]
-        return self._sharded_cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
+        return vocab_parallel_cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), IGNORE_INDEX)
 
     def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """This rank's vocabulary block of the logits; padded columns are pushed to the dtype's minimum."""
-        logits = self.proj(copy_to_tensor_parallel(self.norm(hidden)))
-        rows = logits.shape[-1]
-        first = tensor_parallel_rank() * rows
-        if first + rows <= self.vocab_size:
-            return logits
-        padded = torch.arange(first, first + rows, device=logits.device) >= self.vocab_size
-        return logits.masked_fill(padded, torch.finfo(logits.dtype).min)
-
-    def _sharded_cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy over the tokens whose label is not IGNORE_INDEX, from vocabulary shards."""
-        rows = logits.shape[-1]
-        shift = max_over_tensor_parallel(logits.max(dim=-1, keepdim=True).values)
-        shifted = logits - shift
-        sum_exp = reduce_from_tensor_parallel(shifted.exp().sum(dim=-1))
-        local, mine = vocab_block(labels, rows)
-        target = shifted.gather(-1, local.clamp(0, rows - 1).unsqueeze(-1)).squeeze(-1) * mine
-        target = reduce_from_tensor_parallel(target)
-        keep = labels != IGNORE_INDEX
-        losses = (sum_exp.log() - target) * keep
-        return losses.sum() / keep.sum()
+        """This rank's vocabulary block of the logits; padded columns never win."""
+        return vocab_parallel_logits(self.proj(copy_to_tensor_parallel(self.norm(hidden))), self.vocab_size)
 
     def variable_specs(self) -> list[VariableSpec]:
         inits = {"norm.weight": Init("ones"), "norm.bias": Init("zeros"),
