@@ -26,7 +26,7 @@ from ipuft.runtime import build_engine
 # A CPU-sized GPT-J: big enough that compute, not Python, dominates.
 DEFAULTS = ["model.layers=4", "model.hidden_size=256", "model.attention.heads=8", "model.attention.rotary_dim=16",
             "model.sequence_length=256", "model.embedding.vocab_size=2048", "training.global_batch_size=8",
-            "execution.micro_batch_size=2", "training.optimizer.weight_decay=0.01",
+            "execution.micro_batch_size=2", "plugins.adamw.weight_decay=0.01",
             "execution.device=cpu"]  # the transformers baseline runs on the CPU too
 
 
@@ -48,9 +48,9 @@ def baseline_step_fn(cfg, checkpointing: bool = False, dtype=torch.float32):
             model.activation_checkpointing_enable({"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    o = cfg.training.optimizer
-    optimizer = torch.optim.AdamW(model.parameters(), lr=o.learning_rate.maximum, betas=(o.beta1, o.beta2),
-                                  eps=o.eps, weight_decay=o.weight_decay)
+    o, a = cfg.training.optimizer, cfg.plugins.adamw
+    optimizer = torch.optim.AdamW(model.parameters(), lr=o.learning_rate.maximum, betas=(a.beta1, a.beta2),
+                                  eps=a.eps, weight_decay=a.weight_decay)
 
     def step(batch):
         optimizer.zero_grad(set_to_none=True)

@@ -164,8 +164,9 @@ _PLACEMENT = ("output_dir", "checkpoint.save", "model.init_checkpoint")
 
 
 # Keys that earlier versions saved and that no longer exist: dropped from a checkpoint's config, so that its
-# checkpoints stay loadable.
+# checkpoints stay loadable; and keys that moved, carried to their new place.
 RETIRED = ("model.eval",)
+MOVED = {f"training.optimizer.{key}": f"plugins.adamw.{key}" for key in ("beta1", "beta2", "eps", "weight_decay")}
 
 
 # The model's shape, which a checkpoint's weights fix.
@@ -242,12 +243,19 @@ def checkpoint_config(path: str | Path, sections, overrides: list[str] | tuple[s
 
     found = find_checkpoint(path)
     data = saved_config_data(found)
+    for old, new in MOVED.items():
+        value = _pop(data, old)
+        if value is not None and _saved(data, new) is None and _saved(data, "training.optimizer.name") == "adamw":
+            data.setdefault("plugins", {}).setdefault(new.split(".")[1], {})[new.rpartition(".")[2]] = value
     for key in (*_PLACEMENT, *RETIRED):
-        parent, _, leaf = key.rpartition(".")
-        node = data.get(parent) if parent else data
-        if isinstance(node, dict):
-            node.pop(leaf, None)
+        _pop(data, key)
     return load_config((str(found / "config.yaml"), data), [f"checkpoint.load={found}", *overrides], sections)
+
+
+def _pop(data: dict, key: str):
+    """Remove dotted ``key`` from nested ``data``; its value, or None."""
+    parent = _saved(data, key.rpartition(".")[0]) if "." in key else data
+    return parent.pop(key.rpartition(".")[2], None) if isinstance(parent, dict) else None
 
 
 def saved_config_data(checkpoint: Path) -> dict:

@@ -26,6 +26,7 @@ from omegaconf import DictConfig
 from ipuft.activations import ActivationBuffers, working_set
 from ipuft.batch import Batch
 from ipuft.components import Init, VariableSpec, bound, recompute
+from ipuft.errors import PluginError
 from ipuft.model import ModelParts
 from ipuft.optim import Optimizer, StepContext
 from ipuft.parallel import Layout, active
@@ -104,6 +105,18 @@ def optimizer_state_specs(variables: list[VariableSpec], optimizer: Optimizer,
     return specs
 
 
+def _check_state_shapes(role: str, variables: list[VariableSpec], state: list[VariableSpec]) -> None:
+    """Under TP, optimizer state is placed (and gathered for checkpoints) like its variable, so it must have
+    the variable's shape; an optimizer with other state runs at tensor_parallel=1."""
+    shapes = {v.name: v.shape for v in variables}
+    for s in state:
+        variable = s.name.rsplit(".", 1)[0]
+        if s.shape != shapes[variable]:
+            raise PluginError(f"optimizer state {s.name} of {role} has shape {s.shape}, not its variable's "
+                              f"{shapes[variable]}: such state cannot follow the variable's tensor-parallel "
+                              f"layout; set execution.tensor_parallel=1")
+
+
 def initial_values(unit: str, specs: list[VariableSpec], seed: int) -> Tensors:
     """A unit's full initial weights. Random inits draw float32 from a generator seeded by ``seed`` and the
     unit's name, so they depend neither on the number of units nor on the layout, device or precision
@@ -158,7 +171,10 @@ class PhasedEngine:
             if self.optimizer is None:
                 continue
             stored = [p.stored_spec() for p in placed.values()]
-            self.store.allocate(unit, "optim", optimizer_state_specs(stored, self.optimizer, master))
+            state = optimizer_state_specs(stored, self.optimizer, master)
+            if self.layout.tensor_parallel > 1:
+                _check_state_shapes(role, stored, state)
+            self.store.allocate(unit, "optim", state)
             if master:
                 optim = self.store.entries[unit]["optim"]
                 for n, t in wide.items():
@@ -358,7 +374,11 @@ class PhasedEngine:
                 st.norm_sq += norms.square().sum() / st.loss_scale**2
 
     def _optimizer_step(self, phase: Phase, weights: Tensors, optim: Tensors, grads: Tensors, st: _StepState):
-        ctx = StepContext(lr=st.lr, global_norm=st.grad_norm, loss_scaling=st.loss_scale, step=self.updates)
+        """Finish every gradient of the unit (the loss scale removed, global-norm clipping applied, in float32)
+        and hand it to the optimizer, variable by variable (the optimizer contract, :mod:`ipuft.optim`)."""
+        clipping = self.cfg.training.optimizer.gradient_clipping
+        factor = (1.0 / st.loss_scale) * clipping / max(st.grad_norm, clipping)
+        ctx = StepContext(lr=st.lr, step=self.updates, global_norm=st.grad_norm, grad_factor=factor)
         states: dict[str, dict[str, torch.Tensor]] = {name: {} for name in weights}
         for key, t in optim.items():
             name, state = key.rsplit(".", 1)
@@ -366,7 +386,8 @@ class PhasedEngine:
         for name, w in weights.items():
             full_name = f"{phase.unit}.{name}"
             if self.recipe is Recipe.exact:
-                self.optimizer.step(full_name, w, grads[name], states[name], ctx)
+                # The stored gradient is consumed by this step: finished in place, without a copy.
+                self.optimizer.step(full_name, w, grads[name].mul_(factor), states[name], ctx)
             else:
                 self._update_16bit(phase, name, w, grads[name], states[name], ctx)
 
@@ -376,7 +397,7 @@ class PhasedEngine:
         back into the weight by the run's recipe (see :mod:`ipuft.precision`)."""
         master = state.pop(MASTER, None)
         view = master if master is not None else weight.float()
-        grad = grad.float()
+        grad = grad.float().mul_(ctx.grad_factor)
         transient = nbytes([grad]) + (nbytes([view]) if master is None else 0)
         transient += rounding_workspace(weight.numel()) if self.recipe is Recipe.stochastic else 0
         self.store.ledger.acquire(transient)

@@ -1,14 +1,22 @@
-"""The optimizer contract. Optimizers are plugins, chosen with ``training.optimizer.name``.
+"""The optimizer contract. Optimizers are plugins, chosen with ``training.optimizer.name``; their
+hyperparameters live in their own config section (``plugins.<section>``).
 
 The engine calls :meth:`Optimizer.step` once per variable per optimizer step, on the device, with the
-variable's accumulated gradient (still multiplied by the loss scale) and its optimizer state. The global
-gradient norm arrives finished, so clipping is the optimizer's to apply, as in the reference's
-``AdamOptimizerStep(loss_scaling, global_norm, global_norm_max)``.
+variable's gradient already finished: averaged over micro-batches and DP replicas, the loss scale
+removed and global-norm clipping applied (``grad · (1/S) · C / max(N, C)``, S the loss scale, N the global
+norm of the unscaled gradient, C ``training.optimizer.gradient_clipping``), as the reference's
+``AdamOptimizerStep`` computes it first. An optimizer applies its own rule and nothing else.
 
 An optimizer only ever sees float32: ``state_specs`` is asked about a variable's float32 view, and ``step``
 gets float32 ``weight`` and ``grad`` tensors and writes its float32 result into ``weight``. For 16-bit
 weights that ``weight`` is the float32 master copy or a float32 copy of the weight, which the engine then
 rounds into it (see :mod:`ipuft.precision`).
+
+An optimizer is *elementwise* (the default) when each element's update depends only on that element's
+gradient and state, as Adam's and SGD's do: it may then see any slice of a variable, in particular the
+flat 1-D shard a rank stores with RTS. One that is not (factored or per-row state, per-tensor norms)
+registers with ``elementwise=False``: it sees each variable in its TP-local shape, its state must be
+shaped like the variable when TP > 1 (so that checkpoints stay layout-free), and RTS is refused.
 """
 
 from __future__ import annotations
@@ -30,14 +38,15 @@ if TYPE_CHECKING:
 class StepContext:
     """What every variable's update of one optimizer step shares.
 
-    ``global_norm`` is the norm of the *unscaled* gradient over every variable of the model;
-    ``loss_scaling`` is the factor the gradients still carry; ``step`` counts updates from 1.
+    ``step`` counts updates from 1. ``global_norm`` is the norm of the unscaled, unclipped gradient over
+    every variable of the model, and ``grad_factor`` the factor core already applied to every gradient
+    (loss-scale removal times clipping); both are for information: the gradient is finished.
     """
 
     lr: float
-    global_norm: float
-    loss_scaling: float
     step: int
+    global_norm: float
+    grad_factor: float
 
 
 class Optimizer(ABC):
@@ -63,8 +72,16 @@ OptimizerFactory = Callable[["DictConfig"], Optimizer]
 
 
 class OptimizerRegistry(NamedRegistry):
-    """Every optimizer the installed plugins registered (``add(name, build)``, ``build(cfg) -> Optimizer``);
-    refuses duplicates."""
+    """Every optimizer the installed plugins registered: ``add(name, build, description, elementwise=True)``,
+    with ``build(cfg) -> Optimizer``."""
 
     kind = "optimizer"
     key = "training.optimizer.name"
+
+    def add(self, name: str, build: OptimizerFactory, description: str = "", elementwise: bool = True) -> None:
+        """Register optimizer ``name``; ``elementwise=False`` for an update that needs whole tensors (see
+        :mod:`ipuft.optim`)."""
+        super().add(name, build, description, elementwise=bool(elementwise))
+
+    def elementwise(self, name: str) -> bool:
+        return self.get(name).options.get("elementwise", True)

@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 from ipuft import __version__, hookspecs
 from ipuft.components import ROLES, ComponentRegistry, VariableSpec
 from ipuft.config.sections import ConfigSectionRegistry
-from ipuft.errors import IpuftError, PluginError
+from ipuft.errors import ConfigError, IpuftError, PluginError
 from ipuft.loggers import JSONL, LoggerRegistry
 from ipuft.optim import Optimizer, OptimizerRegistry
 from ipuft.registry import PLAIN, TRYFIRST, TRYLAST, Origin
@@ -138,7 +138,12 @@ class Registrations:
         """Check that the components, the optimizer and the logging backends ``cfg`` names are registered."""
         for role in ROLES:
             self.components.get(role, cfg.model[role])
-        self.optimizers.get(cfg.training.optimizer.name)
+        name = cfg.training.optimizer.name
+        self.optimizers.get(name)
+        if cfg.execution.rts and not self.optimizers.elementwise(name):
+            raise ConfigError(f"training.optimizer.name: {name} is not elementwise (it needs whole tensors), but "
+                              f"execution.rts shards each variable over the data-parallel ranks; set "
+                              f"execution.rts=false")
         for name in cfg.logging.backends:
             if name != JSONL:
                 self.loggers.get(name)

@@ -150,7 +150,7 @@ CASES = [
                                                f"checkpoint.load={_checkpoint(t, r)}"], "nothing to train"),
     # Values: non-finite, non-positive where that makes no sense, and absurd sizes (answered at once).
     ("value-infinite-lr", lambda t, r: ["train", "training.optimizer.learning_rate.maximum=inf"], "must be finite, got inf"),
-    ("value-nan-weight-decay", lambda t, r: ["train", "training.optimizer.weight_decay=nan"], "training.optimizer.weight_decay"),
+    ("value-nan-weight-decay", lambda t, r: ["train", "plugins.adamw.weight_decay=nan"], "plugins.adamw.weight_decay"),
     ("value-infinite-loss-scale", lambda t, r: ["train", "execution.loss_scaling=.inf"], "must be a finite number > 0"),
     ("value-zero-layer-norm-eps", lambda t, r: ["train", "model.layer_norm_epsilon=0"], "model.layer_norm_epsilon: must be > 0"),
     ("value-zero-rotary-base", lambda t, r: ["train", "model.attention.rotary_positional_embeddings_base=0"],

@@ -31,13 +31,13 @@ def test_gptj_6b_preset(make_config):
     assert (m.layers, m.hidden_size, m.attention.heads, m.attention.rotary_dim, m.embedding.vocab_size,
             m.sequence_length, m.intermediate_size) == (28, 4096, 16, 64, 50400, 1024, 16384)
     assert (t.global_batch_size, t.steps, t.optimizer.learning_rate.maximum,
-            t.optimizer.learning_rate.warmup_proportion, t.optimizer.weight_decay) == (128, 500, 5e-6, 0.005995, 0.0)
+            t.optimizer.learning_rate.warmup_proportion, cfg.plugins.adamw.weight_decay) == (128, 500, 5e-6, 0.005995, 0.0)
     assert (e.loss_scaling, e.micro_batch_size) == (4096, 1)
     assert cfg.gradient_accumulation == 128
 
 
 def test_merge_order_schema_then_preset_then_overrides(make_config):
-    assert make_config().training.optimizer.beta1 == 0.9  # schema default survives the preset
+    assert make_config().plugins.adamw.beta1 == 0.9  # schema default survives the preset
     assert make_config().model.hidden_size == 64  # preset beats schema
     assert make_config("model.hidden_size=128").model.hidden_size == 128  # override beats preset
 
@@ -105,8 +105,9 @@ def test_preset_file_by_path(hooks, tmp_path):
         load_config(str(path), [], hooks.registrations.config_sections)
 
 
-def test_a_checkpoint_saved_with_a_retired_key_still_loads(hooks, trained, tmp_path):
-    """``model.eval`` (never read) was removed; a checkpoint whose config.yaml still has it loads, without it."""
+def test_a_checkpoint_saved_with_retired_or_moved_keys_still_loads(hooks, trained, tmp_path):
+    """``model.eval`` (never read) was removed and Adam's keys moved to ``plugins.adamw``: a checkpoint whose
+    config.yaml still has them loads, without the first and with the second in its new place."""
     import hashlib
     import json
     import shutil
@@ -115,13 +116,19 @@ def test_a_checkpoint_saved_with_a_retired_key_still_loads(hooks, trained, tmp_p
 
     old = tmp_path / "old"
     shutil.copytree(find_checkpoint(trained / "run"), old)
-    config = (old / "config.yaml").read_text().replace("model:\n", "model:\n  eval: false\n", 1)
-    assert "  eval: false" in config
+    import yaml
+
+    data = yaml.safe_load((old / "config.yaml").read_text())
+    data["model"]["eval"] = False
+    data["plugins"].pop("adamw")  # as a config of before the move
+    data["training"]["optimizer"]["beta2"] = 0.95
+    config = yaml.safe_dump(data)
     (old / "config.yaml").write_text(config)
     manifest = json.loads((old / "manifest.json").read_text())
     manifest["config.yaml"] = hashlib.sha256(config.encode()).hexdigest()
     (old / "manifest.json").write_text(json.dumps(manifest))
     cfg = checkpoint_config(old, hooks.registrations.config_sections)
     assert "eval" not in cfg.model and cfg.checkpoint.load == str(old)
+    assert cfg.plugins.adamw.beta2 == 0.95 and "beta2" not in cfg.training.optimizer
     with pytest.raises(ConfigError, match=r"model\.eval"):
         load_config("tiny", ["model.eval=false"], hooks.registrations.config_sections)

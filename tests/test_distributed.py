@@ -21,12 +21,12 @@ from ipuft.schedule import learning_rate
 from ipuft.train import replica_batch
 
 STEPS = 5
-COMMON = ["model.embedding.vocab_size=100", "execution.micro_batch_size=1", "training.optimizer.weight_decay=0.1",
+COMMON = ["model.embedding.vocab_size=100", "execution.micro_batch_size=1", "plugins.adamw.weight_decay=0.1",
           "training.optimizer.gradient_clipping=0.5", "training.optimizer.learning_rate.maximum=2e-3",
           "execution.loss_scaling=16", f"training.steps={STEPS}",
           # Adam divides by √v + eps, so near eps it amplifies float32 rounding in tiny gradients (the
           # summation order differs across layouts); 1e-4 keeps the comparison about the layout.
-          "training.optimizer.eps=1e-4"]
+          "plugins.adamw.eps=1e-4"]
 
 
 def layout_configs(dp, tp):

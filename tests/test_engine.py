@@ -16,7 +16,7 @@ from ipuft.schedule import learning_rate
 STEPS = 5
 # GA=4, clipping active (the gradient norm is well above 0.05), weight decay on, a loss scale to remove.
 EQUIVALENCE = ("training.global_batch_size=8", "execution.micro_batch_size=2",
-               "training.optimizer.gradient_clipping=0.05", "training.optimizer.weight_decay=0.1",
+               "training.optimizer.gradient_clipping=0.05", "plugins.adamw.weight_decay=0.1",
                "training.optimizer.learning_rate.maximum=3e-3", "training.optimizer.learning_rate.warmup_proportion=0.4",
                "execution.loss_scaling=64", f"training.steps={STEPS}", "model.layers=3")
 
@@ -34,7 +34,7 @@ def batches(cfg):
 
 def adam_update(cfg):
     """The update of point 5, written out plainly over Hugging Face parameter names."""
-    o = cfg.training.optimizer
+    o = cfg.plugins.adamw
     m, v = {}, {}
 
     def update(name, p, g, lr, t):
@@ -137,7 +137,8 @@ def test_swapped_optimizer_through_config_alone(fake_dist):
 
     fake_dist("ipuft-test-sgd", {"sgd": "ipuft_test_sgd"})
     hooks = create_plugin_manager()
-    overrides = [*EQUIVALENCE, "training.optimizer.name=sgd", "plugins.sgd.momentum=0.8"]
+    overrides = [*(o for o in EQUIVALENCE if not o.startswith("plugins.adamw.")), "training.optimizer.name=sgd",
+                 "plugins.sgd.momentum=0.8"]
     cfg = load_config("tiny", overrides, hooks.registrations.config_sections)
     engine = make_engine(cfg, hooks)
     assert type(engine.optimizer).__name__ == "SGD"

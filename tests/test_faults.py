@@ -114,7 +114,7 @@ def test_ctrl_c_while_the_command_starts_is_one_line(tmp_path, delay):
 KEYS = ["model.layers", "model.hidden_size", "model.attention.heads", "model.attention.rotary_dim",
         "model.sequence_length", "model.embedding.vocab_size", "model.layer_norm_epsilon", "model.precision",
         "model.dropout_prob", "training.steps", "training.global_batch_size", "training.stochastic_rounding",
-        "training.optimizer.learning_rate.maximum", "training.optimizer.eps", "training.optimizer.beta1",
+        "training.optimizer.learning_rate.maximum", "plugins.adamw.eps", "plugins.adamw.beta1",
         "execution.micro_batch_size", "execution.loss_scaling", "execution.data_parallel", "checkpoint.to_keep",
         "data.format", "data.template", "data.packing", "output_dir", "no.such.key", "model"]
 VALUES = ["0", "-1", "1", "2", "3", "inf", "-inf", "nan", ".nan", "1e30", "10000000000000000000000", "true", "null",

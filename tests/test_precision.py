@@ -111,7 +111,7 @@ def test_stochastic_rounding_and_master_weights_learn_where_rounding_to_nearest_
     weights within about 1e-3 of zero, whose steps are small enough, still move. Stochastic rounding and
     master weights follow float32."""
     common = ("training.optimizer.learning_rate.maximum=3e-6", "training.optimizer.learning_rate.warmup_proportion=0",
-              "training.optimizer.weight_decay=0", "model.layers=1")
+              "plugins.adamw.weight_decay=0", "model.layers=1")
     steps = 60
     runs = {name: train_steps(hooks, (*common, *recipe), steps)
             for name, recipe in {"float32": (), "nearest": BF16_NEAREST, "sr": BF16_SR, "master": BF16_MASTER}.items()}
@@ -185,7 +185,7 @@ def plain_16bit_reference(cfg, modules, initial, step_batches):
     the same counter-based bits (element i of a variable is element i: one process)."""
     from torch.func import functional_call
 
-    o, S = cfg.training.optimizer, cfg.execution.loss_scaling
+    o, a, S = cfg.training.optimizer, cfg.plugins.adamw, cfg.execution.loss_scaling
     weights = {u: {n: t.clone() for n, t in w.items()} for u, w in initial.items()}
     m, v, losses, norms = {}, {}, [], []
     for step, batch in enumerate(step_batches):
@@ -209,11 +209,11 @@ def plain_16bit_reference(cfg, modules, initial, step_batches):
         for (u, n), summed in grads.items():
             g = summed * scale
             w = weights[u][n].float()
-            m[u, n] = o.beta1 * m.get((u, n), 0) + (1 - o.beta1) * g
-            v[u, n] = o.beta2 * v.get((u, n), 0) + (1 - o.beta2) * g * g
-            update = (m[u, n] / (1 - o.beta1**t)) / ((v[u, n] / (1 - o.beta2**t)).sqrt() + o.eps)
+            m[u, n] = a.beta1 * m.get((u, n), 0) + (1 - a.beta1) * g
+            v[u, n] = a.beta2 * v.get((u, n), 0) + (1 - a.beta2) * g * g
+            update = (m[u, n] / (1 - a.beta1**t)) / ((v[u, n] / (1 - a.beta2**t)).sqrt() + a.eps)
             if not ("norm" in n or "bias" in n):
-                update = update + o.weight_decay * w
+                update = update + a.weight_decay * w
             w = w - lr * update
             bits = random_bits(rounding_key(cfg.model.seed, u, n, t), torch.arange(w.numel()))
             weights[u][n] = round_stochastically(w.reshape(-1), weights[u][n].dtype, bits).view(w.shape)

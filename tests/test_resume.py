@@ -83,7 +83,7 @@ def test_resume_latest_in_the_same_run_directory_keeps_its_metrics(hooks, tmp_pa
 @pytest.mark.parametrize("direction", ["parallel_to_single", "single_to_parallel"])
 def test_resume_under_another_layout(hooks, tmp_path, direction):
     base = ["model.embedding.vocab_size=100", "execution.micro_batch_size=1", "training.global_batch_size=4",
-            "training.steps=5", "training.optimizer.learning_rate.maximum=2e-3", "training.optimizer.eps=1e-4"]
+            "training.steps=5", "training.optimizer.learning_rate.maximum=2e-3", "plugins.adamw.eps=1e-4"]
     parallel = ["execution.data_parallel=2", "execution.tensor_parallel=2", "execution.rts=true"]
     reference = train(load_config("tiny", [*base, f"output_dir={tmp_path}/ref"], hooks.registrations.config_sections),
                       hooks, progress=False)

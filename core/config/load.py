@@ -191,6 +191,9 @@ def load_config(
         apply_checkpoint_shapes(cfg, typed)
     if default_preset and "data.tokenizer" not in typed and (cfg.model.hf_checkpoint or cfg.model.init_checkpoint):
         cfg.data.tokenizer = None  # the checkpoint's own tokenizer, not the default preset's sample one
+    if sections is not None and (unused := sections.unused_settings(cfg, typed)):
+        raise ConfigError(f"{unused[0]}: it is set but does nothing in this config; drop it or select what it "
+                          f"configures")
     derive_and_validate(cfg)
     OmegaConf.set_readonly(cfg, True)
     return cfg

@@ -84,12 +84,10 @@ class LearningRateConfig:
 
 @dataclass
 class OptimizerConfig:
+    # The optimizer plugin's name; its own hyperparameters live in its config section (adamw's in
+    # plugins.adamw). The schedule and global-norm clipping are core's, whatever the optimizer.
     name: str = "adamw"
     learning_rate: LearningRateConfig = field(default_factory=LearningRateConfig)
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-6  # hard-coded 1e-6 in the reference
-    weight_decay: float = 0.01
     gradient_clipping: float = 1.0
 
 

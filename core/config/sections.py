@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from ipuft.errors import PluginError
 from ipuft.registry import Origin, Registry
@@ -18,9 +18,15 @@ class ConfigSectionRegistry(Registry):
         super().__init__()
         self._sections: dict[str, type] = {}
         self._origins: dict[str, Origin] = {}
+        self._used_when: dict[str, dict[str, str]] = {}
 
-    def add(self, name: str, schema: type) -> None:
-        """Contribute section ``plugins.<name>`` typed by the dataclass ``schema``."""
+    def add(self, name: str, schema: type, used_when: Mapping[str, str] | None = None) -> None:
+        """Contribute section ``plugins.<name>`` typed by the dataclass ``schema``.
+
+        ``used_when``: the settings under which the section means anything, for example
+        ``{"training.optimizer.name": "adamw"}``; setting one of its keys otherwise is an error (a value that
+        would silently do nothing).
+        """
         origin = self.origin()
         if not (isinstance(schema, type) and dataclasses.is_dataclass(schema)):
             raise PluginError(f"plugin {origin.plugin!r}: config section {name!r} must be a dataclass type")
@@ -31,6 +37,20 @@ class ConfigSectionRegistry(Registry):
             return
         self._sections[name] = schema
         self._origins[name] = origin
+        self._used_when[name] = dict(used_when or {})
+
+    def unused_settings(self, cfg, typed: set[str]) -> list[str]:
+        """For each section whose ``used_when`` ``cfg`` does not meet, the keys of it the user set, as
+        ``"plugins.adamw.beta1 (used when training.optimizer.name=adamw)"``."""
+        from omegaconf import OmegaConf
+
+        found = []
+        for name, when in self._used_when.items():
+            unmet = [f"{k}={v}" for k, v in when.items() if str(OmegaConf.select(cfg, k)) != v]
+            if unmet:
+                found += [f"{key} (used when {', '.join(unmet)})" for key in sorted(typed)
+                          if key.startswith(f"plugins.{name}.")]
+        return found
 
     def owner(self, name: str) -> str:
         return self._origins[name].plugin

@@ -16,12 +16,11 @@ _POSITIVE = (
     "checkpoint.to_keep",
 )  # fmt: skip
 _NON_NEGATIVE = (
-    "training.steps", "training.eval_steps", "training.optimizer.learning_rate.maximum",
-    "training.optimizer.weight_decay", "checkpoint.steps",
+    "training.steps", "training.eval_steps", "training.optimizer.learning_rate.maximum", "checkpoint.steps",
 )  # fmt: skip
 # Finite and > 0: a zero or an infinity here makes every step NaN or a no-op.
 _POSITIVE_FINITE = (
-    "model.layer_norm_epsilon", "model.attention.rotary_positional_embeddings_base", "training.optimizer.eps",
+    "model.layer_norm_epsilon", "model.attention.rotary_positional_embeddings_base",
     "training.optimizer.gradient_clipping", "execution.loss_scaling_initial", "execution.collective_timeout_s",
 )  # fmt: skip
 # Upper bounds far above any real run, so that absurd sizes are one line, not a plan that never ends.
@@ -95,9 +94,6 @@ def derive_and_validate(cfg: DictConfig) -> None:
     _require(cfg.training.max_consecutive_skips > 0, "training.max_consecutive_skips", "must be > 0")
     _require(0.0 <= optim.learning_rate.warmup_proportion <= 1.0, "training.optimizer.learning_rate.warmup_proportion",
              f"must be in [0, 1], got {optim.learning_rate.warmup_proportion}")
-    for beta in ("beta1", "beta2"):
-        _require(0.0 <= optim[beta] < 1.0, f"training.optimizer.{beta}", f"must be in [0, 1), got {optim[beta]}")
-    _require(optim.eps > 0, "training.optimizer.eps", f"must be > 0, got {optim.eps}")
     _require(optim.gradient_clipping > 0, "training.optimizer.gradient_clipping",
              f"must be > 0, got {optim.gradient_clipping}")
 

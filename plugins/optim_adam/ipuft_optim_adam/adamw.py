@@ -1,8 +1,8 @@
 """``adamw``: the reference's AdamOptimizerStep (popxl-addons), variable by variable.
 
-With S the loss scale, N the global norm of the unscaled gradient and C ``gradient_clipping``:
+Core hands over ``g``, the gradient with the loss scale removed and global-norm clipping applied
+(``grad · (1/S) · C / max(N, C)``, as the reference's step computes it first); then
 
-    g  = grad · (1/S) · C / max(N, C)
     m  = β1·m + (1-β1)·g            v = β2·v + (1-β2)·g²          (float32, bias-corrected)
     u  = m̂ / (√v̂ + eps) + wd·w      wd = 0 where the name contains "norm" or "bias"
     w -= lr · u
@@ -25,15 +25,10 @@ def requires_weight_decay(name: str) -> bool:
     return not any(word in name for word in NO_DECAY)
 
 
-def clip_scale(ctx: StepContext, gradient_clipping: float) -> float:
-    """The factor that removes the loss scale and applies global-norm clipping."""
-    return (1.0 / ctx.loss_scaling) * gradient_clipping / max(ctx.global_norm, gradient_clipping)
-
-
 class AdamW(Optimizer):
-    def __init__(self, beta1: float, beta2: float, eps: float, weight_decay: float, gradient_clipping: float):
+    def __init__(self, beta1: float, beta2: float, eps: float, weight_decay: float):
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
-        self.weight_decay, self.gradient_clipping = weight_decay, gradient_clipping
+        self.weight_decay = weight_decay
 
     def state_specs(self, variable: VariableSpec) -> list[VariableSpec]:
         zeros = Init("zeros")
@@ -44,16 +39,12 @@ class AdamW(Optimizer):
     def step(self, name: str, weight: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor],
              ctx: StepContext) -> None:
         m, v = state["m"], state["v"]
-        g = grad.float() * clip_scale(ctx, self.gradient_clipping)
-        m.lerp_(g, 1.0 - self.beta1)  # β1·m + (1-β1)·g
-        v.mul_(self.beta2).addcmul_(g, g, value=1.0 - self.beta2)
+        m.lerp_(grad, 1.0 - self.beta1)  # β1·m + (1-β1)·g
+        v.mul_(self.beta2).addcmul_(grad, grad, value=1.0 - self.beta2)
         bias1 = 1.0 - self.beta1**ctx.step
         bias2 = 1.0 - self.beta2**ctx.step
         # m̂ / (√v̂ + eps) = (m / bias1) / (√v / √bias2 + eps), without materialising m̂ and v̂.
         denom = v.sqrt().div_(math.sqrt(bias2)).add_(self.eps)
         if self.weight_decay and requires_weight_decay(name):
             weight.mul_(1.0 - ctx.lr * self.weight_decay)  # w - lr·wd·w, on the weight before the step
-        if weight.dtype == torch.float32:
-            weight.addcdiv_(m, denom, value=-ctx.lr / bias1)
-        else:
-            weight.sub_((m / denom).mul_(ctx.lr / bias1).to(weight.dtype))
+        weight.addcdiv_(m, denom, value=-ctx.lr / bias1)  # float32: core maps it into a 16-bit weight
