@@ -475,7 +475,8 @@ def read_meta(checkpoint: Path) -> dict:
 def checkpoint_initializer(checkpoint: Path, file: str = WEIGHTS,
                            units: Iterable[str] | None = None) -> Callable[[str, list[VariableSpec]], dict]:
     """An engine initializer reading each unit's full weights from the checkpoint, tensor by tensor
-    (``file=OPTIM``: its optimizer state, with specs named ``<variable>.<state>``).
+    (``file=OPTIM``: its optimizer state, with specs named ``<variable>.<state>``). A unit's ``out`` may hold
+    tensors of the full shape and dtype to read into, which are then the values returned.
 
     The file is verified as it is read: once every unit of ``units`` (by default the checkpoint's) has been
     asked for, the rest of the file is hashed and compared with the manifest, and a mismatch raises from
@@ -488,16 +489,22 @@ def checkpoint_initializer(checkpoint: Path, file: str = WEIGHTS,
     pending = set(meta["units"] if units is None else units)
     source = f"checkpoint {checkpoint}"
 
-    def initial(unit: str, specs: list[VariableSpec]) -> dict[str, torch.Tensor]:
+    def initial(unit: str, specs: list[VariableSpec],
+                out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         values = {}
         for spec in specs:
             name = f"{unit}.{spec.name}"
             if name not in reader:
                 raise CheckpointError(f"{source} lacks {name}: it is of another model")
-            shape = reader.entries[name].shape
-            if shape != tuple(spec.shape):
-                raise CheckpointError(f"{source}: {name} has shape {shape}, the model expects {tuple(spec.shape)}")
-            values[spec.name] = reader.get(name).to(spec.dtype)
+            entry = reader.entries[name]
+            if entry.shape != tuple(spec.shape):
+                raise CheckpointError(f"{source}: {name} has shape {entry.shape}, the model expects "
+                                      f"{tuple(spec.shape)}")
+            home = (out or {}).get(spec.name)
+            if home is not None and home.dtype == entry.dtype == spec.dtype:
+                values[spec.name] = reader.get(name, out=home)  # read in place: no copy
+            else:
+                values[spec.name] = reader.get(name).to(spec.dtype)
         pending.discard(unit)
         if not pending:
             reader.finish()

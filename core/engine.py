@@ -476,4 +476,11 @@ class PhasedEngine:
         for unit, tensors in units.items():
             stored = self.store.entries[unit][group]
             for n, t in tensors.items():
-                stored[n].copy_(self._placement(unit, group, n).to_stored(t))
+                if t is not stored[n]:  # else read into place already (see full_homes)
+                    stored[n].copy_(self._placement(unit, group, n).to_stored(t))
+
+    def full_homes(self, unit: str, group: str) -> Tensors:
+        """The stored tensors of ``unit``'s ``group`` that are their full variable (no rank shares them) and
+        live in host memory: a checkpoint can be read straight into them."""
+        return {n: t for n, t in self.store.entries[unit][group].items()
+                if not self._placement(unit, group, n).collective and t.device.type == "cpu" and t.is_contiguous()}

@@ -240,12 +240,21 @@ class SafetensorsReader:
     def keys(self) -> list[str]:
         return list(self.entries)
 
-    def get(self, name: str) -> torch.Tensor:
-        """Tensor ``name`` (which must be in the header), read from the file into a new CPU tensor."""
+    def get(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Tensor ``name`` (which must be in the header), read from the file into a new CPU tensor, or into
+        ``out`` (a contiguous CPU tensor of its dtype and shape), which saves a copy when the tensor has a
+        home already."""
         if self._failed is not None:
             raise self._failed
         entry = self.entries[name]
-        tensor = torch.empty(entry.shape, dtype=entry.dtype)
+        if out is None:
+            tensor = torch.empty(entry.shape, dtype=entry.dtype)
+        elif (out.dtype, tuple(out.shape), out.device.type, out.is_contiguous()) != (entry.dtype, entry.shape, "cpu",
+                                                                                      True):
+            raise ValueError(f"{self.where}: {name} is {entry.dtype} {entry.shape}; cannot read it into a "
+                             f"{out.dtype} {tuple(out.shape)} tensor on {out.device}")
+        else:
+            tensor = out
         view = memoryview(_raw(tensor))
         if self._file.closed:  # after finish(): every byte is hashed, so any read is a read again
             self._file = open(self.path, "rb")  # noqa: SIM115

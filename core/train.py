@@ -138,7 +138,7 @@ def restore(engine: PhasedEngine, cfg: DictConfig, checkpoint: Path, data) -> in
         for unit in units:
             specs = optimizer_state_specs(engine.parts.variables[unit_role(unit)], engine.optimizer,
                                           engine.recipe is Recipe.master)
-            engine.load_full("optim", {unit: state_of(unit, specs)})
+            engine.load_full("optim", {unit: state_of(unit, specs, engine.full_homes(unit, "optim"))})
     engine.updates = int(meta.get("updates", meta["step"]))
     if "loss_scale" in meta:
         engine.scale.load_state_dict(meta["loss_scale"])

@@ -94,6 +94,10 @@ def test_the_reader_hashes_every_byte_once_in_any_order(tmp_path, order):
     reader.finish()
     assert reader.hashed == path.stat().st_size  # each byte once, whatever was read and in whatever order
     assert torch.equal(reader.get("w"), tensors["w"])  # still readable after the check
+    home = torch.empty(33, 7)
+    assert reader.get("w", out=home) is home and torch.equal(home, tensors["w"])  # read in place
+    with pytest.raises(ValueError, match="cannot read it into"):
+        reader.get("w", out=torch.empty(7, 33))
 
 
 @pytest.mark.parametrize("order", ["forward", "none"])
