@@ -161,8 +161,10 @@ def _write_files(contents: Contents, cfg: DictConfig, tmp: Path, step: int, toke
                  state: dict | None) -> None:
     """Write every file of a checkpoint into ``tmp``, each fsynced and hashed as it is written; the manifest
     last."""
-    writers = {file: SafetensorsWriter(tmp / file, specs, {"format": FORMAT}) for file, specs in contents.files.items()}
+    writers: dict[str, SafetensorsWriter] = {}
     try:
+        for file, specs in contents.files.items():
+            writers[file] = SafetensorsWriter(tmp / file, specs, {"format": FORMAT})
         for file, name, tensor in contents.tensors:
             writers[file].write(name, tensor)
         manifest = {file: writer.close() for file, writer in writers.items()}
