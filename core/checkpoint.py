@@ -8,7 +8,21 @@ A checkpoint is a directory ``<root>/step-<N>/`` holding:
 - ``state.safetensors``: the RNG states, as byte tensors;
 - ``config.yaml`` (the run's config, loadable as a preset), ``meta.json`` (step, Adam's update count, the
   loss-scale state, the data position, the versions of ipuft and its plugins), the run's
-  ``tokenizer.json`` when known, and ``manifest.json``: the SHA-256 of every other file, checked on load.
+  ``tokenizer.json`` when known, and ``manifest.json``: the SHA-256 of every other file.
+
+Saving streams, tensor by tensor, so that it fits in the memory training needs. Every rank takes part in
+gathering one variable at a time over DP and TP, in the same order (units in program order; each unit's
+weights, then its optimizer state); rank 0 writes each full tensor into its file as it arrives and drops it,
+so no rank holds more than about one full tensor beyond its store. The two safetensors files are written in
+the same pass by :class:`~ipuft.safetensors_io.SafetensorsWriter`, whose header is computed up front from
+the variables' full shapes and stored dtypes. Gathering to full tensors, rather than writing each rank's
+shards, keeps the checkpoint layout-free: it resumes under any DP × TP layout, and exports without one.
+
+Checksums are computed as the bytes are written, never by reading the files back, and checked as they are
+read, never in a pass of their own: a command verifies exactly the files it reads (export and eval never
+touch optim.safetensors). The engine reads units in program order, the order they were written in, so
+loading a file is one sequential pass; once the last unit is read the rest of the file is hashed and
+compared with the manifest, and a mismatch raises before the caller can use any value it read.
 
 It is written into a temporary directory, fsynced, then renamed, so a crash at any moment leaves the
 previous checkpoint intact and never a half-written one under a final name. Nothing is unpickled.
@@ -20,7 +34,8 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Iterable
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
@@ -30,6 +45,7 @@ from omegaconf import DictConfig, OmegaConf
 from ipuft import __version__
 from ipuft.components import VariableSpec
 from ipuft.errors import CheckpointError, ConfigError
+from ipuft.safetensors_io import SafetensorsReader, SafetensorsWriter
 
 FORMAT = "ipuft-checkpoint"
 DEFAULT_SAVE = "<output_dir>/checkpoints"
@@ -64,10 +80,6 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _flat(units: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    return {f"{unit}.{name}": t.contiguous() for unit, w in units.items() for name, t in w.items()}
-
-
 def sha256_file(path: Path) -> str:
     """The SHA-256 hex digest of a file, read in 4 MiB blocks."""
     digest = hashlib.sha256()
@@ -77,42 +89,60 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def save_checkpoint(full_weights: dict[str, dict[str, torch.Tensor]], cfg: DictConfig, root: Path, step: int,
-                    tokenizer: Path | None = None, keep: int | None = None,
-                    optim: dict[str, dict[str, torch.Tensor]] | None = None, state: dict | None = None) -> Path:
+@dataclass
+class Contents:
+    """The tensors of a checkpoint, in the order they are written.
+
+    ``files`` maps each tensor file (:data:`WEIGHTS`, :data:`OPTIM`) to its tensors' full specs, named
+    ``<unit>.<variable>[.<state>]``, in file order: all known before any tensor is gathered, so the headers
+    are written first. ``tensors`` yields ``(file, name, full tensor)`` in each file's order (the files
+    interleaved as they like), producing each one only when asked for.
+    """
+
+    units: list[str]
+    files: dict[str, list[VariableSpec]]
+    tensors: Iterable[tuple[str, str, torch.Tensor]]
+
+    @classmethod
+    def of(cls, weights: dict[str, dict[str, torch.Tensor]],
+           optim: dict[str, dict[str, torch.Tensor]] | None = None) -> Contents:
+        """Contents from tensors already in memory, per unit (for tools and tests)."""
+        groups = {WEIGHTS: weights, **({OPTIM: optim} if optim is not None else {})}
+        files = {file: [VariableSpec(f"{unit}.{n}", tuple(t.shape), t.dtype) for unit, ts in units.items()
+                        for n, t in ts.items()] for file, units in groups.items()}
+        tensors = ((file, f"{unit}.{n}", t) for file, units in groups.items() for unit, ts in units.items()
+                   for n, t in ts.items())
+        return cls(list(weights), files, tensors)
+
+
+def _write_small(path: Path, data: bytes) -> str:
+    """Write a small file, fsynced; return the SHA-256 of its bytes."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return hashlib.sha256(data).hexdigest()
+
+
+def save_checkpoint(contents: Contents, cfg: DictConfig, root: Path, step: int, tokenizer: Path | None = None,
+                    keep: int | None = None, state: dict | None = None) -> Path:
     """Write checkpoint ``root/step-<step>`` atomically and return its path; keep the newest ``keep``.
 
-    ``optim``: full optimizer state per unit; ``state``: JSON-ready training state (update count, loss
-    scale, data position) stored in meta.json. The RNG states are saved too.
+    ``contents``' tensors are written as they come, hashed as they are written. ``state``: JSON-ready
+    training state (update count, loss scale, data position) stored in meta.json. The RNG states are
+    saved too.
     """
-    from safetensors.torch import save_file
-
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:08d}"
     for stale in root.glob(".tmp-step-*"):  # left by a writer that was killed; never a finished checkpoint
         shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".tmp-step-{step:08d}-{os.getpid()}"
     tmp.mkdir()
-    save_file(_flat(full_weights), str(tmp / WEIGHTS), metadata={"format": FORMAT})
-    if optim is not None:
-        save_file(_flat(optim), str(tmp / OPTIM), metadata={"format": FORMAT})
-    rng = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        rng["cuda"] = torch.cuda.get_rng_state()
-    save_file(rng, str(tmp / STATE), metadata={"format": FORMAT})
-    config = OmegaConf.to_container(cfg, resolve=True)
-    config["gradient_accumulation"] = None  # derived again on load
-    config["checkpoint"]["load"] = None  # a checkpoint's own config starts fresh, not from another one
-    (tmp / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
-    if tokenizer is not None and tokenizer.is_file():
-        shutil.copyfile(tokenizer, tmp / "tokenizer.json")
-    meta = {"format": FORMAT, "version": 1, "step": step, "units": list(full_weights),
-            "optim_state": optim is not None, "versions": _versions(), **(state or {})}
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-    manifest = {f.name: sha256_file(f) for f in sorted(tmp.iterdir())}
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    for file in tmp.iterdir():
-        _fsync(file)
+    try:
+        _write_files(contents, cfg, tmp, step, tokenizer, state)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -133,6 +163,40 @@ def latest_of_run(cfg: DictConfig) -> Path:
         raise ConfigError("checkpoint.load=latest: set output_dir to the run to resume (or checkpoint.save)")
     root = checkpoint_root(cfg, Path(cfg.output_dir or ".")) or Path(cfg.output_dir) / "checkpoints"
     return find_checkpoint(root)
+
+
+def _write_files(contents: Contents, cfg: DictConfig, tmp: Path, step: int, tokenizer: Path | None,
+                 state: dict | None) -> None:
+    """Write every file of a checkpoint into ``tmp``, each fsynced and hashed as it is written; the manifest
+    last."""
+    writers: dict[str, SafetensorsWriter] = {}
+    try:
+        for file, specs in contents.files.items():
+            writers[file] = SafetensorsWriter(tmp / file, specs, {"format": FORMAT})
+        for file, name, tensor in contents.tensors:
+            writers[file].write(name, tensor)
+        manifest = {file: writer.close() for file, writer in writers.items()}
+    finally:
+        for writer in writers.values():
+            writer.abort()
+    rng = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    with SafetensorsWriter(tmp / STATE, [VariableSpec(k, tuple(t.shape), t.dtype) for k, t in rng.items()],
+                           {"format": FORMAT}) as writer:
+        for name, tensor in rng.items():
+            writer.write(name, tensor)
+        manifest[STATE] = writer.close()
+    config = OmegaConf.to_container(cfg, resolve=True)
+    config["gradient_accumulation"] = None  # derived again on load
+    config["checkpoint"]["load"] = None  # a checkpoint's own config starts fresh, not from another one
+    manifest["config.yaml"] = _write_small(tmp / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(config)).encode())
+    if tokenizer is not None and tokenizer.is_file():
+        manifest["tokenizer.json"] = _write_small(tmp / "tokenizer.json", tokenizer.read_bytes())
+    meta = {"format": FORMAT, "version": 1, "step": step, "units": list(contents.units),
+            "optim_state": OPTIM in contents.files, "versions": _versions(), **(state or {})}
+    manifest["meta.json"] = _write_small(tmp / "meta.json", json.dumps(meta, indent=2).encode())
+    _write_small(tmp / MANIFEST, json.dumps(dict(sorted(manifest.items())), indent=2).encode())
 
 
 def _step_of(checkpoint: Path) -> int:
@@ -338,10 +402,40 @@ def read_manifest(checkpoint: Path) -> dict[str, str]:
 
 
 def verify(checkpoint: Path) -> None:
-    """Check every file of a checkpoint against its manifest; a missing, unlisted or altered one is an error."""
+    """Check every file of a checkpoint against its manifest; a missing, unlisted or altered one is an error.
+
+    For tests and tools: commands verify the files they read as they read them (:func:`read_verified`,
+    :func:`open_tensors`), and never hash a file they do not read."""
     for name, digest in read_manifest(checkpoint).items():
         if sha256_file(checkpoint / name) != digest:
             raise CheckpointError(f"checkpoint {checkpoint}: {name} does not match its checksum (corrupted)")
+
+
+def read_verified(checkpoint: Path, name: str, limit: int) -> bytes:
+    """The bytes of small file ``name`` of ``checkpoint`` (at most ``limit``), read once and checked against
+    its manifest entry."""
+    manifest = read_manifest(checkpoint)
+    path = checkpoint / name
+    if name not in manifest:
+        raise CheckpointError(f"checkpoint {checkpoint} has no {name}")
+    try:
+        if path.stat().st_size > limit:
+            raise CheckpointError(f"{path} is larger than {limit} bytes: not a checkpoint's {name}")
+        data = path.read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"{path} cannot be read ({exc.strerror or exc})") from None
+    if hashlib.sha256(data).hexdigest() != manifest[name]:
+        raise CheckpointError(f"checkpoint {checkpoint}: {name} does not match its checksum (corrupted)")
+    return data
+
+
+def open_tensors(checkpoint: Path, file: str, manifest: dict[str, str] | None = None) -> SafetensorsReader:
+    """A reader of tensor file ``file`` of ``checkpoint``, its header checked now and its bytes verified
+    against the manifest as they are read (:class:`~ipuft.safetensors_io.SafetensorsReader`)."""
+    manifest = manifest if manifest is not None else read_manifest(checkpoint)
+    if file not in manifest:
+        raise CheckpointError(f"checkpoint {checkpoint} has no {file}")
+    return SafetensorsReader(checkpoint / file, f"checkpoint {checkpoint}: {file}", manifest[file])
 
 
 _META_LIMIT = 1 << 20  # bytes
@@ -387,13 +481,13 @@ def _meta_problem(meta) -> str | None:
 
 
 def read_meta(checkpoint: Path) -> dict:
-    """A checkpoint's meta.json, with every field the training state is restored from checked."""
+    """A checkpoint's meta.json, checked against its manifest, with every field the training state is
+    restored from checked."""
     path = checkpoint / "meta.json"
+    data = read_verified(checkpoint, "meta.json", _META_LIMIT)
     try:
-        if path.stat().st_size > _META_LIMIT:
-            raise CheckpointError(f"{path} is larger than {_META_LIMIT} bytes: not a checkpoint's meta.json")
-        meta = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError) as exc:
+        meta = json.loads(data)
+    except (ValueError, RecursionError) as exc:
         raise CheckpointError(f"{path} cannot be read ({type(exc).__name__}: {str(exc)[:200]})") from None
     problem = _meta_problem(meta)
     if problem is not None:
@@ -402,24 +496,42 @@ def read_meta(checkpoint: Path) -> dict:
 
 
 def checkpoint_initializer(checkpoint: Path, file: str = WEIGHTS,
-                           verify_files: bool = True) -> Callable[[str, list[VariableSpec]], dict]:
+                           units: Iterable[str] | None = None) -> Callable[[str, list[VariableSpec]], dict]:
     """An engine initializer reading each unit's full weights from the checkpoint, tensor by tensor
-    (``file=OPTIM``: its optimizer state, with specs named ``<variable>.<state>``). The checkpoint's
-    checksums are verified first unless ``verify_files`` is false."""
-    from safetensors import safe_open
+    (``file=OPTIM``: its optimizer state, with specs named ``<variable>.<state>``). A unit's ``out`` may hold
+    tensors of the full shape and dtype to read into, which are then the values returned.
 
-    if verify_files:
-        verify(checkpoint)
-    read_meta(checkpoint)
-    try:
-        handle = safe_open(str(checkpoint / file), framework="pt", device="cpu")
-        names = set(handle.keys())
-    except Exception as exc:  # noqa: BLE001 (safetensors' own errors, reported as one line)
-        raise CheckpointError(f"{checkpoint / file} cannot be read: {type(exc).__name__}: {exc}") from None
+    The file is verified as it is read: once every unit of ``units`` (by default the checkpoint's) has been
+    asked for, the rest of the file is hashed and compared with the manifest, and a mismatch raises from
+    that last call, so no caller ever holds all of a damaged file's values. Asked in the order the units
+    were saved (program order), the file is read in one sequential pass.
+    """
+    manifest = read_manifest(checkpoint)
+    meta = read_meta(checkpoint)
+    reader = open_tensors(checkpoint, file, manifest)
+    pending = set(meta["units"] if units is None else units)
+    source = f"checkpoint {checkpoint}"
 
-    def initial(unit: str, specs: list[VariableSpec]) -> dict[str, torch.Tensor]:
-        return {spec.name: checked(spec, f"{unit}.{spec.name}", names, handle.get_tensor, f"checkpoint {checkpoint}")
-                for spec in specs}
+    def initial(unit: str, specs: list[VariableSpec],
+                out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        values = {}
+        for spec in specs:
+            name = f"{unit}.{spec.name}"
+            if name not in reader:
+                raise CheckpointError(f"{source} lacks {name}: it is of another model")
+            entry = reader.entries[name]
+            if entry.shape != tuple(spec.shape):
+                raise CheckpointError(f"{source}: {name} has shape {entry.shape}, the model expects "
+                                      f"{tuple(spec.shape)}")
+            home = (out or {}).get(spec.name)
+            if home is not None and home.dtype == entry.dtype == spec.dtype:
+                values[spec.name] = reader.get(name, out=home)  # read in place: no copy
+            else:
+                values[spec.name] = reader.get(name).to(spec.dtype)
+        pending.discard(unit)
+        if not pending:
+            reader.finish()
+        return values
 
     return initial
 
@@ -436,18 +548,17 @@ def checked(spec: VariableSpec, name: str, available: Container[str], get: Calla
 
 
 def restore_rng(checkpoint: Path) -> None:
-    """Set the RNG states a checkpoint saved."""
-    from safetensors.torch import load_file
-
-    try:
-        rng = load_file(str(checkpoint / STATE))
-    except Exception as exc:  # noqa: BLE001 (safetensors' own errors, reported as one line)
-        raise CheckpointError(f"{checkpoint / STATE} cannot be read: {type(exc).__name__}: {exc}") from None
+    """Set the RNG states a checkpoint saved (its state.safetensors, verified as it is read)."""
+    reader = open_tensors(checkpoint, STATE)
     expected = torch.get_rng_state()
-    saved = rng.get("torch")
-    if saved is None or saved.dtype != expected.dtype or saved.shape != expected.shape:
+    saved = reader.entries.get("torch")
+    if saved is None or saved.dtype != expected.dtype or saved.shape != tuple(expected.shape):
+        reader.close()
         raise CheckpointError(f"{checkpoint / STATE}: 'torch' must be the CPU generator's state, a uint8 tensor of "
                               f"shape {tuple(expected.shape)}")
-    torch.set_rng_state(saved)
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["cuda"])
+    cpu = reader.get("torch")
+    cuda = reader.get("cuda") if "cuda" in reader else None
+    reader.finish()
+    torch.set_rng_state(cpu)
+    if cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -421,15 +421,52 @@ class PhasedEngine:
         variable."""
         return self.placed[unit_role(unit)][name.rsplit(".", 1)[0] if group == "optim" else name]
 
+    def full_specs(self, unit: str, group: str = "fwd") -> list[VariableSpec]:
+        """The full (layout-free) specs of ``unit``'s ``group`` (``fwd`` or ``optim``) in their stored dtypes,
+        in the order :meth:`full_tensors` gives them (and checkpoints hold them)."""
+        variables = self.parts.variables[unit_role(unit)]
+        if group == "fwd":
+            return list(variables)
+        return optimizer_state_specs(variables, self.optimizer, self.recipe is Recipe.master)
+
+    def full_tensors(self, groups: Sequence[str] = ("fwd",)) -> Iterator[tuple[str, str, VariableSpec, torch.Tensor]]:
+        """Every unit's full variables of ``groups`` as ``(unit, group, full spec, tensor)``, one at a time:
+        units in program order, each unit's groups in turn, each in :meth:`full_specs` order.
+
+        Each tensor is gathered over DP and TP only when it is reached, so a rank holds about one full tensor
+        beyond its store at a time. Every rank must exhaust the iterator, in step: each tensor is a collective.
+        A variable no rank shares comes back as stored (no copy on CPU): use it before the next step.
+        """
+        self.store.synchronize()
+        for unit in self.program.units():
+            for group in groups:
+                stored = self.store.entries[unit][group]
+                for spec in self.full_specs(unit, group):
+                    placement = self._placement(unit, group, spec.name)
+                    tensor = stored[spec.name]
+                    if placement.collective:
+                        tensor = placement.full(tensor.to(self.device))
+                    yield unit, group, spec, tensor.cpu()
+
     def full_weights(self, group: str = "fwd") -> dict[str, Tensors]:
         """Every unit's full weights (or, with ``group="optim"``, optimizer state, named
-        ``<variable>.<state>``), gathered over DP and TP. Every rank must call it."""
-        return {unit: {n: self._placement(unit, group, n).full(t.to(self.device)).cpu() for n, t in tensors.items()}
-                for unit, tensors in self.store.state(group).items()}
+        ``<variable>.<state>``), gathered over DP and TP, as copies. Every rank must call it."""
+        out: dict[str, Tensors] = {}
+        for unit, _, spec, tensor in self.full_tensors([group]):
+            stored = self.store.entries[unit][group][spec.name]
+            out.setdefault(unit, {})[spec.name] = tensor.clone() if tensor is stored else tensor
+        return out
 
     def load_full(self, group: str, units: dict[str, Tensors]) -> None:
         """Replace ``group`` of every unit from full tensors (a checkpoint's), in this rank's stored form."""
         for unit, tensors in units.items():
             stored = self.store.entries[unit][group]
             for n, t in tensors.items():
-                stored[n].copy_(self._placement(unit, group, n).to_stored(t))
+                if t is not stored[n]:  # else read into place already (see full_homes)
+                    stored[n].copy_(self._placement(unit, group, n).to_stored(t))
+
+    def full_homes(self, unit: str, group: str) -> Tensors:
+        """The stored tensors of ``unit``'s ``group`` that are their full variable (no rank shares them) and
+        live in host memory: a checkpoint can be read straight into them."""
+        return {n: t for n, t in self.store.entries[unit][group].items()
+                if not self._placement(unit, group, n).collective and t.device.type == "cpu" and t.is_contiguous()}

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from ipuft.checkpoint import checkpoint_config
+from ipuft.checkpoint import checkpoint_config, read_verified
 from ipuft.components import IGNORE_INDEX
 from ipuft.config import load_config
 from ipuft.datasets import (
@@ -66,12 +66,25 @@ def inference_config(path: str, hooks: PluginHooks, overrides: tuple[str, ...] |
     return checkpoint_config(path, sections, [*single, *overrides])
 
 
+_TOKENIZER_LIMIT = 1 << 30  # bytes; real tokenizer.json files are a few MB
+
+
 def tokenizer_for(cfg: DictConfig):
-    """The tokenizer saved with the model ``cfg`` loads (in its checkpoint or Hugging Face directory), else
-    ``data.tokenizer``."""
+    """The tokenizer saved with the model ``cfg`` loads (in its checkpoint, checked against the manifest, or
+    in its Hugging Face directory), else ``data.tokenizer``."""
     home = Path(cfg.checkpoint.load or cfg.model.hf_checkpoint)
-    if (home / "tokenizer.json").exists():
-        return load_tokenizer(str(home / "tokenizer.json"))
+    path = home / "tokenizer.json"
+    if path.exists() and cfg.checkpoint.load is not None:
+        from tokenizers import Tokenizer
+
+        data = read_verified(home, "tokenizer.json", _TOKENIZER_LIMIT)
+        try:
+            return Tokenizer.from_str(data.decode("utf-8"))
+        except Exception as exc:  # noqa: BLE001 (a bad encoding, or the Rust side's plain Exceptions)
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise DataError(f"{path} is not a valid tokenizer.json ({first[:200]})") from None
+    if path.exists():
+        return load_tokenizer(str(path))
     if cfg.data.tokenizer is not None:
         return load_tokenizer(cfg.data.tokenizer)
     raise DataError(f"{home} holds no tokenizer.json; set data.tokenizer=DIR")

@@ -1,5 +1,11 @@
 """``ipuft export``: an ipuft checkpoint as a Hugging Face GPT-J directory (config.json, safetensors
-weights with an index when they exceed one shard), which transformers' ``GPTJForCausalLM`` loads."""
+weights with an index when they exceed one shard), which transformers' ``GPTJForCausalLM`` loads.
+
+It streams: each tensor is read from the checkpoint's model.safetensors (verified as it is read) and
+written into its shard before the next is read, so export needs about one tensor of memory. It reads, and
+so verifies, only model.safetensors, config.yaml, meta.json and tokenizer.json: a damaged optimizer state
+does not stop an export.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +16,20 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ipuft.checkpoint import WEIGHTS, checkpoint_config, find_checkpoint, read_meta, verify
+from ipuft.checkpoint import (
+    WEIGHTS,
+    checkpoint_config,
+    find_checkpoint,
+    open_tensors,
+    read_manifest,
+    read_meta,
+    read_verified,
+)
+from ipuft.components import VariableSpec
 from ipuft.datasets import EOS, load_tokenizer
+from ipuft.engine import unit_role
 from ipuft.errors import CheckpointError
 from ipuft.hf import DEFAULT_SHARD_BYTES, unit_mappings
 from ipuft.hf_checkpoint import HF_SHAPES
@@ -42,15 +57,17 @@ def _eos_id(tokenizer: Path) -> int | None:
     return load_tokenizer(str(tokenizer)).token_to_id(EOS) if tokenizer.exists() else None
 
 
+_TOKENIZER_LIMIT = 1 << 30  # bytes; real tokenizer.json files are a few MB
+
+
 def export_hf(path: str | Path, out: str | Path, hooks: PluginHooks, shard_bytes: int = DEFAULT_SHARD_BYTES,
               dtype: str | None = None) -> Path:
     """Write checkpoint ``path`` (or a run directory's latest) as a Hugging Face directory ``out``, its weights
     in ``dtype`` (``float32``, ``bfloat16`` or ``float16``; by default the precision the run trained in)."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
+    from ipuft.safetensors_io import SafetensorsWriter
 
     checkpoint = find_checkpoint(path)
-    verify(checkpoint)
+    manifest = read_manifest(checkpoint)
     read_meta(checkpoint)
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -58,25 +75,30 @@ def export_hf(path: str | Path, out: str | Path, hooks: PluginHooks, shard_bytes
     cfg = checkpoint_config(checkpoint, hooks.registrations.config_sections)
     dtype = dtype or cfg.model.precision.value
     torch_dtype = DTYPES[dtype]
-    itemsize = torch.empty((), dtype=torch_dtype).element_size()
     parts = build_model(cfg, hooks)
-    names = {f"{unit}.{local}": hf for unit, m in unit_mappings(parts.modules, cfg.model.layers).items()
-             for local, hf in m.items()}
-    handle = safe_open(str(checkpoint / WEIGHTS), framework="pt", device="cpu")
-    missing = sorted(set(names) - set(handle.keys()))
+    mappings = unit_mappings(parts.modules, cfg.model.layers)
+    names = {f"{unit}.{local}": hf for unit, m in mappings.items() for local, hf in m.items()}
+    shapes = {f"{unit}.{v.name}": tuple(v.shape) for unit in mappings for v in parts.variables[unit_role(unit)]}
+    reader = open_tensors(checkpoint, WEIGHTS, manifest)
+    missing = sorted(set(names) - set(reader.keys()))
     if missing:
         raise CheckpointError(f"checkpoint {checkpoint} lacks {', '.join(missing[:5])}")
-
-    # Plan the shards from the tensors' sizes, then write them one by one: never the whole model in memory.
-    shards: list[list[str]] = [[]]
-    size = total = 0
     for name in names:
-        meta = handle.get_slice(name)
-        nbytes = math.prod(meta.get_shape()) * itemsize
+        if name in shapes and reader.entries[name].shape != shapes[name]:
+            raise CheckpointError(f"checkpoint {checkpoint}: {name} has shape {reader.entries[name].shape}, the "
+                                  f"model expects {shapes[name]}")
+
+    # Plan the shards from the header, in the file's order (so that reading is one pass), then write them one
+    # tensor at a time: never more than a tensor in memory.
+    shards: list[list[VariableSpec]] = [[]]
+    size = total = 0
+    for name in sorted(names, key=lambda n: reader.entries[n].begin):
+        spec = VariableSpec(name, reader.entries[name].shape, torch_dtype)
+        nbytes = math.prod(spec.shape) * torch_dtype.itemsize
         if shards[-1] and size + nbytes > shard_bytes:
             shards.append([])
             size = 0
-        shards[-1].append(name)
+        shards[-1].append(spec)
         size += nbytes
         total += nbytes
     # Written into a temporary directory beside ``out`` and renamed into place, as checkpoints are: a full
@@ -90,15 +112,19 @@ def export_hf(path: str | Path, out: str | Path, hooks: PluginHooks, shard_bytes
         weight_map = {}
         for i, shard in enumerate(shards, start=1):
             file = WEIGHTS if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file({names[n]: handle.get_tensor(n).to(torch_dtype).contiguous() for n in shard}, str(tmp / file),
-                      metadata={"format": "pt"})
-            weight_map.update({names[n]: file for n in shard})
+            specs = [VariableSpec(names[s.name], s.shape, s.dtype) for s in shard]
+            with SafetensorsWriter(tmp / file, specs, {"format": "pt"}) as writer:
+                for spec in shard:
+                    writer.write(names[spec.name], reader.get(spec.name).to(torch_dtype))
+                writer.close()
+            weight_map.update({names[s.name]: file for s in shard})
+        reader.finish()  # raises if the weights read were not the checkpoint's: nothing is left behind
         if len(shards) > 1:
             (tmp / "model.safetensors.index.json").write_text(
                 json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-        tokenizer = checkpoint / "tokenizer.json"
-        if tokenizer.exists():
-            shutil.copyfile(tokenizer, tmp / "tokenizer.json")
+        tokenizer = tmp / "tokenizer.json"
+        if "tokenizer.json" in manifest:
+            tokenizer.write_bytes(read_verified(checkpoint, "tokenizer.json", _TOKENIZER_LIMIT))
         (tmp / "config.json").write_text(json.dumps(hf_config(cfg, _eos_id(tokenizer), dtype), indent=2))
         umask = os.umask(0)
         os.umask(umask)
@@ -106,7 +132,9 @@ def export_hf(path: str | Path, out: str | Path, hooks: PluginHooks, shard_bytes
         if out.exists():
             out.rmdir()  # empty, checked above
         os.replace(tmp, out)
-    except Exception as exc:  # noqa: BLE001 (a full disk is an OSError, or safetensors' own error)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 (a full disk is an OSError, or another write error)
         why = getattr(exc, "strerror", None) or str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc)
         raise CheckpointError(f"--hf {out} cannot be written ({why}); nothing was left behind") from None
     finally:

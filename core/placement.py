@@ -123,6 +123,11 @@ class Placement:
             return 0.0
         return 1.0
 
+    @property
+    def collective(self) -> bool:
+        """Whether :meth:`full` gathers from other ranks (else the stored form is the full variable)."""
+        return self.sharded_over_dp or not (self.layout.tensor_parallel == 1 or self.shard.replicated_over_tp)
+
     def full(self, stored: torch.Tensor) -> torch.Tensor:
         """The full variable, gathered over DP and TP (every rank of the world must call this)."""
         local = self.gather(stored)

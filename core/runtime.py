@@ -44,7 +44,7 @@ def initializer(cfg: DictConfig, parts: ModelParts) -> Initializer:
     random (seeded by ``model.seed``)."""
     for source in (cfg.checkpoint.load, cfg.model.init_checkpoint):
         if source is not None:
-            return checkpoint_initializer(find_checkpoint(source))
+            return checkpoint_initializer(find_checkpoint(source), units=parts.program.units())
     if cfg.model.hf_checkpoint is not None:
         return hf_initializer(cfg.model.hf_checkpoint, parts.modules, cfg.model.layers)
     return lambda unit, specs: initial_values(unit, specs, cfg.model.seed)

@@ -15,7 +15,7 @@ import tempfile
 import threading
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -26,6 +26,8 @@ from tqdm import tqdm
 
 from ipuft.checkpoint import (
     OPTIM,
+    WEIGHTS,
+    Contents,
     checkpoint_initializer,
     checkpoint_root,
     checkpoints,
@@ -59,28 +61,38 @@ def tokenizer_file(cfg: DictConfig) -> Path | None:
 
 
 def save(engine: PhasedEngine, cfg: DictConfig, root: Path | None, step: int, data=None) -> Path | None:
-    """Every rank gathers the full weights (and optimizer state); rank 0 writes the checkpoint."""
+    """Every rank takes part in gathering the full weights (and optimizer state), one tensor at a time; rank 0
+    writes each into the checkpoint as it arrives (see :mod:`ipuft.checkpoint`)."""
     if root is None:
         return None
-    weights = engine.full_weights()
-    optim = engine.full_weights("optim") if cfg.checkpoint.optim_state else None
+    groups = ("fwd", "optim") if cfg.checkpoint.optim_state else ("fwd",)
+    tensors = engine.full_tensors(groups)
     if not engine.layout.is_main:
+        for _ in tensors:  # this rank's part of each gather; rank 0 writes
+            pass
         return None
+    files = {"fwd": WEIGHTS, "optim": OPTIM}
+    units = engine.program.units()
+    contents = Contents(
+        units=units,
+        files={files[g]: [replace(s, name=f"{u}.{s.name}") for u in units for s in engine.full_specs(u, g)]
+               for g in groups},
+        tensors=((files[group], f"{unit}.{spec.name}", t) for unit, group, spec, t in tensors))
     state = {"updates": engine.updates, "loss_scale": engine.scale.state_dict(),
              "data": data.state_dict() if hasattr(data, "state_dict") else {"step": step}}
-    return save_checkpoint(weights, cfg, root, step, tokenizer_file(cfg), keep=cfg.checkpoint.to_keep,
-                           optim=optim, state=state)
+    return save_checkpoint(contents, cfg, root, step, tokenizer_file(cfg), keep=cfg.checkpoint.to_keep, state=state)
 
 
 def restore(engine: PhasedEngine, cfg: DictConfig, checkpoint: Path, data) -> int:
     """Resume a run's state from ``checkpoint`` (weights are already loaded); return its step."""
     meta = read_meta(checkpoint)
     if cfg.checkpoint.optim_state and meta.get("optim_state"):
-        state_of = checkpoint_initializer(checkpoint, OPTIM, verify_files=False)  # verified with the weights
-        for unit in engine.program.units():
+        units = engine.program.units()
+        state_of = checkpoint_initializer(checkpoint, OPTIM, units=units)  # verified as it is read
+        for unit in units:
             specs = optimizer_state_specs(engine.parts.variables[unit_role(unit)], engine.optimizer,
                                           engine.recipe is Recipe.master)
-            engine.load_full("optim", {unit: state_of(unit, specs)})
+            engine.load_full("optim", {unit: state_of(unit, specs, engine.full_homes(unit, "optim"))})
     engine.updates = int(meta.get("updates", meta["step"]))
     if "loss_scale" in meta:
         engine.scale.load_state_dict(meta["loss_scale"])

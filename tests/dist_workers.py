@@ -130,3 +130,46 @@ def hf_load(rank: int, overrides: list[str], out: str) -> None:
     stored = sum(t.numel() for w in engine.weights().values() for t in w.values())
     full = engine.full_weights()
     torch.save({"stored": stored, "weights": full if rank == 0 else None}, Path(out) / f"hf.rank{rank}.pt")
+
+
+def _status_bytes(key: str) -> int:
+    """A ``/proc/self/status`` field (``VmRSS``, ``VmHWM``), in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{key}:"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def save_memory(rank: int, overrides: list[str], out: str) -> None:
+    """Build the engine, then measure the host memory one checkpoint save adds on this rank: the peak resident
+    set (VmHWM, reset just before the save) over the resident set before it. Saves it, with the bytes of the
+    largest unit's full weights and optimizer state, as ``memory.rank<N>.json``."""
+    import gc
+    import json
+
+    import ipuft.checkpoint  # noqa: F401 (imported now, not during the measured save)
+    from ipuft.config import load_config
+    from ipuft.engine import optimizer_state_specs, unit_role
+    from ipuft.plugins import create_plugin_manager
+    from ipuft.precision import Recipe
+    from ipuft.train import build_engine, save
+
+    hooks = create_plugin_manager()
+    cfg = load_config("tiny", overrides, hooks.registrations.config_sections)
+    engine = build_engine(cfg, hooks)
+    units = engine.program.units()
+
+    def unit_bytes(unit: str) -> int:
+        variables = engine.parts.variables[unit_role(unit)]
+        state = optimizer_state_specs(variables, engine.optimizer, engine.recipe is Recipe.master)
+        return sum(v.nbytes for v in variables) + sum(s.nbytes for s in state)
+
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak resident set restarts from the current one
+    before = _status_bytes("VmRSS")
+    save(engine, cfg, Path(out) / "checkpoints", 1)
+    extra = _status_bytes("VmHWM") - before
+    record = {"extra": extra, "unit_bytes": max(unit_bytes(u) for u in units),
+              "checkpoint_bytes": sum(unit_bytes(u) for u in units), "store_bytes": engine.store.variable_bytes()}
+    (Path(out) / f"memory.rank{rank}.json").write_text(json.dumps(record))

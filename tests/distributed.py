@@ -35,12 +35,22 @@ def _entry(rank: int, world: int, port: int, target, args, errors: Path) -> None
 
 
 def spawn(world: int, target, *args, tmp: Path) -> None:
-    """Run ``target(rank, *args)`` on ``world`` processes; raise with the first rank's traceback."""
+    """Run ``target(rank, *args)`` on ``world`` processes; raise with the first rank's traceback.
+
+    The rendezvous port is free when chosen but may be taken by a parallel test before rank 0 binds it: a
+    launch that fails for that reason alone is retried on another port."""
     errors = tmp / "errors"
-    errors.mkdir(exist_ok=True)
-    try:
-        mp.start_processes(_entry, args=(world, free_port(), target, args, errors), nprocs=world,
-                           start_method="spawn", join=True)
-    except Exception as exc:  # noqa: BLE001 (any failure: show the failing rank's own report)
-        reports = sorted(errors.glob("rank*.txt"))
-        raise AssertionError(reports[0].read_text() if reports else str(exc)) from None
+    for attempt in range(3):
+        errors.mkdir(exist_ok=True)
+        for stale in errors.glob("rank*.txt"):
+            stale.unlink()
+        try:
+            mp.start_processes(_entry, args=(world, free_port(), target, args, errors), nprocs=world,
+                               start_method="spawn", join=True)
+            return
+        except Exception as exc:  # noqa: BLE001 (any failure: show the failing rank's own report)
+            reports = sorted(errors.glob("rank*.txt"))
+            text = reports[0].read_text() if reports else str(exc)
+            if attempt < 2 and "address already in use" in text.lower():
+                continue
+            raise AssertionError(text) from None

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from test_bad_input import MNLI, SAMPLE, _checkpoint, _reseal, snapshot
@@ -36,18 +35,20 @@ def test_a_disk_without_room_for_a_checkpoint_is_refused_before_training(tmp_pat
 
 
 def test_an_export_that_fails_midway_leaves_nothing_behind(tmp_path, trained, monkeypatch, capsys):
-    import safetensors.torch
+    from ipuft.safetensors_io import SafetensorsWriter
 
     monkeypatch.chdir(tmp_path)
     checkpoint = _checkpoint(tmp_path, trained)
     written = []
+    write = SafetensorsWriter.write
 
-    def full_disk(tensors, filename, metadata=None):
-        written.append(filename)
-        Path(filename).write_bytes(b"partial")
-        raise OSError(errno.ENOSPC, "No space left on device")
+    def full_disk(self, name, tensor):
+        written.append(name)
+        if len(written) > 3:  # a few tensors in, the disk fills
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write(self, name, tensor)
 
-    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    monkeypatch.setattr(SafetensorsWriter, "write", full_disk)
     before = snapshot(tmp_path)
     code, err = run_cli(["export", "--checkpoint", str(checkpoint), "--hf", str(tmp_path / "out")], capsys)
     assert code == 2 and written

@@ -45,9 +45,9 @@ def test_round_trip_is_bit_exact(hooks, tmp_path, how):
                              f"output_dir={tmp_path}/run"], hooks.registrations.config_sections)
     assert (cfg.model.layers, cfg.model.hidden_size, cfg.model.embedding.vocab_size) == (2, 64, 128)
     engine = build_engine(cfg, hooks)
-    from ipuft.checkpoint import save_checkpoint
+    from ipuft.checkpoint import Contents, save_checkpoint
 
-    ckpt = save_checkpoint(engine.full_weights(), cfg, tmp_path / "ckpts", 0)
+    ckpt = save_checkpoint(Contents.of(engine.full_weights()), cfg, tmp_path / "ckpts", 0)
     out = export_hf(ckpt, tmp_path / "exported", hooks, shard_bytes=50_000)
     assert (out / "model.safetensors.index.json").exists()  # the tiny model spans several 50 kB shards
     exported = load_state(out)
@@ -67,9 +67,9 @@ def test_a_float16_checkpoint_streams_into_any_precision_and_exports_in_any_dtyp
                       hooks.registrations.config_sections)
     engine = build_engine(cfg, hooks)
     dtype = getattr(torch, precision)
-    from ipuft.checkpoint import save_checkpoint
+    from ipuft.checkpoint import Contents, save_checkpoint
 
-    ckpt = save_checkpoint(engine.full_weights(), cfg, tmp_path / "ckpts", 0)
+    ckpt = save_checkpoint(Contents.of(engine.full_weights()), cfg, tmp_path / "ckpts", 0)
     assert all(t.dtype == dtype for t in load_file(str(ckpt / "model.safetensors")).values())
     for exported_dtype in ("float16", "float32", None):
         out = export_hf(ckpt, tmp_path / f"out-{exported_dtype}", hooks, dtype=exported_dtype)

@@ -19,6 +19,7 @@ from ipuft.checkpoint import (
     checkpoints,
     find_checkpoint,
     read_meta,
+    verify,
 )
 from ipuft.config import load_config
 from ipuft.errors import CheckpointError, TrainingError
@@ -211,7 +212,8 @@ def test_sigkill_during_saves_never_breaks_the_latest_checkpoint(tmp_path):
         proc.wait(timeout=30)
         latest = find_checkpoint(out)  # never a half-written directory under a final name
         meta = read_meta(latest)
-        initial = checkpoint_initializer(latest)  # verifies the manifest's checksums
+        verify(latest)  # every file matches the manifest's checksums
+        initial = checkpoint_initializer(latest)
         from ipuft.components import VariableSpec
 
         assert initial("head", [VariableSpec("norm.weight", (64,))])["norm.weight"].shape == (64,)
@@ -236,8 +238,10 @@ def test_a_corrupted_checkpoint_is_refused(hooks, tmp_path):
     data = bytearray(weights.read_bytes())
     data[-10] ^= 0xFF
     weights.write_bytes(bytes(data))
+    # The file is verified as it is read: the engine never comes to exist with the weights read from it.
     with pytest.raises(CheckpointError, match=r"model\.safetensors does not match its checksum"):
-        checkpoint_initializer(ckpt)
+        run(hooks, "training.steps=2", f"checkpoint.load={ckpt}", f"output_dir={tmp_path}/resumed")
+    assert not (tmp_path / "resumed" / "metrics.jsonl").exists()
 
 
 def test_a_new_run_starts_from_a_checkpoints_weights_and_nothing_else(hooks, tmp_path):
