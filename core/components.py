@@ -66,12 +66,20 @@ class Init:
 
 @dataclass(frozen=True)
 class VariableSpec:
-    """One variable of a component: its local name, shape, dtype (float32 when not given) and initialisation."""
+    """One variable of a component: its local name, shape, dtype (float32 when not given) and initialisation.
+
+    ``trainable=False`` freezes it: no gradient is computed for it, it has no gradient store and no optimizer
+    state, nothing of it moves for gradients or updates, and it takes no part in the global norm.
+    ``added=True`` marks a variable that fine-tuning adds to a pretrained model (an adapter): it has no
+    Hugging Face name, so importing a Hugging Face checkpoint starts it from its ``init``.
+    """
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype | None = None
     init: Init = field(default_factory=Init)
+    trainable: bool = True
+    added: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype is None:  # torch is imported only once a spec is made, not when plugins are discovered

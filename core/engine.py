@@ -93,11 +93,13 @@ def optimizer_state_specs(variables: list[VariableSpec], optimizer: Optimizer,
                           master: bool = False) -> list[VariableSpec]:
     """The ``optim`` group of a unit with these variables (stored or full), named ``<variable>.<state>``.
 
-    The optimizer is asked about each variable's float32 view (it never sees 16-bit); with ``master`` each
-    variable also keeps its float32 master copy, ``<variable>.master``.
+    The optimizer is asked about each trainable variable's float32 view (it never sees 16-bit); with
+    ``master`` each also keeps its float32 master copy, ``<variable>.master``. Frozen variables have none.
     """
     specs = []
     for v in variables:
+        if not v.trainable:
+            continue
         specs += [VariableSpec(f"{v.name}.{s.name}", s.shape, s.dtype, s.init)
                   for s in optimizer.state_specs(float32(v))]
         if master:
@@ -141,6 +143,8 @@ class PhasedEngine:
         self.device = torch.device(device)
         self.layout = layout or active()
         self.placed = placements(parts, self.layout, bool(cfg.execution.rts))
+        # Each role's trainable variables: the only ones with gradients, optimizer state and updates.
+        self.trainable = {role: {v.name for v in specs if v.trainable} for role, specs in parts.variables.items()}
         self.dtype = compute_dtype(cfg)
         self.recipe = recipe(cfg)
         self.scale = LossScale.from_config(cfg)
@@ -180,7 +184,7 @@ class PhasedEngine:
                 for n, t in wide.items():
                     optim[f"{n}.{MASTER}"].copy_(t)
             if unit in stores_grad:
-                self.store.allocate(unit, "grad", stored)
+                self.store.allocate(unit, "grad", [s for s in stored if s.trainable])
 
     # ---- one step ----
 
@@ -229,10 +233,19 @@ class PhasedEngine:
 
     def _prefetch(self, current: Phase, following: Phase | None) -> None:
         """On CUDA, start copying the next phase's variables while this phase computes."""
-        if following is None or following.unit == current.unit:
+        if following is None or following.unit == current.unit or self._idle(following):
             return
         for group in following.loads:
-            self.store.prefetch(following.unit, group)
+            self.store.prefetch(following.unit, group, self._names(following, group))
+
+    def _names(self, phase: Phase, group: str) -> set[str] | None:
+        """Which variables of ``group`` a phase loads: all of them, but for a phase that only updates, the
+        trainable weights (frozen ones do not change, so they neither come nor go)."""
+        return self.trainable[phase.role] if group == "fwd" and not phase.computes else None
+
+    def _idle(self, phase: Phase) -> bool:
+        """An update-only phase of a unit with nothing trainable: it does nothing, and loads nothing."""
+        return not phase.computes and not self.trainable[phase.role]
 
     def _gather(self, phase: Phase, stored: Tensors) -> tuple[Tensors, int]:
         """The unit's weights in the local form to compute with, and the bytes the gather added."""
@@ -244,7 +257,9 @@ class PhasedEngine:
 
     def _run(self, phase: Phase, st: _StepState) -> None:
         unit, module, placed = phase.unit, self.modules[phase.role], self.placed[phase.role]
-        loaded = {group: self.store.load(unit, group) for group in phase.loads}
+        if self._idle(phase):
+            return
+        loaded = {group: self.store.load(unit, group, self._names(phase, group)) for group in phase.loads}
         grads = loaded.get("grad")
         weights = None
         if phase.computes:
@@ -266,10 +281,14 @@ class PhasedEngine:
                 self._optimizer_step(phase, loaded["fwd"], loaded["optim"], grads, st)
         if weights is not None:
             self.store.ledger.release(gathered)
+        trainable = self.trainable[phase.role]
         for group in phase.stores:
             if st.skip and group != "grad":
                 continue  # a skipped step leaves weights and optimizer state untouched
-            self.store.save(unit, group, grads if group == "grad" else loaded[group])
+            tensors = grads if group == "grad" else loaded[group]
+            if group == "fwd":  # only the updated weights go back
+                tensors = {n: t for n, t in tensors.items() if n in trainable}
+            self.store.save(unit, group, tensors)
         for group, tensors in loaded.items():
             self.store.release(unit, group, tensors)
         if phase.computes_gradient and "grad" not in loaded:
@@ -307,9 +326,9 @@ class PhasedEngine:
                 self.buffers.write("x", x_out, mb, out)
 
     def _gradients(self, phase: Phase, module, weights: Tensors, st: _StepState) -> Tensors:
-        """The unit's gradient over every micro-batch, reduced over DP, in its stored form and its weights'
-        dtype (16-bit weights: accumulated in float32, rounded once at the end)."""
-        size = nbytes(weights.values())
+        """The gradient of the unit's trainable variables over every micro-batch, reduced over DP, in its
+        stored form and its weights' dtype (16-bit weights: accumulated in float32, rounded once at the end)."""
+        size = nbytes(w for n, w in weights.items() if n in self.trainable[phase.role])
         wide = self.dtype != torch.float32
         # The gradients autograd fills, and for 16-bit weights the float32 sums beside them.
         self.store.ledger.acquire(3 * size if wide else size)
@@ -325,19 +344,22 @@ class PhasedEngine:
         """Loss-backward (head) or recompute-backward (decoder, embeddings) of every micro-batch; returns
         the unit's gradients summed over micro-batches: by autograd itself (into the leaves' ``.grad``), or
         with ``wide`` into float32 sums, one micro-batch's 16-bit gradient at a time."""
-        params = {n: t.detach().requires_grad_() for n, t in weights.items()}
+        trainable = self.trainable[phase.role]
+        # Frozen variables are bound without autograd: no gradient is computed for them.
+        params = {n: t.detach().requires_grad_() if n in trainable else t for n, t in weights.items()}
+        leaves = {n: p for n, p in params.items() if n in trainable}
         sums: Tensors = {}
         with bound(module, params):
             for mb in range(st.batch.micro_batches):
-                self._backward_micro_batch(phase, module, list(params.values()), mb, st)
+                self._backward_micro_batch(phase, module, list(leaves.values()), mb, st)
                 if wide:
-                    for n, p in params.items():
+                    for n, p in leaves.items():
                         if n in sums:
                             sums[n].add_(p.grad)
                         else:
                             sums[n] = p.grad.float()
                         p.grad = None
-        return sums if wide else {n: p.grad for n, p in params.items()}
+        return sums if wide else {n: p.grad for n, p in leaves.items()}
 
     def _backward_micro_batch(self, phase: Phase, module, params: list[torch.Tensor], mb: int, st: _StepState):
         """Run micro-batch ``mb``'s forward with gradient (the head's loss, or a recompute seeded by
@@ -356,6 +378,8 @@ class PhasedEngine:
                 seed = stack.enter_context(self.buffers.read("dx", x_out, mb, consume=True))
                 stack.enter_context(recompute())  # only the gradient of this forward is used
             stack.enter_context(working_set(self.store, params + inputs))
+            if not inputs and not params:
+                return  # a frozen first unit: nothing upstream needs a gradient, nothing here is trained
             with self._rng(phase.unit, mb):
                 out = module(*args)
             if seed is None:
@@ -384,6 +408,8 @@ class PhasedEngine:
             name, state = key.rsplit(".", 1)
             states[name][state] = t
         for name, w in weights.items():
+            if name not in grads:
+                continue  # frozen
             full_name = f"{phase.unit}.{name}"
             if self.recipe is Recipe.exact:
                 # The stored gradient is consumed by this step: finished in place, without a copy.

@@ -18,7 +18,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ipuft.components import ROLES, Component, ComponentBuilder, VariableSpec
-from ipuft.errors import PluginError
+from ipuft.errors import ConfigError, PluginError
 from ipuft.plugins import PluginHooks
 from ipuft.precision import compute_dtype
 from ipuft.program import StepProgram
@@ -63,6 +63,11 @@ def build_model(cfg: DictConfig, hooks: PluginHooks) -> ModelParts:
     dtype = compute_dtype(cfg)
     variables = {role: [replace(v, dtype=dtype) if v.dtype.is_floating_point else v for v in specs]
                  for role, specs in variables.items()}
+    # model.freeze: every variable of those roles is frozen.
+    variables = {role: [replace(v, trainable=False) if role in cfg.model.freeze else v for v in specs]
+                 for role, specs in variables.items()}
+    if not any(v.trainable for specs in variables.values() for v in specs):
+        raise ConfigError("model.freeze: every variable of the model is frozen, so there is nothing to train")
     shard_specs = {}
     for role, b in builders.items():
         who = f"{role} component {b.name!r}"

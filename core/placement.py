@@ -15,7 +15,7 @@ the stored form (or all-reduces them without RTS), and the optimizer updates the
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -53,7 +53,7 @@ class Placement:
         return (math.ceil(self.local_numel / self.layout.data_parallel),)
 
     def stored_spec(self, name: str | None = None, dtype: torch.dtype | None = None) -> VariableSpec:
-        return VariableSpec(name or self.spec.name, self.stored_shape, dtype or self.spec.dtype, self.spec.init)
+        return replace(self.spec, name=name or self.spec.name, shape=self.stored_shape, dtype=dtype or self.spec.dtype)
 
     # ---- forms ----
 

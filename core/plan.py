@@ -8,6 +8,7 @@ activations of its layer (measured by running the layer on the meta device).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import defaultdict
 
@@ -31,6 +32,21 @@ def _bytes(specs: list[VariableSpec]) -> int:
     return sum(s.nbytes for s in specs)
 
 
+def _stored(sizes: dict[str, int]) -> int:
+    """The bytes of a unit's stored groups (``trainable`` is a part of ``fwd``, not a group)."""
+    return sizes["fwd"] + sizes["optim"] + sizes["grad"]
+
+
+def frozen_savings(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer, sizes: dict[str, dict[str, int]]) -> int:
+    """The bytes one rank does not store because variables are frozen: their gradients and optimizer state."""
+    if all(v.trainable for specs in parts.variables.values() for v in specs):
+        return 0
+    unfrozen = dataclasses.replace(parts, variables={role: [dataclasses.replace(v, trainable=True) for v in specs]
+                                                     for role, specs in parts.variables.items()})
+    everything = group_bytes(cfg, unfrozen, optimizer)
+    return sum(_stored(s) for s in everything.values()) - sum(_stored(s) for s in sizes.values())
+
+
 def rank_layout(cfg: DictConfig) -> Layout:
     """The layout of rank 0 of the configured DP × TP grid (sizes only; no process groups)."""
     return Layout(cfg.execution.data_parallel, cfg.execution.tensor_parallel)
@@ -38,7 +54,8 @@ def rank_layout(cfg: DictConfig) -> Layout:
 
 def group_bytes(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer) -> dict[str, dict[str, int]]:
     """Bytes one rank stores of each variable group of each unit (``grad`` only where the program stores
-    gradients): its TP shard, and with RTS its 1/DP slice of that."""
+    gradients, and only for trainable variables): its TP shard, and with RTS its 1/DP slice of that.
+    ``trainable`` is the part of ``fwd`` that is trained (what an update-only phase moves)."""
     stores_grad = parts.program.grad_units()
     placed = placements(parts, rank_layout(cfg), bool(cfg.execution.rts))
     out = {}
@@ -46,8 +63,10 @@ def group_bytes(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer) -> dic
         role = unit_role(unit)
         stored = [p.stored_spec() for p in placed[role].values()]
         master = recipe(cfg) is Recipe.master
+        trainable = _bytes([s for s in stored if s.trainable])
         sizes = {"fwd": _bytes(stored), "optim": _bytes(optimizer_state_specs(stored, optimizer, master))}
-        sizes["grad"] = sizes["fwd"] if unit in stores_grad else 0
+        sizes["grad"] = trainable if unit in stores_grad else 0
+        sizes["trainable"] = trainable
         out[unit] = sizes
     return out
 
@@ -100,16 +119,31 @@ def traffic(cfg: DictConfig, parts: ModelParts, sizes: dict[str, dict[str, int]]
     h2d["data"] = 2 * ga * cfg.execution.micro_batch_size * cfg.model.sequence_length * TOKEN_BYTES
     act = stored_activation_bytes(cfg)
     for phase in parts.program:
+        io = phase_io(phase, sizes[phase.unit])
+        if io is None:
+            continue
         if cfg.execution.offload:
-            for group in phase.loads:
-                h2d[group] += sizes[phase.unit][group]
-            for group in phase.stores:
-                d2h[group] += sizes[phase.unit][group]
+            for group, n in io[0].items():
+                h2d[group] += n
+            for group, n in io[1].items():
+                d2h[group] += n
         if cfg.execution.activation_offload:
             reads, writes = _activation_io(parts, phase)
             h2d["activation"] += reads * ga * act
             d2h["activation"] += writes * ga * act
     return {"h2d": dict(h2d), "d2h": dict(d2h)}
+
+
+def phase_io(phase, unit: dict[str, int]) -> tuple[dict[str, int], dict[str, int]] | None:
+    """The bytes a phase loads and stores of each group of its unit (``unit``: :func:`group_bytes`'s), as
+    the engine moves them when offloaded; ``None`` for an update-only phase of a unit with nothing trainable,
+    which does nothing. An update-only phase loads only the trainable weights, and only updated weights are
+    stored back."""
+    if not phase.computes and not unit["trainable"]:
+        return None
+    loads = {g: unit["trainable"] if g == "fwd" and not phase.computes else unit[g] for g in phase.loads}
+    stores = {g: unit["trainable"] if g == "fwd" else unit[g] for g in phase.stores}
+    return loads, stores
 
 
 def _activation_io(parts: ModelParts, phase) -> tuple[int, int]:
@@ -142,7 +176,7 @@ def update_transient_bytes(cfg: DictConfig, parts: ModelParts, role: str) -> int
 def device_peak_estimate(cfg: DictConfig, parts: ModelParts, sizes: dict[str, dict[str, int]]) -> int:
     """The largest phase's resident bytes: see the module docstring."""
     act = activation_bytes(cfg)
-    resident_vars = 0 if cfg.execution.offload else sum(sum(s.values()) for s in sizes.values())
+    resident_vars = 0 if cfg.execution.offload else sum(_stored(s) for s in sizes.values())
     working = {role: working_bytes(parts, role, cfg) for role in ("embeddings", "decoder", "head")}
     # Offloaded: one row in, one out and a gradient in flight (and their TP slices); else every buffered
     # entry, and under TP the entries gathered from their slices.
@@ -156,8 +190,11 @@ def device_peak_estimate(cfg: DictConfig, parts: ModelParts, sizes: dict[str, di
     peak = 0
     for phase in parts.program:
         unit = sizes[phase.unit]
-        loaded = sum(unit[g] for g in phase.loads) if cfg.execution.offload else 0
-        grads = unit["fwd"] if phase.computes_gradient and (cfg.execution.offload or not unit["grad"]) else 0
+        io = phase_io(phase, unit)
+        if io is None:
+            continue
+        loaded = sum(io[0].values()) if cfg.execution.offload else 0
+        grads = unit["trainable"] if phase.computes_gradient and (cfg.execution.offload or not unit["grad"]) else 0
         # The micro-batch loop, then the update: the second holds only the finished (16-bit) gradients.
         compute = grad_factor * grads + acts + working[phase.role] if phase.computes else 0
         update = grads + update_transient_bytes(cfg, parts, phase.role) if Op.OPTIMIZER_STEP in phase.ops else 0
@@ -175,22 +212,32 @@ def estimate(cfg: DictConfig, parts: ModelParts, hooks: PluginHooks, inference_b
     optimizer = hooks.registrations.build_optimizer(cfg)
     sizes = group_bytes(cfg, parts, optimizer)
     moved = traffic(cfg, parts, sizes)
-    variables = sum(sum(s.values()) for s in sizes.values())
+    variables = sum(_stored(s) for s in sizes.values())
     host_vars = variables if cfg.execution.offload else 0
     acts = activation_peak_bytes(cfg)
     host_acts = acts if cfg.execution.activation_offload else 0
     program = []
     for phase in parts.program:
+        loads, stores = phase_io(phase, sizes[phase.unit]) or ({}, {})
         program.append({
             "phase": phase.name,
             "stage": parts.program.stage_of(phase).name.lower(),
-            "loads": {g: sizes[phase.unit][g] for g in phase.loads} if cfg.execution.offload else {},
-            "stores": {g: sizes[phase.unit][g] for g in phase.stores} if cfg.execution.offload else {},
+            "loads": loads if cfg.execution.offload else {},
+            "stores": stores if cfg.execution.offload else {},
         })
-    parameters = sum(v.numel for role in ("embeddings", "head") for v in parts.variables[role]) + \
-        cfg.model.layers * sum(v.numel for v in parts.variables["decoder"])
+    counts = {role: sum(v.numel for v in parts.variables[role] if v.trainable) for role in parts.variables}
+    totals = {role: sum(v.numel for v in parts.variables[role]) for role in parts.variables}
+    layers = cfg.model.layers
+
+    def whole_model(per_role: dict[str, int]) -> int:
+        return per_role["embeddings"] + layers * per_role["decoder"] + per_role["head"]
+
+    parameters, trainable = whole_model(totals), whole_model(counts)
     return {
         "parameters": parameters,
+        "trainable_parameters": trainable,
+        "frozen_parameters": parameters - trainable,
+        "frozen_saves_bytes": frozen_savings(cfg, parts, optimizer, sizes),
         "data_parallel": cfg.execution.data_parallel,
         "tensor_parallel": cfg.execution.tensor_parallel,
         "rts": bool(cfg.execution.rts),
@@ -368,7 +415,10 @@ def format_plan(result: dict) -> str:
         stores = ", ".join(f"{g} {format_bytes(b)}" for g, b in p["stores"].items()) or "-"
         lines.append(f"  {p['phase']:<48} load: {loads:<42} store: {stores}")
     lines += [
-        f"parameters:           {result['parameters']:,}",
+        f"parameters:           {result['parameters']:,}" + (
+            f" ({result['trainable_parameters']:,} trainable, {result['frozen_parameters']:,} frozen: "
+            f"{format_bytes(result['frozen_saves_bytes'])} of gradients and optimizer state not stored)"
+            if result["frozen_parameters"] else ""),
         f"host memory (rank):   {format_bytes(result['host_bytes'])}",
         f"device peak (est.):   {format_bytes(result['device_peak_bytes'])}",
         f"host->device / step:  {format_bytes(result['h2d_bytes_per_step'])}",

@@ -18,7 +18,7 @@ offload on, loads and saves are real copies, so the counters are honest there to
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -116,9 +116,12 @@ class VariableStore:
 
     # ---- phase I/O ----
 
-    def load(self, unit: str, group: str) -> Tensors:
-        """``unit``'s ``group`` on the compute device: a copy when offloaded, the variables otherwise."""
+    def load(self, unit: str, group: str, names: Collection[str] | None = None) -> Tensors:
+        """``unit``'s ``group`` (only ``names`` of it, when given) on the compute device: a copy when
+        offloaded, the variables themselves otherwise."""
         stored = self.entries[unit][group]
+        if names is not None:
+            stored = {n: t for n, t in stored.items() if n in names}
         if not self.offload:
             return stored
         if (unit, group) in self._prefetched:
@@ -132,15 +135,17 @@ class VariableStore:
         self._count_load(group, out)
         return out
 
-    def prefetch(self, unit: str, group: str) -> None:
-        """On CUDA, start copying ``unit``'s ``group`` to the device on a side stream (the analogue of
-        the reference's IO tiles); the next :meth:`load` of it waits for the copy. A no-op elsewhere."""
+    def prefetch(self, unit: str, group: str, names: Collection[str] | None = None) -> None:
+        """On CUDA, start copying ``unit``'s ``group`` (only ``names``, when given) to the device on a side
+        stream (the analogue of the reference's IO tiles); the next :meth:`load` of it, with the same
+        ``names``, waits for the copy. A no-op elsewhere."""
         if self.copy_stream is None or (unit, group) in self._prefetched or group not in self.entries[unit]:
             return
         # Everything enqueued so far, including earlier phases' stores into host memory, comes first.
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.compute))
         with torch.cuda.stream(self.copy_stream):
-            out = {n: t.to(self.compute, non_blocking=True, copy=True) for n, t in self.entries[unit][group].items()}
+            out = {n: t.to(self.compute, non_blocking=True, copy=True) for n, t in self.entries[unit][group].items()
+                   if names is None or n in names}
             ready = torch.cuda.Event()
             ready.record(self.copy_stream)
         self._count_load(group, out)
@@ -154,17 +159,16 @@ class VariableStore:
     def save(self, unit: str, group: str, tensors: Tensors) -> None:
         """Write ``tensors`` (on the compute device) back as ``unit``'s ``group``."""
         stored = self.entries[unit][group]
-        if stored is tensors:
-            return
-        for name, t in tensors.items():
+        moved = {n: t for n, t in tensors.items() if stored[n] is not t}
+        for name, t in moved.items():
             stored[name].copy_(t, non_blocking=self.pin)
         if self.offload:
-            self.traffic.d2h[group] += nbytes(tensors.values())
+            self.traffic.d2h[group] += nbytes(moved.values())
 
     def release(self, unit: str, group: str, tensors: Tensors) -> None:
         """The phase is done with ``tensors``, which it loaded or created on the device."""
-        if self.entries[unit].get(group) is not tensors:
-            self.ledger.release(nbytes(tensors.values()))
+        stored = self.entries[unit].get(group, {})
+        self.ledger.release(nbytes(t for n, t in tensors.items() if stored.get(n) is not t))
 
     def synchronize(self) -> None:
         """Wait for outstanding asynchronous copies (CUDA), so host values are final."""

@@ -48,17 +48,20 @@ def adam_update(cfg):
     return update
 
 
-def reference_training(cfg, initial_hf_state, update=None):
+def reference_training(cfg, initial_hf_state, update=None, frozen=()):
     """The whole model as one module (transformers' GPT-J), torch autograd, and a plain update loop.
 
-    ``update(name, param, clipped_unscaled_grad, lr, t)`` applies the optimizer (Adam by default).
+    ``update(name, param, clipped_unscaled_grad, lr, t)`` applies the optimizer (Adam by default). Parameters
+    whose name starts with one of ``frozen`` get no gradient, no update and no part in the norm.
     """
     model = hf_gptj(cfg)
     model.load_state_dict(initial_hf_state)
     model.train()
     o, S = cfg.training.optimizer, cfg.execution.loss_scaling
     update = update or adam_update(cfg)
-    params = dict(model.named_parameters())
+    for n, p in model.named_parameters():
+        p.requires_grad_(not n.startswith(tuple(frozen)))
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     losses, norms = [], []
     for step, batch in enumerate(batches(cfg)):
         model.zero_grad()
@@ -90,14 +93,17 @@ def run_engine(engine, cfg):
             for s, b in enumerate(batches(cfg))]
 
 
-def assert_matches(cfg, engine, results, reference, initial):
+def assert_matches(cfg, engine, results, reference, initial, frozen=()):
     ref_losses, ref_norms, ref_weights = reference
     for r, loss, norm in zip(results, ref_losses, ref_norms, strict=True):
         assert abs(r.loss - loss) / abs(loss) <= 1e-5
         assert abs(r.grad_norm - norm) / norm <= 1e-5
     weights = hf_state(engine.modules, cfg.model.layers, engine.weights())
-    assert set(weights) == set(ref_weights)
+    assert set(weights) == set(ref_weights) | set(frozen)
     for name, w in weights.items():
+        if name in frozen:
+            assert torch.equal(w, initial[name]), f"frozen {name} changed"
+            continue
         assert max_rel(w, ref_weights[name]) <= 1e-5, name
         assert not torch.equal(w, initial[name]), f"{name} never changed"
 
@@ -170,6 +176,39 @@ def test_counters_equal_the_plan(hooks, make_config, offload, activation_offload
         assert result.activation_bytes == planned["activation_bytes"] == 3 * 4 * 8 * 64 * 4
     host_activations = planned["activation_bytes"] if activation_offload else 0
     assert engine.store.host_bytes() == planned["host_bytes"] - host_activations
+
+
+@pytest.mark.parametrize("offload", [True, False])
+def test_frozen_roles_train_like_the_reference_and_move_nothing_for_updates(hooks, make_config, offload):
+    """model.freeze=[embeddings,head]: the decoder trains exactly as a reference whose embeddings and head
+    have requires_grad=False; the frozen weights stay bit-identical; they have no gradient or optimizer
+    state in the store, none of it moves, they take no part in the norm; and the counters equal the plan."""
+    cfg = make_config(*EQUIVALENCE, "model.freeze=[embeddings,head]", f"execution.offload={offload}")
+    engine = make_engine(cfg, hooks)
+    initial = initial_weights(engine, cfg)
+    frozen = [n for n in initial if n.startswith(("transformer.wte", "transformer.ln_f", "lm_head"))]
+    assert len(frozen) == 5
+    reference = reference_training(cfg, initial, frozen=frozen)
+    planned = estimate(cfg, engine.parts, hooks)
+    results = run_engine(engine, cfg)
+    assert_matches(cfg, engine, results, reference, initial, frozen=frozen)
+    for unit in ("embeddings", "head"):
+        assert engine.store.entries[unit]["optim"] == {}
+        assert engine.store.entries[unit].get("grad", {}) == {}
+    for result in results:
+        assert result.traffic == planned["traffic"]
+    head_and_embeddings = sum(v.nbytes for role in ("embeddings", "head") for v in engine.parts.variables[role])
+    assert planned["frozen_saves_bytes"] == 2 * head_and_embeddings + sum(
+        v.nbytes for v in engine.parts.variables["head"])  # Adam's m and v for both, the head's stored gradient
+    assert planned["frozen_parameters"] == head_and_embeddings // 4
+    if offload:
+        plain = make_config(*EQUIVALENCE)
+        unfrozen = estimate(plain, build_model(plain, hooks), hooks)
+        for group in ("optim", "grad"):  # exactly the frozen units' share is gone
+            for direction in ("h2d", "d2h"):
+                units = ("embeddings", "head") if group == "optim" else ("head",)
+                share = sum(unfrozen["variables_bytes"][u][group] for u in units)
+                assert planned["traffic"][direction][group] == unfrozen["traffic"][direction][group] - share
 
 
 def test_weight_traffic_does_not_depend_on_gradient_accumulation(hooks, make_config):

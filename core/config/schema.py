@@ -54,6 +54,9 @@ class ModelConfig:
     # GPT-J's MLP width; null means 4 × hidden_size, as Hugging Face's n_inner=None does.
     intermediate_size: Optional[int] = None
     sequence_length: int = 2048
+    # Roles whose variables are all frozen (no gradient, no optimizer state, no update), for example
+    # [embeddings, head] with a LoRA decoder. A component may also freeze some of its own variables.
+    freeze: list[str] = field(default_factory=list)
     dropout_prob: float = 0.0
     # The dtype of the stored weights, of the compute and of the activation buffers. Loss, softmax, layer-norm
     # statistics, gradient accumulation, the global norm and the optimizer stay float32. The reference used

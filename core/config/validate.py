@@ -62,6 +62,9 @@ def derive_and_validate(cfg: DictConfig) -> None:
         _require(value is None or value <= limit, key, f"{value} is beyond any real run (at most {limit})")
 
     model, execution, optim = cfg.model, cfg.execution, cfg.training.optimizer
+    roles = ("embeddings", "decoder", "head")
+    for role in model.freeze:
+        _require(role in roles, "model.freeze", f"{role!r} is not a role; roles: {', '.join(roles)}")
     _require(0.0 <= model.dropout_prob < 1.0, "model.dropout_prob", f"must be in [0, 1), got {model.dropout_prob}")
     if model.init_checkpoint is not None:
         _require(model.hf_checkpoint is None, "model.init_checkpoint",
