@@ -31,21 +31,23 @@ from ipuft.components import VariableSpec
 from ipuft.datasets import EOS, load_tokenizer
 from ipuft.engine import unit_role
 from ipuft.errors import CheckpointError
-from ipuft.hf import DEFAULT_SHARD_BYTES, unit_mappings
+from ipuft.hf import DEFAULT_SHARD_BYTES, component_hf_config, export_names, unit_mappings
 from ipuft.hf_checkpoint import HF_SHAPES
 from ipuft.model import build_model
 from ipuft.plugins import PluginHooks
 from ipuft.precision import DTYPES
 
 
-def hf_config(cfg: DictConfig, eos_id: int | None, dtype: str = "float32") -> dict:
+def hf_config(cfg: DictConfig, eos_id: int | None, dtype: str = "float32", components: dict | None = None) -> dict:
     """A transformers GPTJConfig, as JSON, for the run's model: the shapes import reads back
-    (:data:`~ipuft.hf_checkpoint.HF_SHAPES`), GPT-J's fixed settings, and the weights' ``dtype``."""
+    (:data:`~ipuft.hf_checkpoint.HF_SHAPES`), GPT-J's fixed settings, what the components contribute
+    (:func:`ipuft.hf.component_hf_config`: the decoder's ``activation_function``), and the weights' ``dtype``."""
     config = {
         "architectures": ["GPTJForCausalLM"], "model_type": "gptj",
         **{hf: OmegaConf.select(cfg, key) for hf, key in HF_SHAPES.items()},
-        "n_positions": max(cfg.model.sequence_length, 2048), "activation_function": "gelu_new",
+        "n_positions": max(cfg.model.sequence_length, 2048),
         "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "tie_word_embeddings": False,
+        **(components or {}),
         "torch_dtype": dtype,
     }
     if eos_id is not None:
@@ -76,14 +78,18 @@ def export_hf(path: str | Path, out: str | Path, hooks: PluginHooks, shard_bytes
     dtype = dtype or cfg.model.precision.value
     torch_dtype = DTYPES[dtype]
     parts = build_model(cfg, hooks)
-    mappings = unit_mappings(parts.modules, cfg.model.layers)
-    names = {f"{unit}.{local}": hf for unit, m in mappings.items() for local, hf in m.items()}
-    shapes = {f"{unit}.{v.name}": tuple(v.shape) for unit in mappings for v in parts.variables[unit_role(unit)]}
+    # Checked before anything is written: every variable has a name (or is merged), no name twice, a full GPT-J.
+    names = export_names(parts.modules, parts.variables, cfg.model.layers)
+    components = component_hf_config(parts.modules)
+    units = list(unit_mappings(parts.modules, cfg.model.layers))
+    merging = {unit for unit in units if hasattr(parts.modules[unit_role(unit)], "hf_merge")}
+    shapes = {f"{unit}.{v.name}": tuple(v.shape) for unit in units for v in parts.variables[unit_role(unit)]}
     reader = open_tensors(checkpoint, WEIGHTS, manifest)
-    missing = sorted(set(names) - set(reader.keys()))
+    needed = set(names) | {f"{u}.{v.name}" for u in merging for v in parts.variables[unit_role(u)]}
+    missing = sorted(needed - set(reader.keys()))
     if missing:
         raise CheckpointError(f"checkpoint {checkpoint} lacks {', '.join(missing[:5])}")
-    for name in names:
+    for name in needed:
         if name in shapes and reader.entries[name].shape != shapes[name]:
             raise CheckpointError(f"checkpoint {checkpoint}: {name} has shape {reader.entries[name].shape}, the "
                                   f"model expects {shapes[name]}")
@@ -110,12 +116,24 @@ def export_hf(path: str | Path, out: str | Path, hooks: PluginHooks, shard_bytes
         raise CheckpointError(f"--hf {out} cannot be written ({exc.strerror or exc})") from None
     try:
         weight_map = {}
+        merged: dict[str, object] = {}  # a merging unit's exported tensors, read and merged together
+
+        def exported(name: str):
+            unit = next((u for u in merging if name.startswith(f"{u}.")), None)
+            if unit is None:
+                return reader.get(name)
+            if name not in merged:
+                role = unit_role(unit)
+                tensors = {v.name: reader.get(f"{unit}.{v.name}") for v in parts.variables[role]}
+                merged.update({f"{unit}.{n}": t for n, t in parts.modules[role].hf_merge(tensors).items()})
+            return merged.pop(name)
+
         for i, shard in enumerate(shards, start=1):
             file = WEIGHTS if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
             specs = [VariableSpec(names[s.name], s.shape, s.dtype) for s in shard]
             with SafetensorsWriter(tmp / file, specs, {"format": "pt"}) as writer:
                 for spec in shard:
-                    writer.write(names[spec.name], reader.get(spec.name).to(torch_dtype))
+                    writer.write(names[spec.name], exported(spec.name).to(torch_dtype))
                 writer.close()
             weight_map.update({names[s.name]: file for s in shard})
         reader.finish()  # raises if the weights read were not the checkpoint's: nothing is left behind
@@ -125,7 +143,7 @@ def export_hf(path: str | Path, out: str | Path, hooks: PluginHooks, shard_bytes
         tokenizer = tmp / "tokenizer.json"
         if "tokenizer.json" in manifest:
             tokenizer.write_bytes(read_verified(checkpoint, "tokenizer.json", _TOKENIZER_LIMIT))
-        (tmp / "config.json").write_text(json.dumps(hf_config(cfg, _eos_id(tokenizer), dtype), indent=2))
+        (tmp / "config.json").write_text(json.dumps(hf_config(cfg, _eos_id(tokenizer), dtype, components), indent=2))
         umask = os.umask(0)
         os.umask(umask)
         tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 is for the scratch directory, not the export

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ipuft.checkpoint import checked
 from ipuft.components import VariableSpec
-from ipuft.errors import CheckpointError, ConfigError
+from ipuft.errors import CheckpointError, ConfigError, PluginError
 from ipuft.hf import unit_mappings
 
 # config.json key → ipuft config key; each must agree with the run's config.
@@ -198,14 +198,28 @@ class HFWeights:
         return name in self.files
 
 
-def hf_initializer(directory: str | Path, modules, layers: int) -> Callable[[str, list[VariableSpec]], dict]:
-    """An engine initializer that fills each unit from the checkpoint, tensor by tensor."""
+def hf_initializer(directory: str | Path, modules, layers: int,
+                   seed: int = 0) -> Callable[[str, list[VariableSpec]], dict]:
+    """An engine initializer that fills each unit from the checkpoint, tensor by tensor. A variable the
+    component marks ``added`` (an adapter: it has no Hugging Face name) starts from its declared init,
+    seeded by ``seed`` as a random start would be; any other variable without a name stops the import."""
+    from ipuft.engine import initial_values
+
     weights = HFWeights(directory)
     mappings = unit_mappings(modules, layers)
+    source = f"model.hf_checkpoint {weights.directory}"
 
     def initial(unit: str, specs: list[VariableSpec]) -> dict[str, torch.Tensor]:
         hf_names = mappings[unit]
-        return {spec.name: checked(spec, hf_names[spec.name], weights, weights.get,
-                                   f"model.hf_checkpoint {weights.directory}") for spec in specs}
+        out = {}
+        for spec in specs:
+            if spec.name in hf_names:
+                out[spec.name] = checked(spec, hf_names[spec.name], weights, weights.get, source)
+            elif spec.added:
+                out.update(initial_values(unit, [spec], seed))
+            else:
+                raise PluginError(f"{source}: {unit}.{spec.name} has no Hugging Face name (the component's "
+                                  f"hf_mapping) and is not marked added, so it cannot start from this checkpoint")
+        return out
 
     return initial

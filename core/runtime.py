@@ -46,7 +46,7 @@ def initializer(cfg: DictConfig, parts: ModelParts) -> Initializer:
         if source is not None:
             return checkpoint_initializer(find_checkpoint(source), units=parts.program.units())
     if cfg.model.hf_checkpoint is not None:
-        return hf_initializer(cfg.model.hf_checkpoint, parts.modules, cfg.model.layers)
+        return hf_initializer(cfg.model.hf_checkpoint, parts.modules, cfg.model.layers, cfg.model.seed)
     return lambda unit, specs: initial_values(unit, specs, cfg.model.seed)
 
 

@@ -225,3 +225,83 @@ def test_a_hub_name_resolves_from_the_local_cache_without_network(hooks, tmp_pat
     (repo / "refs" / "main").write_text("../../../../etc")  # refs/main is data, never a path
     code, _, err = run_cli(capsys, "plan", "model.hf_checkpoint=someone/tiny-gptj")
     assert code == 2 and "does not name one snapshot" in err
+
+
+# Each is a plugin overriding a stock component (tryfirst) with a Hugging Face mapping problem.
+_STOCK_HEAD = """
+import torch
+from ipuft import hookimpl
+from ipuft_lm_head import SHARD_SPECS, build as stock_build
+
+class Head(torch.nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.inner = stock_build(cfg)
+        self.norm, self.proj = self.inner.norm, self.inner.proj
+    def forward(self, hidden, labels=None):
+        return self.inner(hidden, labels)
+    def variable_specs(self):
+        return self.inner.variable_specs()
+    def hf_mapping(self, layer=None):
+        return MAPPING
+{extra}
+@hookimpl(tryfirst=True)
+def ipuft_register_components(registry):
+    registry.add("head", "gptj", Head, "a head with a mapping problem", shard_specs=SHARD_SPECS)
+"""
+_STOCK_MAPPING = ('{"norm.weight": "transformer.ln_f.weight", "norm.bias": "transformer.ln_f.bias", '
+                  '"proj.weight": "lm_head.weight", "proj.bias": "lm_head.bias"}')
+BAD_EXPORTS = {
+    "no-hf-names": ("{}", "", "model.head: variable norm.weight of Head has no Hugging Face name (hf_mapping) and is "
+                    "not added; the export would lose it"),
+    "onto-the-embeddings": (_STOCK_MAPPING.replace("lm_head.weight", "transformer.wte.weight"), "",
+                            "embeddings.wte.weight and head.proj.weight both map to the Hugging Face name "
+                            "transformer.wte.weight; one would overwrite the other"),
+    "not-gpt-j": (_STOCK_MAPPING.replace("lm_head.bias", "score.bias"), "",
+                  "the export would not be a complete GPT-J: it lacks lm_head.bias"),
+    "not-exportable": (_STOCK_MAPPING, "    hf_exportable = False\n",
+                       "model.head: Head is not exportable to a Hugging Face GPT-J (it sets hf_exportable = False)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_EXPORTS))
+def test_an_export_that_would_write_a_wrong_model_is_refused(trained, tmp_path, fake_dist, capsys, case):
+    """One line, exit 2, and no directory written: a variable without a Hugging Face name, two variables under
+    one name, a result that is not a complete GPT-J, a component that is not exportable."""
+    from cli_helpers import run_cli
+
+    mapping, extra, message = BAD_EXPORTS[case]
+    fake_dist("ipuft-bad-head", {"bad_head": "bad_head_plugin"},
+              {"bad_head_plugin": _STOCK_HEAD.replace("MAPPING", mapping).replace("{extra}", extra)})
+    out = tmp_path / "hf"
+    code, _, err = run_cli(capsys, "export", "--checkpoint", str(trained / "run"), "--hf", str(out))
+    assert (code, err) == (2, f"ipuft: error: {message}\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad_head_plugin.py", "ipuft_bad_head-0.1.0.dist-info"]
+
+
+def test_a_decoder_that_does_not_give_its_activation_is_not_exported(trained, tmp_path, fake_dist, capsys):
+    from cli_helpers import run_cli
+
+    fake_dist("ipuft-quiet", {"quiet": "quiet_plugin"}, {"quiet_plugin": """
+        from ipuft import hookimpl
+        from ipuft_decoder import SHARD_SPECS, build as stock_build
+
+        def build(cfg):
+            block = stock_build(cfg)
+
+            class Quiet(type(block)):
+                def hf_config(self):
+                    return {}  # says nothing of its activation
+
+            block.__class__ = Quiet
+            return block
+
+        @hookimpl(tryfirst=True)
+        def ipuft_register_components(registry):
+            registry.add("decoder", "gptj", build, "a decoder that does not say its activation", shard_specs=SHARD_SPECS)
+    """})
+    out = tmp_path / "hf"
+    code, _, err = run_cli(capsys, "export", "--checkpoint", str(trained / "run"), "--hf", str(out))
+    assert (code, err) == (2, "ipuft: error: model.decoder: Quiet does not give config.json's "
+                              "activation_function (hf_config()), so the export cannot say how to run it\n")
+    assert not out.exists()

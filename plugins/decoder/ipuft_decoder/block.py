@@ -214,6 +214,10 @@ class GPTJDecoderBlock(nn.Module):
                       "mlp.fc_in.bias": Init("zeros"), "mlp.fc_out.bias": Init("zeros")})
         return specs_from_module(self, inits)
 
+    def hf_config(self) -> dict:
+        """This block's part of a Hugging Face config.json."""
+        return {"activation_function": "gelu_new"}
+
     def hf_mapping(self, layer: int | None) -> dict[str, str]:
         prefix = f"transformer.h.{layer}."
         local = {"norm.weight": "ln_1.weight", "norm.bias": "ln_1.bias"}
