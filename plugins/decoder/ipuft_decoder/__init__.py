@@ -38,22 +38,28 @@ class DecoderOptions:
     attention_kernel: AttentionKernel = AttentionKernel.sdpa
 
 
+def block_arguments(cfg: DictConfig) -> dict:
+    """The block's constructor arguments for this tensor-parallel rank's share of the heads and of the MLP
+    width (for plugins that build on the block, such as a LoRA decoder)."""
+    m, tp = cfg.model, cfg.execution.tensor_parallel
+    return {
+        "hidden_size": m.hidden_size,
+        "heads": m.attention.heads // tp,
+        "head_dim": m.hidden_size // m.attention.heads,
+        "intermediate_size": m.intermediate_size // tp,
+        "rotary_dim": m.attention.rotary_dim,
+        "rotary_base": m.attention.rotary_positional_embeddings_base,
+        "layer_norm_epsilon": m.layer_norm_epsilon,
+        "dropout_prob": m.dropout_prob,
+        "attention_kernel": cfg.plugins[SECTION].attention_kernel.value,
+    }
+
+
 def build(cfg: DictConfig) -> GPTJDecoderBlock:
     """One layer with this tensor-parallel rank's share of the heads and of the MLP width."""
     from ipuft_decoder.block import GPTJDecoderBlock
 
-    m, tp = cfg.model, cfg.execution.tensor_parallel
-    return GPTJDecoderBlock(
-        hidden_size=m.hidden_size,
-        heads=m.attention.heads // tp,
-        head_dim=m.hidden_size // m.attention.heads,
-        intermediate_size=m.intermediate_size // tp,
-        rotary_dim=m.attention.rotary_dim,
-        rotary_base=m.attention.rotary_positional_embeddings_base,
-        layer_norm_epsilon=m.layer_norm_epsilon,
-        dropout_prob=m.dropout_prob,
-        attention_kernel=cfg.plugins[SECTION].attention_kernel.value,
-    )
+    return GPTJDecoderBlock(**block_arguments(cfg))
 
 
 _COLUMN, _ROW, _REPLICATED = ShardSpec(tp_dim=0), ShardSpec(tp_dim=1), ShardSpec()
