@@ -244,3 +244,26 @@ def test_an_exception_in_any_hook_is_one_line_naming_the_plugin_and_the_hook(fak
         assert err.startswith("Traceback") and "raiser_plugin.py" in err and err.endswith(line)
     else:
         assert err == line
+
+
+def test_a_non_elementwise_optimizer_is_refused_under_rts_and_a_changed_optimizer_on_resume(fake_dist, capsys,
+                                                                                            trained):
+    """An optimizer registered with elementwise=False needs whole tensors: RTS's flat shards are refused with
+    one line. Resuming a checkpoint with another optimizer says so in one line."""
+    from cli_helpers import run_cli
+
+    fake_dist("ipuft-rowwise", {"rowwise": "rowwise_plugin"}, {"rowwise_plugin": """
+        from ipuft import hookimpl
+        @hookimpl
+        def ipuft_register_optimizers(registry):
+            registry.add("rowwise", lambda cfg: None, "per-row statistics", elementwise=False)
+    """})
+    code, _, err = run_cli(capsys, "plan", "--config", "tiny", "training.optimizer.name=rowwise", "execution.rts=true")
+    assert (code, err) == (2, "ipuft: error: training.optimizer.name: rowwise is not elementwise (it needs whole "
+                              "tensors), but execution.rts shards each variable over the data-parallel ranks; set "
+                              "execution.rts=false\n")
+    code, _, err = run_cli(capsys, "train", "--checkpoint", str(trained / "run"), "training.optimizer.name=rowwise",
+                           "training.steps=3", f"output_dir={trained / 'other'}")
+    assert code == 2
+    assert err.startswith("ipuft: error: checkpoint.load: resuming ") and \
+        "would change training.optimizer.name adamw -> rowwise" in err and err.count("\n") == 1

@@ -154,16 +154,20 @@ def load_config(
     schema = _schema(sections)
     cfg = schema.copy()
     typed: set[str] = set()
+    chosen: set[str] = set()  # keys the user set: overrides, and a preset file they named (not a checkpoint's dump)
     if preset is not None:
         name, data = _read_preset(preset) if isinstance(preset, str) else preset
         if not default_preset:
             typed |= set(_dotted_keys(data))
+            if isinstance(preset, str):
+                chosen |= typed
         try:
             cfg = OmegaConf.merge(cfg, data)
         except OmegaConfBaseException as exc:
             raise _explain(exc, schema, f"preset {name}") from None
     for key, value in _parse_overrides(list(overrides)):
         typed.add(key)
+        chosen.add(key)
         try:
             if OmegaConf.select(cfg, key, default=_MISSING) is _MISSING:
                 raise ConfigKeyError(f"Key '{key}' is not in struct")
@@ -191,7 +195,7 @@ def load_config(
         apply_checkpoint_shapes(cfg, typed)
     if default_preset and "data.tokenizer" not in typed and (cfg.model.hf_checkpoint or cfg.model.init_checkpoint):
         cfg.data.tokenizer = None  # the checkpoint's own tokenizer, not the default preset's sample one
-    if sections is not None and (unused := sections.unused_settings(cfg, typed)):
+    if sections is not None and (unused := sections.unused_settings(cfg, chosen)):
         raise ConfigError(f"{unused[0]}: it is set but does nothing in this config; drop it or select what it "
                           f"configures")
     derive_and_validate(cfg)
