@@ -12,13 +12,13 @@ from pathlib import Path
 import dist_workers
 import pytest
 import torch
+from cli_helpers import run_cli as cli
 from distributed import spawn
 from safetensors import safe_open
 from safetensors.torch import load_file
 from test_bad_input import _checkpoint, _flip, _truncate
 
 from ipuft.checkpoint import OPTIM, WEIGHTS, open_tensors, read_manifest, verify
-from ipuft.cli.main import main
 from ipuft.components import VariableSpec
 from ipuft.config import load_config
 from ipuft.datasets import data_source
@@ -159,13 +159,7 @@ def test_a_bad_header_is_one_line(tmp_path, case):
 
 
 def run_cli(argv, capsys):
-    try:
-        main(argv)
-        code = 0
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
+    return cli(capsys, *argv)
 
 
 def test_export_reads_only_the_weights_and_resume_refuses_damaged_optimizer_state(tmp_path, trained, capsys,
