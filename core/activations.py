@@ -98,28 +98,36 @@ class ActivationBuffers:
         return len(self._slots)
 
 
+class Saved:
+    """The bytes of tensors autograd saved inside a :func:`working_set` block."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+
 @contextmanager
-def working_set(store: VariableStore, exclude: list[torch.Tensor]) -> Iterator[None]:
+def working_set(store: VariableStore, exclude: list[torch.Tensor], keep: bool = False) -> Iterator[Saved]:
     """Count the tensors autograd saves for the backward as resident device bytes while the block runs
-    and until the caller's backward is done (they are released on exit).
+    and until the caller's backward is done: released on exit, or, with ``keep``, left for the caller to
+    release (``Saved.bytes``) when the graph they belong to is gone.
 
     Tensors already counted elsewhere (the loaded variables, the layer input) are excluded by storage.
     """
     seen = {t.untyped_storage().data_ptr() for t in exclude}
-    counted = 0
+    saved = Saved()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal counted
         ptr = t.untyped_storage().data_ptr()
         if ptr not in seen and t.device.type != "meta":
             seen.add(ptr)
             size = t.untyped_storage().nbytes()
-            counted += size
+            saved.bytes += size
             store.ledger.acquire(size)
         return t
 
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            yield
+            yield saved
     finally:
-        store.ledger.release(counted)
+        if not keep:
+            store.ledger.release(saved.bytes)

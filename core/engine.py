@@ -55,6 +55,7 @@ class StepResult:
     loss_scale: float = 1.0
     activation_bytes: int = 0  # the peak bytes of buffered activations (host or device)
     variable_bytes: int = 0  # bytes of every variable this rank stores (host with offload, else device)
+    graph_bytes: int = 0  # recompute=false: the peak bytes of the forward graphs kept for the backward
 
 
 @dataclass
@@ -69,6 +70,21 @@ class _StepState:
 
 
 Initializer = Callable[[str, list[VariableSpec]], Tensors]
+
+
+class _Graphs:
+    """recompute=false: one unit's kept forward graphs, per micro-batch (output, input leaves, saved bytes),
+    and the weight leaves their gradients accumulate into."""
+
+    def __init__(self, leaves: Tensors) -> None:
+        self.leaves = leaves
+        self._kept: dict[int, tuple[torch.Tensor | None, list[torch.Tensor], int]] = {}
+
+    def append(self, out: torch.Tensor | None, inputs: list[torch.Tensor], size: int) -> None:
+        self._kept[len(self._kept)] = (out, inputs, size)
+
+    def pop(self, mb: int) -> tuple[torch.Tensor | None, list[torch.Tensor], int]:
+        return self._kept.pop(mb)
 
 
 def unit_role(unit: str) -> str:
@@ -149,6 +165,10 @@ class PhasedEngine:
         self.recipe = recipe(cfg)
         self.scale = LossScale.from_config(cfg)
         self.dropout = cfg.model.dropout_prob > 0
+        self.recompute = bool(cfg.execution.recompute)
+        # recompute=false: each unit's forward graphs, kept from its forward to its backward (see _forward).
+        self._graphs: dict[str, _Graphs] = {}
+        self.graph_bytes = self.graph_peak = 0  # their saved tensors' bytes now, and the step's peak
         self.store = VariableStore(self.device, offload=cfg.execution.offload)
         self.buffers = ActivationBuffers(self.store, cfg.execution.activation_offload, self.layout)
         self.updates = 0  # optimizer steps taken; Adam's bias correction counts from 1
@@ -207,6 +227,7 @@ class PhasedEngine:
             self._run(phase, state)
         activation_bytes = self.buffers.peak
         self.buffers.clear()
+        graph_peak, self.graph_peak = self.graph_peak, 0
         if state.skip:
             self.updates -= 1  # Adam's bias correction counts updates that happened
         self.scale.update(overflow=state.skip)
@@ -229,6 +250,7 @@ class PhasedEngine:
             loss_scale=state.loss_scale,
             activation_bytes=activation_bytes,
             variable_bytes=self.store.variable_bytes(),
+            graph_bytes=graph_peak,
         )
 
     def _prefetch(self, current: Phase, following: Phase | None) -> None:
@@ -314,6 +336,8 @@ class PhasedEngine:
         return seeded()
 
     def _forward(self, phase: Phase, module: torch.nn.Module, weights: Tensors, batch: Batch) -> None:
+        if not self.recompute:
+            return self._forward_keeping_graphs(phase, module, weights, batch)
         x_in, x_out = self.program.activation_rows(phase)
         with torch.no_grad(), bound(module, weights):
             for mb in range(batch.micro_batches):
@@ -324,6 +348,37 @@ class PhasedEngine:
                     with self.buffers.read("x", x_in, mb) as x, self._rng(phase.unit, mb):
                         out = module(x)
                 self.buffers.write("x", x_out, mb, out)
+
+    def _forward_keeping_graphs(self, phase: Phase, module, weights: Tensors, batch: Batch) -> None:
+        """recompute=false: run every micro-batch's forward with autograd and keep each graph (its output and
+        the input leaf) until the unit's backward, which then needs no recompute. The tensors autograd saves
+        stay counted on the device from here to there."""
+        x_in, x_out = self.program.activation_rows(phase)
+        trainable = self.trainable[phase.role]
+        params = {n: t.detach().requires_grad_() if n in trainable else t for n, t in weights.items()}
+        leaves = {n: p for n, p in params.items() if n in trainable}
+        graphs = _Graphs(leaves)
+        with bound(module, params):
+            for mb in range(batch.micro_batches):
+                with contextlib.ExitStack() as stack:
+                    if x_in is None:
+                        inputs, args = [], (batch.input_ids[mb],)
+                    else:
+                        x = stack.enter_context(self.buffers.read("x", x_in, mb)).detach().requires_grad_()
+                        inputs, args = [x], (x,)
+                    if not inputs and not leaves:  # a frozen first unit: its backward has nothing to do
+                        with torch.no_grad(), self._rng(phase.unit, mb):
+                            out = module(*args)
+                        graphs.append(None, [], 0)
+                    else:
+                        saved = stack.enter_context(working_set(self.store, list(params.values()) + inputs, keep=True))
+                        with self._rng(phase.unit, mb):
+                            out = module(*args)
+                        graphs.append(out, inputs, saved.bytes)
+                        self.graph_bytes += saved.bytes
+                        self.graph_peak = max(self.graph_peak, self.graph_bytes)
+                self.buffers.write("x", x_out, mb, out.detach())
+        self._graphs[phase.unit] = graphs
 
     def _gradients(self, phase: Phase, module, weights: Tensors, st: _StepState) -> Tensors:
         """The gradient of the unit's trainable variables over every micro-batch, reduced over DP, in its
@@ -345,13 +400,17 @@ class PhasedEngine:
         the unit's gradients summed over micro-batches: by autograd itself (into the leaves' ``.grad``), or
         with ``wide`` into float32 sums, one micro-batch's 16-bit gradient at a time."""
         trainable = self.trainable[phase.role]
+        graphs = self._graphs.pop(phase.unit, None)
         # Frozen variables are bound without autograd: no gradient is computed for them.
         params = {n: t.detach().requires_grad_() if n in trainable else t for n, t in weights.items()}
-        leaves = {n: p for n, p in params.items() if n in trainable}
+        leaves = graphs.leaves if graphs is not None else {n: p for n, p in params.items() if n in trainable}
         sums: Tensors = {}
         with bound(module, params):
             for mb in range(st.batch.micro_batches):
-                self._backward_micro_batch(phase, module, list(leaves.values()), mb, st)
+                if graphs is None:
+                    self._backward_micro_batch(phase, module, list(leaves.values()), mb, st)
+                else:
+                    self._backward_kept_graph(phase, graphs, mb, list(leaves.values()))
                 if wide:
                     for n, p in leaves.items():
                         if n in sums:
@@ -386,6 +445,22 @@ class PhasedEngine:
                 st.losses.append(out.detach())
                 out = out * (st.loss_scale / st.batch.micro_batches)
             torch.autograd.backward(out, seed, inputs=inputs + params)
+        if inputs:
+            self.buffers.write("dx", x_in, mb, inputs[0].grad)
+
+    def _backward_kept_graph(self, phase: Phase, graphs: _Graphs, mb: int, leaves: list[torch.Tensor]) -> None:
+        """recompute=false: backpropagate micro-batch ``mb``'s kept forward graph with its ``dx`` (no
+        recompute), and keep the gradient of the unit's input as ``dx``."""
+        x_in, x_out = self.program.activation_rows(phase)
+        out, inputs, size = graphs.pop(mb)
+        with contextlib.ExitStack() as stack:
+            seed = stack.enter_context(self.buffers.read("dx", x_out, mb, consume=True))
+            if x_in is not None:  # the layer input's entry is done with, as after a recompute
+                stack.enter_context(self.buffers.read("x", x_in, mb, consume=True))
+            if out is not None:
+                torch.autograd.backward(out, seed, inputs=inputs + leaves)
+        self.store.ledger.release(size)
+        self.graph_bytes -= size
         if inputs:
             self.buffers.write("dx", x_in, mb, inputs[0].grad)
 

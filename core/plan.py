@@ -91,24 +91,38 @@ def activation_peak_bytes(cfg: DictConfig) -> int:
 def working_bytes(parts: ModelParts, role: str, cfg: DictConfig) -> int:
     """Bytes autograd saves for one micro-batch of one unit of ``role``, measured on the meta device."""
     mbs, seq, hidden = cfg.execution.micro_batch_size, cfg.model.sequence_length, cfg.model.hidden_size
-    params = {v.name: torch.empty(v.shape, dtype=v.dtype, device="meta", requires_grad=True)
+    trainable = {v.name for v in parts.variables[role] if v.trainable}
+    params = {v.name: torch.empty(v.shape, dtype=v.dtype, device="meta", requires_grad=v.name in trainable)
               for v in parts.modules[role].variable_specs()}
     ids = torch.zeros(mbs, seq, dtype=torch.int64, device="meta")
     x = torch.empty(mbs, seq, hidden, dtype=compute_dtype(cfg), device="meta", requires_grad=True)
     args = {"embeddings": (ids,), "decoder": (x,), "head": (x, ids)}[role]
+    # Counted by storage, as the engine's ledger counts real tensors: a view (a transposed weight, a head's
+    # slice) costs nothing beyond its base, and the weights and the input are counted elsewhere.
     excluded = {id(t) for t in (*params.values(), x)}
     total = 0
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         nonlocal total
-        if id(t) not in excluded:
-            excluded.add(id(t))
-            total += t.numel() * t.element_size()
+        root = t._base if t._base is not None else t
+        if id(root) not in excluded:
+            excluded.add(id(root))
+            total += root.untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         functional_call(parts.modules[role], params, args)
     return total
+
+
+def graph_bytes(cfg: DictConfig, parts: ModelParts) -> int:
+    """``execution.recompute=false``: the bytes of the forward graphs kept at the end of the forward, every
+    decoder layer's and the embeddings' for every micro-batch (what autograd saves, measured per unit)."""
+    if cfg.execution.recompute:
+        return 0
+    embeddings = working_bytes(parts, "embeddings", cfg) if any(v.trainable for v in parts.variables["embeddings"]) \
+        else 0
+    return cfg.gradient_accumulation * (cfg.model.layers * working_bytes(parts, "decoder", cfg) + embeddings)
 
 
 def traffic(cfg: DictConfig, parts: ModelParts, sizes: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
@@ -187,6 +201,9 @@ def device_peak_estimate(cfg: DictConfig, parts: ModelParts, sizes: dict[str, di
         acts = activation_peak_bytes(cfg) + (3 * act if tp > 1 else 0)
     # A 16-bit unit's backward holds autograd's 16-bit gradients and their float32 sums.
     grad_factor = 1 if compute_dtype(cfg) == torch.float32 else 3
+    # recompute=false: the kept graphs peak at the end of the forward, and are all there when the head's
+    # loss-backward runs; an upper bound for every phase.
+    graphs = graph_bytes(cfg, parts)
     peak = 0
     for phase in parts.program:
         unit = sizes[phase.unit]
@@ -198,7 +215,7 @@ def device_peak_estimate(cfg: DictConfig, parts: ModelParts, sizes: dict[str, di
         # The micro-batch loop, then the update: the second holds only the finished (16-bit) gradients.
         compute = grad_factor * grads + acts + working[phase.role] if phase.computes else 0
         update = grads + update_transient_bytes(cfg, parts, phase.role) if Op.OPTIMIZER_STEP in phase.ops else 0
-        peak = max(peak, resident_vars + loaded + max(compute, update))
+        peak = max(peak, resident_vars + graphs + loaded + max(compute, update))
     return peak
 
 
@@ -250,6 +267,7 @@ def estimate(cfg: DictConfig, parts: ModelParts, hooks: PluginHooks, inference_b
         "variables_bytes": {unit: s for unit, s in sizes.items()},
         "variable_bytes": variables,
         "activation_bytes": acts,
+        "graph_bytes": graph_bytes(cfg, parts),
         "host_bytes": host_vars + host_acts,
         "device_peak_bytes": device_peak_estimate(cfg, parts, sizes),
         "h2d_bytes_per_step": sum(moved["h2d"].values()),

@@ -9,6 +9,7 @@ from hf_reference import hf_gptj, hf_state
 
 from ipuft.data import SampleData
 from ipuft.engine import PhasedEngine
+from ipuft.errors import ConfigError
 from ipuft.model import build_model
 from ipuft.plan import estimate, working_bytes
 from ipuft.schedule import learning_rate
@@ -124,16 +125,19 @@ def reference(request):
     return reference_training(cfg, initial), initial
 
 
-@pytest.mark.parametrize("offload", [True, False])
-@pytest.mark.parametrize("activation_offload", [True, False])
-def test_five_steps_equal_the_plain_reference(hooks, make_config, reference, offload, activation_offload):
-    cfg = make_config(*EQUIVALENCE, f"execution.offload={offload}", f"execution.activation_offload={activation_offload}")
+@pytest.mark.parametrize(("offload", "activation_offload", "recompute"),
+                         [(True, True, True), (True, False, True), (False, True, True), (False, False, True),
+                          (False, False, False)])
+def test_five_steps_equal_the_plain_reference(hooks, make_config, reference, offload, activation_offload, recompute):
+    cfg = make_config(*EQUIVALENCE, f"execution.offload={offload}", f"execution.activation_offload={activation_offload}",
+                      f"execution.recompute={recompute}")
     assert cfg.gradient_accumulation == 4
     engine = make_engine(cfg, hooks)
     (ref_losses, ref_norms, ref_weights), initial = reference
     assert min(ref_norms) > 4 * cfg.training.optimizer.gradient_clipping  # clipping is active on every step
     assert_matches(cfg, engine, run_engine(engine, cfg), (ref_losses, ref_norms, ref_weights), initial)
     assert len(engine.buffers) == 0  # every activation was consumed
+    assert engine.graph_bytes == 0 and not engine._graphs  # and every kept graph
 
 
 def test_swapped_optimizer_through_config_alone(fake_dist):
@@ -209,6 +213,31 @@ def test_frozen_roles_train_like_the_reference_and_move_nothing_for_updates(hook
                 units = ("embeddings", "head") if group == "optim" else ("head",)
                 share = sum(unfrozen["variables_bytes"][u][group] for u in units)
                 assert planned["traffic"][direction][group] == unfrozen["traffic"][direction][group] - share
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_without_recompute_the_kept_graphs_are_counted_and_planned(hooks, make_config, precision):
+    """recompute=false keeps L × GA micro-batches' saved tensors from the forward to the backward: the ledger
+    counts them (graph_bytes), the plan measures them on the meta device (within a few percent in float32;
+    an upper bound in bfloat16, whose CPU attention kernel saves less than the meta device's), the device
+    peak includes them, and the step equals recompute=true's."""
+    extra = ["model.precision=bfloat16", "training.stochastic_rounding=true"] if precision == "bfloat16" else []
+    common = ["training.global_batch_size=4", "execution.offload=false", *extra]
+    kept = make_engine(make_config(*common, "execution.recompute=false"), hooks)
+    recomputed = make_engine(make_config(*common), hooks)
+    planned = estimate(kept.cfg, kept.parts, hooks)
+    for batch in batches(kept.cfg)[:2]:
+        a, b = kept.step(batch, 1e-3), recomputed.step(batch, 1e-3)
+        assert abs(a.loss - b.loss) <= 1e-6 * abs(b.loss) and abs(a.grad_norm - b.grad_norm) <= 1e-5 * b.grad_norm
+        assert a.graph_bytes > 0 and b.graph_bytes == 0 and planned["graph_bytes"] >= a.graph_bytes
+        assert a.device_peak_bytes >= b.device_peak_bytes  # the graphs are on the device at once
+        if precision == "float32":  # (in bfloat16 the update's float32 transients are the larger peak)
+            assert planned["graph_bytes"] <= 1.05 * a.graph_bytes
+            assert a.device_peak_bytes > b.device_peak_bytes
+    for key in ("offload", "activation_offload", "rts"):
+        with pytest.raises(ConfigError, match=f"set execution.{key}=false with it"):
+            make_config("execution.recompute=false", *(["execution.offload=false"] if key != "offload" else []),
+                        f"execution.{key}=true")
 
 
 def test_weight_traffic_does_not_depend_on_gradient_accumulation(hooks, make_config):

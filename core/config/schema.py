@@ -129,6 +129,11 @@ class ExecutionConfig:
     offload: bool = True
     # Keep the x/dx activation buffers in host memory too.
     activation_offload: bool = False
+    # Recompute each layer's forward in its backward (the reference's): only layer inputs stay between phases.
+    # false: each layer's forward keeps what its backward needs, for every micro-batch, until that backward
+    # (L × GA micro-batches' saved tensors at once, on the device; ipuft plan counts them). It needs the
+    # weights resident and whole: execution.offload=false, activation_offload=false, rts=false.
+    recompute: bool = True
     # Replicated tensor sharding over the data-parallel ranks; null means "on when data_parallel > 1".
     rts: Optional[bool] = None
     # How long a collective waits for a peer rank before the run stops with one line (a dead or stopped rank).

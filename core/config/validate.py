@@ -126,4 +126,11 @@ def derive_and_validate(cfg: DictConfig) -> None:
              f"{execution.data_parallel} × {execution.micro_batch_size} = {replicas_batch}")
     cfg.gradient_accumulation = gbs // replicas_batch
     if execution.rts is None:
-        execution.rts = execution.data_parallel > 1
+        execution.rts = execution.data_parallel > 1 and execution.recompute
+    if not execution.recompute:
+        # A kept graph references the weights and inputs its forward computed with, on the device: offloading
+        # them (or gathering RTS shards per phase) would pin every layer's copy there until its backward.
+        for key in ("offload", "activation_offload", "rts"):
+            _require(not execution[key], "execution.recompute",
+                     f"false keeps every layer's autograd graph, and the weights it references, on the device; "
+                     f"set execution.{key}=false with it (or recompute=true)")
