@@ -3,8 +3,10 @@ clip_grad_norm_, on the same config, data and gradient accumulation, in one proc
 
     python bench/throughput.py [--steps N] [--repeats R] [KEY=VALUE ...]
 
-Prints tokens/s of each and the ratio ipuft / baseline, with offload off and on in float32, and in bfloat16
-(ipuft with stochastic rounding, offload on) against transformers with its parameters in bfloat16. The runs
+Prints tokens/s of each and the ratio ipuft / baseline in float32: without recompute (offload off), against
+transformers eager; with recompute, offload off and on, against transformers with gradient checkpointing
+too; and in bfloat16 (ipuft with stochastic rounding, offload on) against transformers with its parameters
+in bfloat16. The runs
 alternate and each figure is the median step time, since these machines are noisy. Not a test.
 """
 
@@ -88,8 +90,9 @@ def main() -> None:
     hooks = create_plugin_manager()
     sections = hooks.registrations.config_sections
     base = DEFAULTS + args.overrides
-    cfgs = {name: load_config("tiny", base + [f"execution.offload={off}"], sections)
-            for name, off in (("offload_off", False), ("offload_on", True))}
+    variants = {"no_recompute": ["execution.offload=false", "execution.recompute=false"],
+                "offload_off": ["execution.offload=false"], "offload_on": ["execution.offload=true"]}
+    cfgs = {name: load_config("tiny", base + extra, sections) for name, extra in variants.items()}
     bf16 = load_config("tiny", base + ["model.precision=bfloat16", "training.stochastic_rounding=true"], sections)
     cfg = cfgs["offload_off"]
     data = SampleData(cfg.model.embedding.vocab_size, cfg.model.sequence_length)

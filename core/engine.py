@@ -482,15 +482,19 @@ class PhasedEngine:
         for key, t in optim.items():
             name, state = key.rsplit(".", 1)
             states[name][state] = t
-        for name, w in weights.items():
-            if name not in grads:
-                continue  # frozen
-            full_name = f"{phase.unit}.{name}"
-            if self.recipe is Recipe.exact:
-                # The stored gradient is consumed by this step: finished in place, without a copy.
-                self.optimizer.step(full_name, w, grads[name].mul_(factor), states[name], ctx)
-            else:
-                self._update_16bit(phase, name, w, grads[name], states[name], ctx)
+        names = [name for name in weights if name in grads]  # frozen variables have no gradient
+        if not names:
+            return
+        if self.recipe is Recipe.exact:
+            # The stored gradients are consumed by this step: finished in place, without a copy; then the unit's
+            # variables are updated together.
+            finished = [grads[name] for name in names]
+            torch._foreach_mul_(finished, factor)
+            self.optimizer.step_unit([f"{phase.unit}.{name}" for name in names], [weights[name] for name in names],
+                                     finished, [states[name] for name in names], ctx)
+            return
+        for name in names:
+            self._update_16bit(phase, name, weights[name], grads[name], states[name], ctx)
 
     def _update_16bit(self, phase: Phase, name: str, weight: torch.Tensor, grad: torch.Tensor,
                       state: dict[str, torch.Tensor], ctx: StepContext) -> None:

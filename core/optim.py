@@ -67,6 +67,20 @@ class Optimizer(ABC):
     ) -> None:
         """Update ``weight`` and ``state`` in place from ``grad``; ``name`` is the variable's full name."""
 
+    def step_unit(
+        self,
+        names: list[str],
+        weights: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        states: list[dict[str, torch.Tensor]],
+        ctx: StepContext,
+    ) -> None:
+        """Update every trainable variable of one unit at once (float32, as :meth:`step`). The default calls
+        :meth:`step` per variable; an optimizer may override it with multi-tensor ops (``torch._foreach_*``),
+        one call per op for the whole unit instead of one per variable, with the same results."""
+        for name, weight, grad, state in zip(names, weights, grads, states, strict=True):
+            self.step(name, weight, grad, state, ctx)
+
 
 OptimizerFactory = Callable[["DictConfig"], Optimizer]
 
