@@ -313,6 +313,14 @@ def checkpoint_config(path: str | Path, sections, overrides: list[str] | tuple[s
             data.setdefault("plugins", {}).setdefault(new.split(".")[1], {})[new.rpartition(".")[2]] = value
     for key in (*_PLACEMENT, *RETIRED):
         _pop(data, key)
+    # A saved config holds every plugin section installed when it was saved; one whose used_when that run did not
+    # meet (plugins.adamw in a run of another optimizer) did nothing, and is not a setting of this config.
+    saved_sections = data.get("plugins")
+    for name in sections or ():
+        when = sections.used_when(name)
+        if isinstance(saved_sections, dict) and any(
+                _saved(data, key) is not None and str(_saved(data, key)) != value for key, value in when.items()):
+            saved_sections.pop(name, None)
     return load_config((str(found / "config.yaml"), data), [f"checkpoint.load={found}", *overrides], sections)
 
 

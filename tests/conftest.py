@@ -4,8 +4,7 @@ fake distributions on ``sys.path`` for testing entry-point discovery without ins
 from __future__ import annotations
 
 import os
-import sys
-import textwrap
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 
 from ipuft.config import load_config
 from ipuft.plugins import create_plugin_manager
+from ipuft.testing import PluginInstaller
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -20,9 +20,48 @@ FIXTURES = Path(__file__).parent / "fixtures"
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
 
 
+# The suite tests core and the four shipped plugins. Plugins installed beside them (the examples, which .ci/run
+# installs after this suite; a developer's own) are hidden from it, so that its exact expectations hold in
+# any environment: filtered out of the entry points in process, and disabled by name in the processes a test
+# starts (a test that sets IPUFT_DISABLE_PLUGINS itself replaces the latter).
+SHIPPED = {"ipuft-embeddings", "ipuft-decoder", "ipuft-lm-head", "ipuft-optim-adam"}
+
+
+def _canonical(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+INSTALLED_BESIDE = sorted({ep.dist.metadata["Name"] for ep in metadata.entry_points(group="ipuft")
+                           if ep.dist is not None and _canonical(ep.dist.metadata["Name"]) not in SHIPPED})
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _only_shipped_plugins():
+    """Before the other fixtures of each module here (a module-scoped one may build a plugin manager), and only
+    for the modules here: tests run in the same session from elsewhere (the examples') see every plugin."""
+    if not INSTALLED_BESIDE:
+        yield
+        return
+    entry_points = metadata.entry_points
+
+    def shipped_and_test_plugins(**params):
+        found = entry_points(**params)
+        if params.get("group") != "ipuft":
+            return found
+        return metadata.EntryPoints(ep for ep in found if ep.dist is None
+                                    or ep.dist.metadata["Name"] not in INSTALLED_BESIDE)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(metadata, "entry_points", shipped_and_test_plugins)
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _no_disabled_plugins(monkeypatch):
-    monkeypatch.delenv("IPUFT_DISABLE_PLUGINS", raising=False)
+    if INSTALLED_BESIDE:
+        monkeypatch.setenv("IPUFT_DISABLE_PLUGINS", ",".join(INSTALLED_BESIDE))
+    else:
+        monkeypatch.delenv("IPUFT_DISABLE_PLUGINS", raising=False)
 
 
 @pytest.fixture(scope="session")
@@ -49,30 +88,14 @@ def make_config(hooks):
     return make
 
 
-def write_distribution(root: Path, name: str, entry_points: dict[str, str], version: str = "0.1.0") -> None:
-    """A ``*.dist-info`` on ``root`` declaring ``entry_points`` (name → module) in the ``ipuft`` group."""
-    info = root / f"{name.replace('-', '_')}-{version}.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
-    lines = "\n".join(f"{ep} = {module}" for ep, module in entry_points.items())
-    (info / "entry_points.txt").write_text(f"[ipuft]\n{lines}\n")
-
-
 @pytest.fixture
 def fake_dist(tmp_path, monkeypatch):
-    """Install fake distributions by putting their dist-info (and ``tests/fixtures``) on ``sys.path``."""
-    monkeypatch.syspath_prepend(str(FIXTURES))
-    monkeypatch.syspath_prepend(str(tmp_path))
-
-    def install(name: str, entry_points: dict[str, str], modules: dict[str, str] | None = None) -> None:
-        write_distribution(tmp_path, name, entry_points)
-        for module, source in (modules or {}).items():
-            (tmp_path / f"{module}.py").write_text(textwrap.dedent(source))
-        for module in list(sys.modules):
-            if module in (modules or {}):
-                del sys.modules[module]
-
-    return install
+    """Install fake distributions: ``fake_dist(name, entry_points, modules)`` puts a dist-info declaring
+    ``entry_points`` (and the ``modules``' sources) in ``tmp_path``, on ``sys.path`` after ``tests/fixtures``
+    (the machinery of ``ipuft.testing``'s ``install_plugin``)."""
+    installer = PluginInstaller(tmp_path, monkeypatch)
+    installer.add_path(FIXTURES)
+    return installer.distribution
 
 
 @pytest.fixture(scope="module")

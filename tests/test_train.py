@@ -9,7 +9,9 @@ import yaml
 from cli_helpers import run_cli as cli
 from omegaconf import OmegaConf
 
+from ipuft.checkpoint import checkpoint_config
 from ipuft.data import SampleData
+from ipuft.plugins import create_plugin_manager
 from ipuft.schedule import learning_rate
 
 METRIC_KEYS = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "h2d_bytes", "d2h_bytes", "device_peak_bytes"}
@@ -107,7 +109,13 @@ def test_train_with_a_swapped_optimizer_through_config_alone(fake_dist, tmp_path
     assert code == 0, err
     losses = [r["loss"] for r in read_metrics(out)]
     assert len(losses) == 8 and losses[-1] < losses[0] - 0.05
-    assert yaml.safe_load((out / "config.yaml").read_text())["plugins"]["sgd"] == {"momentum": 0.5}
+    saved = yaml.safe_load((out / "config.yaml").read_text())["plugins"]
+    assert saved["sgd"] == {"momentum": 0.5}
+    # The saved config holds plugins.adamw too, which did nothing in this run: loading the checkpoint (eval,
+    # generate, init_checkpoint) does not take it for a setting made while another optimizer is selected.
+    assert "adamw" in saved
+    cfg = checkpoint_config(out, create_plugin_manager().registrations.config_sections)
+    assert cfg.training.optimizer.name == "sgd" and cfg.plugins.sgd.momentum == 0.5
 
 
 def test_validation_loss_every_eval_steps_equals_ipuft_eval_on_the_same_rows(tmp_path, capsys):

@@ -52,6 +52,10 @@ class ConfigSectionRegistry(Registry):
                           if key.startswith(f"plugins.{name}.")]
         return found
 
+    def used_when(self, name: str) -> dict[str, str]:
+        """The settings under which section ``name`` means anything (empty: always)."""
+        return dict(self._used_when[name])
+
     def owner(self, name: str) -> str:
         return self._origins[name].plugin
 
