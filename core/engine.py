@@ -97,6 +97,11 @@ def placements(parts: ModelParts, layout: Layout, rts: bool) -> dict[str, dict[s
             for role, specs in parts.variables.items()}
 
 
+def updates_on_host(cfg: DictConfig) -> bool:
+    """``execution.optimizer_placement=host``: updates run in host memory, where the variables live."""
+    return cfg.execution.optimizer_placement.value == "host"
+
+
 MASTER = "master"  # the optimizer-state name of a variable's float32 master copy (Recipe.master)
 
 
@@ -163,6 +168,7 @@ class PhasedEngine:
         self.trainable = {role: {v.name for v in specs if v.trainable} for role, specs in parts.variables.items()}
         self.dtype = compute_dtype(cfg)
         self.recipe = recipe(cfg)
+        self.host_update = updates_on_host(cfg) and optimizer is not None
         self.scale = LossScale.from_config(cfg)
         self.dropout = cfg.model.dropout_prob > 0
         self.recompute = bool(cfg.execution.recompute)
@@ -180,7 +186,7 @@ class PhasedEngine:
     # ---- setup ----
 
     def _allocate(self, initializer: Initializer) -> None:
-        stores_grad = self.program.grad_units()
+        stores_grad = self.program.grad_units(self.host_update)
         master = self.recipe is Recipe.master
         for unit in self.program.units():
             role = unit_role(unit)
@@ -257,7 +263,7 @@ class PhasedEngine:
         """On CUDA, start copying the next phase's variables while this phase computes."""
         if following is None or following.unit == current.unit or self._idle(following):
             return
-        for group in following.loads:
+        for group in following.device_io(self.host_update)[0]:
             self.store.prefetch(following.unit, group, self._names(following, group))
 
     def _names(self, phase: Phase, group: str) -> set[str] | None:
@@ -281,7 +287,8 @@ class PhasedEngine:
         unit, module, placed = phase.unit, self.modules[phase.role], self.placed[phase.role]
         if self._idle(phase):
             return
-        loaded = {group: self.store.load(unit, group, self._names(phase, group)) for group in phase.loads}
+        loads, stores = phase.device_io(self.host_update)
+        loaded = {group: self.store.load(unit, group, self._names(phase, group)) for group in loads}
         grads = loaded.get("grad")
         weights = None
         if phase.computes:
@@ -299,22 +306,38 @@ class PhasedEngine:
                 # A non-finite loss makes a non-finite gradient; the norm is reduced over every rank, so
                 # all of them agree to skip the update.
                 st.skip = not math.isfinite(st.grad_norm)
-            elif op is Op.OPTIMIZER_STEP and not st.skip:
+            elif op is Op.OPTIMIZER_STEP and not st.skip and not self.host_update:
                 self._optimizer_step(phase, loaded["fwd"], loaded["optim"], grads, st)
         if weights is not None:
             self.store.ledger.release(gathered)
         trainable = self.trainable[phase.role]
-        for group in phase.stores:
+        for group in stores:
             if st.skip and group != "grad":
                 continue  # a skipped step leaves weights and optimizer state untouched
             tensors = grads if group == "grad" else loaded[group]
             if group == "fwd":  # only the updated weights go back
                 tensors = {n: t for n, t in tensors.items() if n in trainable}
             self.store.save(unit, group, tensors)
+        if self.host_update and Op.OPTIMIZER_STEP in phase.ops and not st.skip:
+            self._host_step(phase, st)
         for group, tensors in loaded.items():
             self.store.release(unit, group, tensors)
         if phase.computes_gradient and "grad" not in loaded:
             self.store.ledger.release(nbytes(grads.values()))
+
+    def _host_step(self, phase: Phase, st: _StepState) -> None:
+        """``execution.optimizer_placement=host``: update the unit where its variables live, in place in host
+        memory, from its stored gradient (the phase has just stored the gradient it computed). Nothing
+        crosses to the device; the weights come back when the next step's phases load them.
+
+        A worker thread could run these updates while the device works, but in the reference's program
+        nothing computes after the global norm, which every update needs: the host updates run in turn,
+        each using the CPU's intra-op threads."""
+        self.store.synchronize()  # the gradients' device→host copies have landed (CUDA)
+        entries = self.store.entries[phase.unit]
+        weights = {n: t for n, t in entries["fwd"].items() if n in self.trainable[phase.role]}
+        with self.store.ledger.on_host():
+            self._optimizer_step(phase, weights, entries["optim"], entries["grad"], st)
 
     # ---- ops ----
 

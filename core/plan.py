@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 from torch.func import functional_call
 
 from ipuft.components import VariableSpec
-from ipuft.engine import optimizer_state_specs, placements, unit_role
+from ipuft.engine import optimizer_state_specs, placements, unit_role, updates_on_host
 from ipuft.model import ModelParts
 from ipuft.optim import Optimizer
 from ipuft.parallel import Layout
@@ -56,7 +56,7 @@ def group_bytes(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer) -> dic
     """Bytes one rank stores of each variable group of each unit (``grad`` only where the program stores
     gradients, and only for trainable variables): its TP shard, and with RTS its 1/DP slice of that.
     ``trainable`` is the part of ``fwd`` that is trained (what an update-only phase moves)."""
-    stores_grad = parts.program.grad_units()
+    stores_grad = parts.program.grad_units(updates_on_host(cfg))
     placed = placements(parts, rank_layout(cfg), bool(cfg.execution.rts))
     out = {}
     for unit in parts.program.units():
@@ -133,7 +133,7 @@ def traffic(cfg: DictConfig, parts: ModelParts, sizes: dict[str, dict[str, int]]
     h2d["data"] = 2 * ga * cfg.execution.micro_batch_size * cfg.model.sequence_length * TOKEN_BYTES
     act = stored_activation_bytes(cfg)
     for phase in parts.program:
-        io = phase_io(phase, sizes[phase.unit])
+        io = phase_io(phase, sizes[phase.unit], updates_on_host(cfg))
         if io is None:
             continue
         if cfg.execution.offload:
@@ -148,16 +148,17 @@ def traffic(cfg: DictConfig, parts: ModelParts, sizes: dict[str, dict[str, int]]
     return {"h2d": dict(h2d), "d2h": dict(d2h)}
 
 
-def phase_io(phase, unit: dict[str, int]) -> tuple[dict[str, int], dict[str, int]] | None:
+def phase_io(phase, unit: dict[str, int], host_update: bool = False) -> tuple[dict[str, int], dict[str, int]] | None:
     """The bytes a phase loads and stores of each group of its unit (``unit``: :func:`group_bytes`'s), as
     the engine moves them when offloaded; ``None`` for an update-only phase of a unit with nothing trainable,
     which does nothing. An update-only phase loads only the trainable weights, and only updated weights are
-    stored back."""
+    stored back. With ``host_update`` (``execution.optimizer_placement=host``) updates move nothing: see
+    :meth:`ipuft.program.Phase.device_io`."""
     if not phase.computes and not unit["trainable"]:
         return None
-    loads = {g: unit["trainable"] if g == "fwd" and not phase.computes else unit[g] for g in phase.loads}
-    stores = {g: unit["trainable"] if g == "fwd" else unit[g] for g in phase.stores}
-    return loads, stores
+    loads, stores = phase.device_io(host_update)
+    return ({g: unit["trainable"] if g == "fwd" and not phase.computes else unit[g] for g in loads},
+            {g: unit["trainable"] if g == "fwd" else unit[g] for g in stores})
 
 
 def _activation_io(parts: ModelParts, phase) -> tuple[int, int]:
@@ -204,17 +205,20 @@ def device_peak_estimate(cfg: DictConfig, parts: ModelParts, sizes: dict[str, di
     # recompute=false: the kept graphs peak at the end of the forward, and are all there when the head's
     # loss-backward runs; an upper bound for every phase.
     graphs = graph_bytes(cfg, parts)
+    host_update = updates_on_host(cfg)
     peak = 0
     for phase in parts.program:
         unit = sizes[phase.unit]
-        io = phase_io(phase, unit)
+        io = phase_io(phase, unit, host_update)
         if io is None:
             continue
         loaded = sum(io[0].values()) if cfg.execution.offload else 0
         grads = unit["trainable"] if phase.computes_gradient and (cfg.execution.offload or not unit["grad"]) else 0
-        # The micro-batch loop, then the update: the second holds only the finished (16-bit) gradients.
+        # The micro-batch loop, then the update: the second holds only the finished (16-bit) gradients. An
+        # update in host memory holds nothing on the device.
         compute = grad_factor * grads + acts + working[phase.role] if phase.computes else 0
-        update = grads + update_transient_bytes(cfg, parts, phase.role) if Op.OPTIMIZER_STEP in phase.ops else 0
+        device_update = Op.OPTIMIZER_STEP in phase.ops and not host_update
+        update = grads + update_transient_bytes(cfg, parts, phase.role) if device_update else 0
         peak = max(peak, resident_vars + graphs + loaded + max(compute, update))
     return peak
 
@@ -233,14 +237,17 @@ def estimate(cfg: DictConfig, parts: ModelParts, hooks: PluginHooks, inference_b
     host_vars = variables if cfg.execution.offload else 0
     acts = activation_peak_bytes(cfg)
     host_acts = acts if cfg.execution.activation_offload else 0
+    host_update = updates_on_host(cfg)
     program = []
     for phase in parts.program:
-        loads, stores = phase_io(phase, sizes[phase.unit]) or ({}, {})
+        io = phase_io(phase, sizes[phase.unit], host_update)
+        loads, stores = io or ({}, {})
         program.append({
             "phase": phase.name,
             "stage": parts.program.stage_of(phase).name.lower(),
             "loads": loads if cfg.execution.offload else {},
             "stores": stores if cfg.execution.offload else {},
+            "host_update": io is not None and host_update and Op.OPTIMIZER_STEP in phase.ops,
         })
     counts = {role: sum(v.numel for v in parts.variables[role] if v.trainable) for role in parts.variables}
     totals = {role: sum(v.numel for v in parts.variables[role]) for role in parts.variables}
@@ -263,6 +270,7 @@ def estimate(cfg: DictConfig, parts: ModelParts, hooks: PluginHooks, inference_b
         "update": recipe(cfg).value,
         "offload": cfg.execution.offload,
         "activation_offload": cfg.execution.activation_offload,
+        "optimizer_placement": cfg.execution.optimizer_placement.value,
         "program": program,
         "variables_bytes": {unit: s for unit, s in sizes.items()},
         "variable_bytes": variables,
@@ -426,12 +434,13 @@ def format_plan(result: dict) -> str:
     """The human-readable form of :func:`estimate`."""
     lines = [f"step program ({len(result['program'])} phases, GA={result['gradient_accumulation']}, "
              f"DP={result['data_parallel']} × TP={result['tensor_parallel']}, RTS={result['rts']}, "
-             f"offload={result['offload']}, activation_offload={result['activation_offload']}); "
-             f"bytes are per rank:"]
+             f"offload={result['offload']}, activation_offload={result['activation_offload']}, "
+             f"optimizer_placement={result['optimizer_placement']}); bytes are per rank:"]
     for p in result["program"]:
         loads = ", ".join(f"{g} {format_bytes(b)}" for g, b in p["loads"].items()) or "-"
         stores = ", ".join(f"{g} {format_bytes(b)}" for g, b in p["stores"].items()) or "-"
-        lines.append(f"  {p['phase']:<48} load: {loads:<42} store: {stores}")
+        host = "   (updated in host memory)" if p["host_update"] else ""
+        lines.append(f"  {p['phase']:<48} load: {loads:<42} store: {stores}{host}".rstrip())
     lines += [
         f"parameters:           {result['parameters']:,}" + (
             f" ({result['trainable_parameters']:,} trainable, {result['frozen_parameters']:,} frozen: "

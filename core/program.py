@@ -95,6 +95,16 @@ class Phase:
             return ("grad",)
         return ()
 
+    def device_io(self, host_update: bool = False) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The groups the phase brings to the device and writes back from it: :attr:`loads` and
+        :attr:`stores`, unless its update runs in host memory (``host_update``,
+        ``execution.optimizer_placement=host``). Then the host updates the stored weights and optimizer state
+        in place from the stored gradient: an update-only phase moves nothing, and one that computes the
+        gradient it updates with (the embeddings') loads only its weights and stores that gradient."""
+        if not host_update or Op.OPTIMIZER_STEP not in self.ops:
+            return self.loads, self.stores
+        return ("fwd",) if self.computes else (), ("grad",) if self.computes_gradient else ()
+
 
 class StepProgram:
     """The phases of one optimizer step for a model of ``layers`` decoder layers."""
@@ -126,9 +136,10 @@ class StepProgram:
         """Every unit of the model: the embeddings, each decoder layer, the head."""
         return ["embeddings", *(f"decoder.{n}" for n in range(self.layers)), "head"]
 
-    def grad_units(self) -> set[str]:
-        """The units whose gradients are stored between their backward and their optimizer step."""
-        return {p.unit for p in self.phases if p.computes_gradient and "grad" in p.stores}
+    def grad_units(self, host_update: bool = False) -> set[str]:
+        """The units whose gradients are stored between their backward and their optimizer step (with
+        ``host_update``, every unit whose gradient is computed: see :meth:`Phase.device_io`)."""
+        return {p.unit for p in self.phases if p.computes_gradient and "grad" in p.device_io(host_update)[1]}
 
     def activation_rows(self, phase: Phase) -> tuple[int | None, int | None]:
         """The rows of ``x``/``dx`` a phase's unit reads and writes: (input row, output row).

@@ -18,7 +18,8 @@ offload on, loads and saves are real copies, so the counters are honest there to
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -63,13 +64,27 @@ class DeviceLedger:
     def __init__(self) -> None:
         self.resident = 0
         self.peak = 0
+        self._host = 0  # > 0 inside on_host(): what is acquired is host memory
 
     def acquire(self, n: int) -> None:
+        if self._host:
+            return
         self.resident += n
         self.peak = max(self.peak, self.resident)
 
     def release(self, n: int) -> None:
-        self.resident -= n
+        if not self._host:
+            self.resident -= n
+
+    @contextmanager
+    def on_host(self) -> Iterator[None]:
+        """Work in the block runs in host memory (``execution.optimizer_placement=host``): the temporaries it
+        acquires and releases are not device bytes and are not counted."""
+        self._host += 1
+        try:
+            yield
+        finally:
+            self._host -= 1
 
     def reset_peak(self) -> None:
         self.peak = self.resident

@@ -8,7 +8,8 @@ import torch
 
 
 def train_configs(rank: int, configs: dict[str, list[str]], steps: int, out: str) -> None:
-    """Train each config for ``steps`` steps; rank 0 saves losses, norms, gathered weights and counters."""
+    """Train each config for ``steps`` steps; rank 0 saves losses, norms, gathered weights and optimizer state,
+    and counters."""
     from ipuft.config import load_config
     from ipuft.datasets import data_source
     from ipuft.placement import Placement
@@ -45,7 +46,9 @@ def train_configs(rank: int, configs: dict[str, list[str]], steps: int, out: str
                   "activation_bytes": results[-1].activation_bytes, "planned_activation": planned["activation_bytes"],
                   "reductions_per_step": per_step,
                   "variables": sum(len(v) for v in engine.weights().values())}
-        torch.save({"weights": weights, **record} if rank == 0 else record, Path(out) / f"{name}.rank{rank}.pt")
+        optim = engine.full_weights("optim")  # every rank takes part in the gathers
+        torch.save({"weights": weights, "optim": optim, **record} if rank == 0 else record,
+                   Path(out) / f"{name}.rank{rank}.pt")
 
 
 def tp_logits(rank: int, overrides: list[str], hf_state: dict, ids: torch.Tensor, out: str) -> None:

@@ -50,6 +50,8 @@ CASES = [
     ("batch-not-divisible", lambda t, r: ["train", "training.global_batch_size=15", "execution.micro_batch_size=4"],
      "is not divisible"),
     ("derived-key", lambda t, r: ["train", "gradient_accumulation=2"], "is derived"),
+    ("host-optimizer-without-offload", lambda t, r: ["plan", "execution.optimizer_placement=host", "execution.offload=false"],
+     "set execution.offload=true or optimizer_placement=device"),
     ("unknown-precision", lambda t, r: ["train", "model.precision=fp8"], "model.precision: Invalid value 'fp8'"),
     ("two-16bit-recipes", lambda t, r: ["train", "model.precision=bfloat16", "training.stochastic_rounding=true",
                                         "training.master_weights=true"], "set at most one of them"),

@@ -81,6 +81,9 @@ def test_plugin_section_is_typed(make_config):
         (["training.master_weights=true"], "training.master_weights: applies to 16-bit weights"),
         (["execution.tensor_parallel=3"], "model.attention.heads: 4 is not divisible by execution.tensor_parallel=3"),
         (["training.optimizer.learning_rate.schedule=step"], "expected one of [constant, linear, cosine]"),
+        (["execution.optimizer_placement=gpu"], "execution.optimizer_placement: Invalid value 'gpu', expected one of [device, host]"),
+        (["execution.optimizer_placement=host", "execution.offload=false"],
+         "execution.optimizer_placement: host updates the variables where execution.offload=true keeps them"),
     ],
 )
 def test_bad_config_is_one_clear_line(hooks, overrides, fragment):

@@ -16,12 +16,14 @@ def _exact_matmuls():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
 
 
-@pytest.mark.parametrize("offload", [True, False])
-def test_cuda_training_matches_cpu(hooks, make_config, offload):
-    cfg_cpu = make_config(*EQUIVALENCE, "execution.device=cpu", f"execution.offload={offload}",
-                          "execution.activation_offload=true")
-    cfg_gpu = make_config(*EQUIVALENCE, "execution.device=cuda", f"execution.offload={offload}",
-                          "execution.activation_offload=true")
+@pytest.mark.parametrize(("offload", "placement"), [(True, "device"), (False, "device"), (True, "host")])
+def test_cuda_training_matches_cpu(hooks, make_config, offload, placement):
+    """With execution.optimizer_placement=host the GPU run updates in (pinned) host memory, after the
+    gradients' non-blocking copies have landed."""
+    common = (*EQUIVALENCE, f"execution.offload={offload}", "execution.activation_offload=true",
+              f"execution.optimizer_placement={placement}")
+    cfg_cpu = make_config(*common, "execution.device=cpu")
+    cfg_gpu = make_config(*common, "execution.device=cuda")
     cpu = make_engine(cfg_cpu, hooks)
     from ipuft.engine import PhasedEngine
 
@@ -47,3 +49,4 @@ def test_cuda_offload_keeps_variables_in_pinned_host_memory(hooks, make_config):
     result = engine.step(batches(cfg)[0], 1e-3)
     assert result.device_peak_bytes < sum(v.nbytes for v in engine.parts.variables["decoder"]) * cfg.model.layers * 4
     assert torch.cuda.max_memory_allocated() > 0
+

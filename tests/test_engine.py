@@ -166,16 +166,17 @@ def test_swapped_optimizer_through_config_alone(fake_dist):
 
 
 @pytest.mark.parametrize("activation_offload", [True, False])
-@pytest.mark.parametrize("offload", [True, False])
-def test_counters_equal_the_plan(hooks, make_config, offload, activation_offload):
+@pytest.mark.parametrize(("offload", "placement"), [(True, "device"), (False, "device"), (True, "host")])
+def test_counters_equal_the_plan(hooks, make_config, offload, placement, activation_offload):
     cfg = make_config("training.global_batch_size=4", f"execution.offload={offload}",
-                      f"execution.activation_offload={activation_offload}")
+                      f"execution.activation_offload={activation_offload}", f"execution.optimizer_placement={placement}")
     engine = make_engine(cfg, hooks)
     planned = estimate(cfg, engine.parts, hooks)
     for batch in batches(cfg)[:2]:
         result = engine.step(batch, 1e-3)
         assert result.traffic == planned["traffic"]
         assert (result.h2d_bytes, result.d2h_bytes) == (planned["h2d_bytes_per_step"], planned["d2h_bytes_per_step"])
+        assert result.device_peak_bytes <= planned["device_peak_bytes"]
         # x[L+1][GA] at the end of the forward, wherever the buffers are; dx holds only rows in flight.
         assert result.activation_bytes == planned["activation_bytes"] == 3 * 4 * 8 * 64 * 4
     host_activations = planned["activation_bytes"] if activation_offload else 0

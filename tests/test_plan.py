@@ -104,3 +104,20 @@ def test_rts_divides_per_rank_host_bytes_by_about_dp(capsys):
     tp = json.loads(plan(capsys, "--config", "gptj-6b", "execution.tensor_parallel=16", "--json"))
     # layer norms are replicated
     assert 1 / 16 < tp["variable_bytes"] / plans[1]["variable_bytes"] < 1.1 / 16
+
+
+def test_gptj_6b_with_the_optimizer_on_the_host(capsys):
+    """execution.optimizer_placement=host: Adam's state never crosses, each gradient crosses device→host once
+    and the weights only come for the forward and the backward; the update phases load nothing, so the device
+    peak drops; the embeddings' gradient is stored (in float16) for its host update."""
+    device = json.loads(plan(capsys, "--config", "gptj-6b", "--json"))
+    host = json.loads(plan(capsys, "--config", "gptj-6b", "execution.optimizer_placement=host", "--json"))
+    f16 = 2
+    assert host["optimizer_placement"] == "host"
+    assert host["traffic"]["h2d"] == {"data": device["traffic"]["h2d"]["data"], "fwd": f16 * (2 * 28 * LAYER + 2 * EMB + HEAD),
+                                      "activation": device["traffic"]["h2d"]["activation"]}
+    assert host["traffic"]["d2h"] == {"grad": f16 * GPTJ_6B_PARAMETERS, "activation": device["traffic"]["d2h"]["activation"]}
+    weights = {d: sum(n for k, n in device["traffic"][d].items() if k in ("fwd", "optim", "grad")) for d in ("h2d", "d2h")}
+    assert device["h2d_bytes_per_step"] - host["h2d_bytes_per_step"] == weights["h2d"] - host["traffic"]["h2d"]["fwd"]
+    assert host["host_bytes"] - device["host_bytes"] == f16 * EMB
+    assert host["device_peak_bytes"] < 0.7 * device["device_peak_bytes"]

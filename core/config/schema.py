@@ -23,6 +23,11 @@ class Device(str, Enum):
     cuda = "cuda"
 
 
+class OptimizerPlacement(str, Enum):
+    device = "device"  # each update-only phase brings weights, optimizer state and gradient to the device
+    host = "host"  # the optimizer updates them in place in host memory, where they live (ZeRO-Offload's choice)
+
+
 class DataFormat(str, Enum):
     tokens = "tokens"  # rows hold input_ids
     text = "text"  # rows hold one text field (data.text_field)
@@ -127,6 +132,9 @@ class ExecutionConfig:
     device: Device = Device.auto
     # Keep weights, optimizer state and gradients in host memory and stream them per phase.
     offload: bool = True
+    # Where the optimizer runs. host (with offload=true): in host memory, in place, from the stored gradient;
+    # weights, Adam state and gradients never come to the device for an update (see README, How a step runs).
+    optimizer_placement: OptimizerPlacement = OptimizerPlacement.device
     # Keep the x/dx activation buffers in host memory too.
     activation_offload: bool = False
     # Recompute each layer's forward in its backward (the reference's): only layer inputs stay between phases.

@@ -6,7 +6,7 @@ import math
 
 from omegaconf import DictConfig
 
-from ipuft.config.schema import Precision
+from ipuft.config.schema import OptimizerPlacement, Precision
 from ipuft.errors import ConfigError
 
 _POSITIVE = (
@@ -92,6 +92,10 @@ def derive_and_validate(cfg: DictConfig) -> None:
     _require(scaling == "dynamic" or (isinstance(scaling, (int, float)) and not isinstance(scaling, bool)
                                       and 0 < scaling < math.inf), "execution.loss_scaling",
              f"must be a finite number > 0 or 'dynamic', got {scaling!r}")
+    _require(execution.optimizer_placement != OptimizerPlacement.host or execution.offload,
+             "execution.optimizer_placement", "host updates the variables where execution.offload=true keeps them, in "
+             "host memory; with offload=false they live on the device and the optimizer runs there: set "
+             "execution.offload=true or optimizer_placement=device")
     _require(execution.loss_scaling_initial > 0, "execution.loss_scaling_initial", "must be > 0")
     _require(execution.loss_scaling_growth_interval > 0, "execution.loss_scaling_growth_interval", "must be > 0")
     _require(cfg.training.max_consecutive_skips > 0, "training.max_consecutive_skips", "must be > 0")
