@@ -213,7 +213,8 @@ def device_peak_estimate(cfg: DictConfig, parts: ModelParts, sizes: dict[str, di
         if io is None:
             continue
         loaded = sum(io[0].values()) if cfg.execution.offload else 0
-        grads = unit["trainable"] if phase.computes_gradient and (cfg.execution.offload or not unit["grad"]) else 0
+        # Autograd's fresh gradients of the unit, on the device until stored (or used, for the embeddings').
+        grads = unit["trainable"] if phase.computes_gradient else 0
         # The micro-batch loop, then the update: the second holds only the finished (16-bit) gradients. An
         # update in host memory holds nothing on the device.
         compute = grad_factor * grads + acts + working[phase.role] if phase.computes else 0
