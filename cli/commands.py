@@ -120,16 +120,34 @@ def plan(hooks: PluginHooks, cfg, as_json: bool, batch_size: int) -> None:
 @cli.command()
 @config_arguments
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def bench(hooks: PluginHooks, cfg, as_json: bool) -> None:
-    """Build the program, run one untimed step, then five timed steps; print the throughput."""
+@click.option("--profile", is_flag=True,
+              help="Then five profiled steps: where a step's time goes, by phase kind, copies and collectives.")
+@click.option("--trace", default=None, metavar="FILE", type=click.Path(dir_okay=False),
+              help="Then one step recorded by torch.profiler, written to FILE as a Chrome trace (chrome://tracing, "
+                   "Perfetto), with a range per phase; under torchrun, FILE's stem gets .rank<N>.")
+def bench(hooks: PluginHooks, cfg, as_json: bool, profile: bool, trace: str | None) -> None:
+    """Build the program, run one untimed step, then five timed steps; print the throughput.
+
+    \b
+    Examples:
+      ipuft bench --profile                              # the small-cpu preset, and where its time goes
+      ipuft bench --config tiny --trace step.json --json
+    """
+    from ipuft.profiling import format_profile
     from ipuft.train import benchmark
 
-    result = benchmark(cfg, hooks)
+    if trace is not None and not Path(trace).resolve().parent.is_dir():
+        raise click.UsageError(f"--trace {trace}: its directory does not exist")
+    result = benchmark(cfg, hooks, profile=profile, trace=None if trace is None else Path(trace))
     if as_json:
         click.echo(json.dumps(result))
-    else:
-        click.echo(f"Duration: {result['duration_s']:.4f} s  Throughput: {result['samples_per_s']:.1f} samples/s "
-                   f"{result['tokens_per_s']:.1f} tokens/s")
+        return
+    click.echo(f"Duration: {result['duration_s']:.4f} s  Throughput: {result['samples_per_s']:.1f} samples/s "
+               f"{result['tokens_per_s']:.1f} tokens/s")
+    if profile:
+        click.echo(format_profile(result["profile"]))
+    if trace is not None:
+        click.echo(f"wrote {trace}")
 
 
 @cli.command()

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 import torch
 
 from ipuft.parallel import Layout, all_gather_flat
+from ipuft.profiling import section
 from ipuft.store import VariableStore
 
 KINDS = ("x", "dx")
@@ -48,8 +49,9 @@ class ActivationBuffers:
             tensor = tensor.reshape(-1).chunk(tp)[self.layout.tp_rank].clone()
         size = tensor.numel() * tensor.element_size()
         if self.offload:
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.pin)
-            host.copy_(tensor, non_blocking=self.pin)
+            with section("copies"):
+                host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.pin)
+                host.copy_(tensor, non_blocking=self.pin)
             self.store.traffic.d2h["activation"] += size
             tensor = host
         else:
@@ -66,7 +68,8 @@ class ActivationBuffers:
         shape = self._shapes.pop(key) if consume else self._shapes[key]
         size = stored.numel() * stored.element_size()
         if self.offload:
-            tensor = stored.to(self.store.compute, non_blocking=self.pin, copy=True)
+            with section("copies"):
+                tensor = stored.to(self.store.compute, non_blocking=self.pin, copy=True)
             self.store.traffic.h2d["activation"] += size
             self.store.ledger.acquire(size)
         else:
@@ -74,7 +77,8 @@ class ActivationBuffers:
         gathered = 0
         if self.layout.tensor_parallel > 1:
             full = tensor.new_empty(size * self.layout.tensor_parallel // tensor.element_size())
-            all_gather_flat(full, tensor, group=self.layout.tp_group)
+            with section("collectives"):
+                all_gather_flat(full, tensor, group=self.layout.tp_group)
             tensor, gathered = full.view(shape), size * self.layout.tensor_parallel
             self.store.ledger.acquire(gathered)
         try:

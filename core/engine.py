@@ -32,6 +32,8 @@ from ipuft.optim import Optimizer, StepContext
 from ipuft.parallel import Layout, active
 from ipuft.placement import Placement
 from ipuft.precision import Recipe, compute_dtype, recipe, rounding_key, rounding_workspace, stochastic_round_
+from ipuft.profiling import active as active_profile
+from ipuft.profiling import section
 from ipuft.program import Op, Phase
 from ipuft.scaling import LossScale
 from ipuft.store import Tensors, VariableStore, nbytes
@@ -224,13 +226,19 @@ class PhasedEngine:
         before_h2d, before_d2h = dict(self.store.traffic.h2d), dict(self.store.traffic.d2h)
         self.store.ledger.reset_peak()
         self.updates += 1
-        batch = Batch(batch.input_ids.to(self.device), batch.labels.to(self.device))
+        with section("copies"):
+            batch = Batch(batch.input_ids.to(self.device), batch.labels.to(self.device))
         self.store.traffic.h2d["data"] += 2 * batch.tokens * batch.input_ids.element_size()
         state = _StepState(batch, lr, self.scale.scale, torch.zeros((), dtype=torch.float32, device=self.device))
         phases = self.program.phases
+        profile = active_profile()
         for i, phase in enumerate(phases):
             self._prefetch(phase, phases[i + 1] if i + 1 < len(phases) else None)
-            self._run(phase, state)
+            if profile is None:
+                self._run(phase, state)
+            else:
+                with profile.phase(phase):
+                    self._run(phase, state)
         activation_bytes = self.buffers.peak
         self.buffers.clear()
         graph_peak, self.graph_peak = self.graph_peak, 0
@@ -239,7 +247,8 @@ class PhasedEngine:
         self.scale.update(overflow=state.skip)
         loss = torch.stack(state.losses).mean()
         if self.layout.data_parallel > 1:
-            dist.all_reduce(loss, group=self.layout.dp_group)
+            with section("collectives"):
+                dist.all_reduce(loss, group=self.layout.dp_group)
             loss /= self.layout.data_parallel
         traffic = {
             "h2d": {k: v - before_h2d.get(k, 0) for k, v in self.store.traffic.h2d.items()},
@@ -301,13 +310,15 @@ class PhasedEngine:
                 self._add_to_norm(placed, grads, st)
             elif op is Op.GLOBAL_NORM:
                 if self.layout.distributed:
-                    dist.all_reduce(st.norm_sq)
+                    with section("collectives"):
+                        dist.all_reduce(st.norm_sq)
                 st.grad_norm = st.norm_sq.sqrt().item()
                 # A non-finite loss makes a non-finite gradient; the norm is reduced over every rank, so
                 # all of them agree to skip the update.
                 st.skip = not math.isfinite(st.grad_norm)
             elif op is Op.OPTIMIZER_STEP and not st.skip and not self.host_update:
-                self._optimizer_step(phase, loaded["fwd"], loaded["optim"], grads, st)
+                with section("optimizer"):
+                    self._optimizer_step(phase, loaded["fwd"], loaded["optim"], grads, st)
         if weights is not None:
             self.store.ledger.release(gathered)
         trainable = self.trainable[phase.role]
@@ -319,7 +330,8 @@ class PhasedEngine:
                 tensors = {n: t for n, t in tensors.items() if n in trainable}
             self.store.save(unit, group, tensors)
         if self.host_update and Op.OPTIMIZER_STEP in phase.ops and not st.skip:
-            self._host_step(phase, st)
+            with section("optimizer"):
+                self._host_step(phase, st)
         for group, tensors in loaded.items():
             self.store.release(unit, group, tensors)
         if phase.computes_gradient and "grad" not in loaded:

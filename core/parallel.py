@@ -19,6 +19,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from ipuft.errors import ConfigError, IpuftError
+from ipuft.profiling import section, timed
 
 # torch 2.13 renamed the flat collectives; older releases only have the second names.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -178,6 +179,7 @@ class _CopyToTensorParallel(torch.autograd.Function):
         return x
 
     @staticmethod
+    @timed("collectives")
     def backward(ctx, grad):
         grad = grad.contiguous()
         dist.all_reduce(grad, group=_ACTIVE.tp_group)
@@ -191,6 +193,7 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
     """
 
     @staticmethod
+    @timed("collectives")
     def forward(ctx, x):
         x = x.clone()
         dist.all_reduce(x, group=_ACTIVE.tp_group)
@@ -205,6 +208,7 @@ class _GatherFromTensorParallel(torch.autograd.Function):
     """Forward: all-gather along the last dimension over the TP group; backward: keep this rank's slice."""
 
     @staticmethod
+    @timed("collectives")
     def forward(ctx, x):
         parts = [torch.empty_like(x) for _ in range(_ACTIVE.tensor_parallel)]
         dist.all_gather(parts, x.contiguous(), group=_ACTIVE.tp_group)
@@ -236,7 +240,8 @@ def max_over_tensor_parallel(x: torch.Tensor) -> torch.Tensor:
     if _ACTIVE.tensor_parallel == 1:
         return x.detach()
     x = x.detach().clone()
-    dist.all_reduce(x, op=dist.ReduceOp.MAX, group=_ACTIVE.tp_group)
+    with section("collectives"):
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=_ACTIVE.tp_group)
     return x
 
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ipuft.components import VariableSpec
 from ipuft.parallel import Layout, all_gather_flat, reduce_scatter_flat
+from ipuft.profiling import section
 from ipuft.sharding import ShardSpec
 
 
@@ -75,7 +76,8 @@ class Placement:
         if not self.sharded_over_dp:
             return stored
         flat = stored.new_empty(stored.numel() * self.layout.data_parallel)
-        all_gather_flat(flat, stored.contiguous(), group=self.layout.dp_group)
+        with section("collectives"):
+            all_gather_flat(flat, stored.contiguous(), group=self.layout.dp_group)
         return flat[: self.local_numel].view(self.local_shape)
 
     def reduce_gradient(self, local_grad: torch.Tensor) -> torch.Tensor:
@@ -84,10 +86,13 @@ class Placement:
         if dp == 1:
             return local_grad
         if not self.sharded_over_dp:
-            dist.all_reduce(local_grad, group=self.layout.dp_group)
+            with section("collectives"):
+                dist.all_reduce(local_grad, group=self.layout.dp_group)
             return local_grad.div_(dp)
         out = local_grad.new_empty(self.stored_shape)
-        reduce_scatter_flat(out, self._padded_flat(local_grad), group=self.layout.dp_group)
+        flat = self._padded_flat(local_grad)
+        with section("collectives"):
+            reduce_scatter_flat(out, flat, group=self.layout.dp_group)
         return out.div_(dp)
 
     def full_indices(self, start: int, count: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ipuft.components import VariableSpec
+from ipuft.profiling import section
 
 GROUPS = ("fwd", "optim", "grad")
 Tensors = dict[str, torch.Tensor]
@@ -146,7 +147,8 @@ class VariableStore:
             for t in out.values():
                 t.record_stream(current)  # allocated on the copy stream, used on this one
             return out
-        out = {name: t.to(self.compute, non_blocking=self.pin, copy=True) for name, t in stored.items()}
+        with section("copies"):
+            out = {name: t.to(self.compute, non_blocking=self.pin, copy=True) for name, t in stored.items()}
         self._count_load(group, out)
         return out
 
@@ -158,7 +160,7 @@ class VariableStore:
             return
         # Everything enqueued so far, including earlier phases' stores into host memory, comes first.
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.compute))
-        with torch.cuda.stream(self.copy_stream):
+        with section("copies"), torch.cuda.stream(self.copy_stream):
             out = {n: t.to(self.compute, non_blocking=True, copy=True) for n, t in self.entries[unit][group].items()
                    if names is None or n in names}
             ready = torch.cuda.Event()
@@ -175,8 +177,10 @@ class VariableStore:
         """Write ``tensors`` (on the compute device) back as ``unit``'s ``group``."""
         stored = self.entries[unit][group]
         moved = {n: t for n, t in tensors.items() if stored[n] is not t}
-        for name, t in moved.items():
-            stored[name].copy_(t, non_blocking=self.pin)
+        if moved:
+            with section("copies"):
+                for name, t in moved.items():
+                    stored[name].copy_(t, non_blocking=self.pin)
         if self.offload:
             self.traffic.d2h[group] += nbytes(moved.values())
 

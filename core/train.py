@@ -24,6 +24,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from tqdm import tqdm
 
+from ipuft.batch import Batch
 from ipuft.checkpoint import (
     OPTIM,
     WEIGHTS,
@@ -48,6 +49,7 @@ from ipuft.model import ModelParts, build_model
 from ipuft.parallel import Layout
 from ipuft.plugins import PluginHooks
 from ipuft.precision import Recipe, recipe
+from ipuft.profiling import PhaseLabels, StepProfile, profiling
 from ipuft.runtime import build_engine, collective_errors
 from ipuft.schedule import learning_rate
 
@@ -371,8 +373,13 @@ def _backends(cfg: DictConfig, out: Path | None, hooks: PluginHooks, main: bool)
         backends.finish(status)
 
 
-def benchmark(cfg: DictConfig, hooks: PluginHooks, timed_steps: int = 5) -> dict:
-    """The reference's ``main()``: one untimed step, then ``timed_steps`` timed steps."""
+def benchmark(cfg: DictConfig, hooks: PluginHooks, timed_steps: int = 5, profile: bool = False,
+              trace: Path | None = None) -> dict:
+    """The reference's ``main()``: one untimed step, then ``timed_steps`` timed steps.
+
+    ``profile``: then as many profiled steps, whose breakdown by category (:mod:`ipuft.profiling`) is
+    ``"profile"``; the throughput figures stay those of the plain steps. ``trace``: then one step recorded
+    by ``torch.profiler``, with a range per phase, written there as a Chrome trace."""
     data = data_source(cfg)
     engine = build_engine(cfg, hooks)
     batch = replica_batch(cfg, data, 0, engine.layout)
@@ -385,7 +392,44 @@ def benchmark(cfg: DictConfig, hooks: PluginHooks, timed_steps: int = 5) -> dict
         durations.append(time.perf_counter() - start)
     duration = sum(durations) / len(durations)
     samples = cfg.training.global_batch_size
-    return {"duration_s": duration, "samples_per_s": samples / duration,
-            "tokens_per_s": samples * cfg.model.sequence_length / duration, "loss": result.loss,
-            "h2d_bytes": result.h2d_bytes, "d2h_bytes": result.d2h_bytes,
-            "device_peak_bytes": result.device_peak_bytes, "device": str(engine.device)}
+    out = {"duration_s": duration, "samples_per_s": samples / duration,
+           "tokens_per_s": samples * cfg.model.sequence_length / duration, "loss": result.loss,
+           "h2d_bytes": result.h2d_bytes, "d2h_bytes": result.d2h_bytes,
+           "device_peak_bytes": result.device_peak_bytes, "device": str(engine.device)}
+    if profile:
+        out["profile"] = profile_steps(engine, batch, lr, timed_steps)
+    if trace is not None:
+        trace_step(engine, batch, lr, trace)
+    return out
+
+
+def profile_steps(engine: PhasedEngine, batch: Batch, lr: float, steps: int) -> dict:
+    """Run ``steps`` steps with a profile active; its report (:meth:`ipuft.profiling.StepProfile.report`)
+    against each step's measured time, the device synchronised at both ends."""
+    profile = StepProfile(engine.device)
+    total = 0.0
+    with profiling(profile):
+        for _ in range(steps):
+            start = profile.now()
+            engine.step(batch, lr)
+            total += profile.now() - start
+    return profile.report(total, steps)
+
+
+def trace_step(engine: PhasedEngine, batch: Batch, lr: float, path: Path) -> None:
+    """Record one step with ``torch.profiler`` (CPU, and CUDA when the engine computes there), each phase a
+    ``record_function`` range named like ``decoder.3:backward`` (:class:`ipuft.profiling.PhaseLabels`: no
+    synchronisation, so the trace shows what overlaps), and write it to ``path`` as a Chrome trace; under
+    torchrun each rank writes its own, ``<stem>.rank<N><suffix>``."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    if engine.layout.distributed:
+        path = path.with_name(f"{path.stem}.rank{engine.layout.rank}{path.suffix}")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    with torch_profile(activities=activities) as recorded, profiling(PhaseLabels()):
+        engine.step(batch, lr)
+    try:
+        recorded.export_chrome_trace(str(path))
+    except OSError as exc:
+        raise ConfigError(f"--trace {path}: cannot be written ({exc.strerror or exc})") from None

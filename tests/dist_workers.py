@@ -176,3 +176,18 @@ def save_memory(rank: int, overrides: list[str], out: str) -> None:
     record = {"extra": extra, "unit_bytes": max(unit_bytes(u) for u in units),
               "checkpoint_bytes": sum(unit_bytes(u) for u in units), "store_bytes": engine.store.variable_bytes()}
     (Path(out) / f"memory.rank{rank}.json").write_text(json.dumps(record))
+
+
+def bench_profile(rank: int, overrides: list[str], out: str) -> None:
+    """``ipuft bench --profile --trace OUT/step.json`` on every rank, in process; each rank saves its breakdown
+    (and writes its trace)."""
+    import json
+
+    from ipuft.config import load_config
+    from ipuft.plugins import create_plugin_manager
+    from ipuft.train import benchmark
+
+    hooks = create_plugin_manager()
+    result = benchmark(load_config("tiny", overrides, hooks.registrations.config_sections), hooks, timed_steps=2,
+                       profile=True, trace=Path(out) / "step.json")
+    (Path(out) / f"profile.rank{rank}.json").write_text(json.dumps(result["profile"]))

@@ -50,3 +50,13 @@ def test_cuda_offload_keeps_variables_in_pinned_host_memory(hooks, make_config):
     assert result.device_peak_bytes < sum(v.nbytes for v in engine.parts.variables["decoder"]) * cfg.model.layers * 4
     assert torch.cuda.max_memory_allocated() > 0
 
+
+def test_cuda_profile_accounts_for_the_step(hooks, make_config):
+    """Each section synchronises the device: the categories still sum to at most the measured step."""
+    from ipuft.train import benchmark
+
+    cfg = make_config("execution.device=cuda", "training.global_batch_size=4", "execution.activation_offload=true")
+    p = benchmark(cfg, hooks, timed_steps=2, profile=True)["profile"]
+    covered = sum(p["seconds"].values())
+    assert 0.5 * p["step_s"] <= covered <= p["step_s"]
+    assert p["seconds"]["copies"] > 0 and p["seconds"]["collectives"] == 0

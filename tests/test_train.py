@@ -99,6 +99,7 @@ def test_bench_reports_throughput(capsys):
     result = json.loads(out)
     assert result["tokens_per_s"] == pytest.approx(result["samples_per_s"] * 8)
     assert result["duration_s"] > 0 and result["device"] == "cpu"
+    assert "profile" not in result  # only with --profile (tests/test_profiling.py)
 
 
 def test_train_with_a_swapped_optimizer_through_config_alone(fake_dist, tmp_path, capsys):
