@@ -2,8 +2,11 @@
 
 Each phase brings one unit's variables to the compute device, loops over all gradient-accumulation
 micro-batches (layer-major batch serialisation), and stores back what it changed. The decoder's backward
-recomputes each layer's forward from its buffered input ``x[n][mb]``. The global gradient norm gathers
-every unit's gradient before any optimizer step runs, as in the reference's ``finetuning()``.
+recomputes each layer's forward from its buffered input ``x[n][mb]`` (with ``execution.recompute=false`` the
+forward keeps its graph for the backward instead). The global gradient norm gathers every unit's gradient
+before any optimizer step runs, as in the reference's ``finetuning()``; then core finishes every gradient
+(the loss scale removed, clipping applied) and the optimizer updates each unit's trainable variables
+together (:meth:`ipuft.optim.Optimizer.step_unit`). Frozen variables get no gradient and no update.
 
 Gradients are accumulated carrying the loss scale ``S`` and averaged over micro-batches: each
 micro-batch's backward is seeded with ``S / GA``. Under data parallelism each unit's gradient is
