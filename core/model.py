@@ -12,13 +12,15 @@ The shard specs must turn the first's shapes into the second's.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ipuft.components import ROLES, Component, ComponentBuilder, VariableSpec
-from ipuft.errors import ConfigError, PluginError
+from ipuft.errors import ConfigError, IpuftError, PluginError
 from ipuft.plugins import PluginHooks
 from ipuft.precision import compute_dtype
 from ipuft.program import StepProgram
@@ -36,9 +38,26 @@ class ModelParts:
     program: StepProgram
 
 
+@contextmanager
+def blamed(builder: ComponentBuilder, what: str) -> Iterator[None]:
+    """A plugin's component failing in ``what`` (its build, ``variable_specs()``): one line naming it, not a
+    traceback (``IPUFT_DEBUG=1`` keeps the traceback)."""
+    try:
+        yield
+    except IpuftError:
+        raise
+    except Exception as exc:  # noqa: BLE001 (the plugin's bug, reported as one line naming it)
+        from ipuft.plugins import debugging
+
+        message = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+        error = PluginError(f"{builder.role} component {builder.name!r} of plugin {builder.plugin!r} failed in "
+                            f"{what}: {type(exc).__name__}{': ' + message if message else ''}")
+        raise error from (exc if debugging() else None)
+
+
 def build_component(cfg: DictConfig, builder: ComponentBuilder):
     """Build one component module on the meta device and check that it follows the component contract."""
-    with torch.device("meta"):
+    with torch.device("meta"), blamed(builder, "its build"):
         module = builder.build(cfg)
     if not isinstance(module, torch.nn.Module) or not isinstance(module, Component):
         raise PluginError(
@@ -48,6 +67,11 @@ def build_component(cfg: DictConfig, builder: ComponentBuilder):
     return module
 
 
+def component_variables(builder: ComponentBuilder, module) -> list:
+    with blamed(builder, "variable_specs()"):
+        return module.variable_specs()
+
+
 def build_model(cfg: DictConfig, hooks: PluginHooks) -> ModelParts:
     """Build every component named by ``model.embeddings``, ``model.decoder`` and ``model.head``."""
     components = hooks.registrations.components
@@ -55,10 +79,10 @@ def build_model(cfg: DictConfig, hooks: PluginHooks) -> ModelParts:
     modules = {role: build_component(cfg, b) for role, b in builders.items()}
     tp = cfg.execution.tensor_parallel
     if tp == 1:
-        variables = {role: m.variable_specs() for role, m in modules.items()}
+        variables = {role: component_variables(builders[role], m) for role, m in modules.items()}
     else:
         single = OmegaConf.merge(cfg, {"execution": {"tensor_parallel": 1}})
-        variables = {role: build_component(single, b).variable_specs() for role, b in builders.items()}
+        variables = {role: component_variables(b, build_component(single, b)) for role, b in builders.items()}
     # model.precision: every floating variable is stored and computed with in the run's dtype.
     dtype = compute_dtype(cfg)
     variables = {role: [replace(v, dtype=dtype) if v.dtype.is_floating_point else v for v in specs]
@@ -75,7 +99,7 @@ def build_model(cfg: DictConfig, hooks: PluginHooks) -> ModelParts:
         if answer is None:
             answer = hooks.shard_spec(role, b.name, variables[role], tp)
         specs = resolve_shard_specs(who, variables[role], answer, tp)
-        local = {v.name: v.shape for v in modules[role].variable_specs()}
+        local = {v.name: v.shape for v in component_variables(b, modules[role])}
         expected = {v.name: specs[v.name].local_shape(v.shape, tp) for v in variables[role]}
         if local != expected:
             raise PluginError(f"{who}: its module at tensor_parallel={tp} has variables {local}, but its shard "

@@ -305,3 +305,52 @@ def test_a_decoder_that_does_not_give_its_activation_is_not_exported(trained, tm
     assert (code, err) == (2, "ipuft: error: model.decoder: Quiet does not give config.json's "
                               "activation_function (hf_config()), so the export cannot say how to run it\n")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("added", [False, True])
+def test_importing_into_a_variable_without_a_hugging_face_name_is_one_line_unless_it_is_added(trained, tmp_path,
+                                                                                              fake_dist, capsys, added):
+    """A component variable with no Hugging Face name stops a run from model.hf_checkpoint with one line; the
+    same variable marked ``added`` starts from its init (ones: the run starts as the plain model) and trains."""
+    from cli_helpers import run_cli
+
+    source = """
+import dataclasses
+import torch
+from ipuft import hookimpl
+from ipuft.components import Init, specs_from_module
+from ipuft_lm_head import SHARD_SPECS, build as stock_build
+
+def build(cfg):
+    head = stock_build(cfg)
+
+    class Scaled(type(head)):
+        def variable_specs(self):
+            inits = {"norm.weight": Init("ones"), "norm.bias": Init("zeros"), "proj.weight": Init("normal", 0.02),
+                     "proj.bias": Init("zeros"), "gain": Init("ones")}
+            return [dataclasses.replace(v, added=ADDED) if v.name == "gain" else v
+                    for v in specs_from_module(self, inits)]
+
+        def forward(self, hidden, labels=None):
+            return super().forward(hidden * self.gain, labels)
+
+    head.__class__ = Scaled
+    head.gain = torch.nn.Parameter(torch.ones(cfg.model.hidden_size))
+    return head
+
+@hookimpl(tryfirst=True)
+def ipuft_register_components(registry):
+    registry.add("head", "gptj", build, "a head with an extra gain",
+                 shard_specs={**SHARD_SPECS, "gain": SHARD_SPECS["norm.weight"]})
+"""
+    fake_dist("ipuft-gain", {"gain": "gain_plugin"}, {"gain_plugin": source.replace("ADDED", str(added))})
+    code, _, err = run_cli(capsys, "train", "--config", "tiny", f"model.hf_checkpoint={trained / 'hf'}",
+                           "training.steps=1", "training.global_batch_size=2", "checkpoint.save=null",
+                           f"output_dir={tmp_path / 'run'}")
+    if added:
+        assert code == 0, err
+        assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 1
+    else:
+        assert (code, err) == (2, f"ipuft: error: model.hf_checkpoint {trained / 'hf'}: head.gain has no Hugging Face "
+                                  f"name (the component's hf_mapping) and is not marked added, so it cannot start "
+                                  f"from this checkpoint\n")

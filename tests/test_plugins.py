@@ -267,3 +267,29 @@ def test_a_non_elementwise_optimizer_is_refused_under_rts_and_a_changed_optimize
     assert code == 2
     assert err.startswith("ipuft: error: checkpoint.load: resuming ") and \
         "would change training.optimizer.name adamw -> rowwise" in err and err.count("\n") == 1
+
+
+def test_a_component_that_raises_in_its_build_or_specs_is_one_line(fake_dist, capsys):
+    from cli_helpers import run_cli
+
+    fake_dist("ipuft-brittle", {"brittle": "brittle_plugin"}, {"brittle_plugin": """
+        from ipuft import hookimpl
+        from ipuft_lm_head import SHARD_SPECS, build as stock_build
+
+        def build(cfg):
+            head = stock_build(cfg)
+
+            class Brittle(type(head)):
+                def variable_specs(self):
+                    raise KeyError("gain")
+
+            head.__class__ = Brittle
+            return head
+
+        @hookimpl(tryfirst=True)
+        def ipuft_register_components(registry):
+            registry.add("head", "gptj", build, "a head whose specs raise", shard_specs=SHARD_SPECS)
+    """})
+    code, _, err = run_cli(capsys, "plan", "--config", "tiny")
+    assert (code, err) == (2, "ipuft: error: head component 'gptj' of plugin 'brittle' failed in variable_specs(): "
+                              "KeyError: 'gain'\n")
