@@ -33,7 +33,7 @@ from ipuft.checkpoint import sha256_file
 from ipuft.components import IGNORE_INDEX
 from ipuft.config.schema import DataFormat
 from ipuft.data import SampleData
-from ipuft.errors import DataError
+from ipuft.errors import DataError, first_line
 from ipuft.templates import Template, resolve_template
 
 if TYPE_CHECKING:
@@ -90,8 +90,8 @@ def load_tokenizer(spec: str, key: str = "data.tokenizer") -> Tokenizer:
     try:
         return Tokenizer.from_file(str(path))
     except Exception as exc:  # noqa: BLE001 (the Rust side raises plain Exceptions)
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise DataError(f"{key}: {path} is not a valid tokenizer.json ({first})") from None
+        why = first_line(exc, type(exc).__name__)
+        raise DataError(f"{key}: {path} is not a valid tokenizer.json ({why})") from None
 
 
 def resolve_data_path(path: str) -> Path:

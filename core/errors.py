@@ -41,6 +41,18 @@ class Stopped(IpuftError):
         self.exit_code = 128 + signum
 
 
+def first_line(exc: BaseException, default: str = "") -> str:
+    """The first line of an exception's message, for a one-line error (``default`` when it has none)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else default
+
+
+def described(exc: BaseException, limit: int = 300) -> str:
+    """``Type: first line of the message`` (at most ``limit`` characters of it), or ``Type`` alone."""
+    message = first_line(exc)[:limit]
+    return f"{type(exc).__name__}{': ' + message if message else ''}"
+
+
 def choices(values: Iterable[str]) -> str:
     """Format a list of valid choices for an error message."""
     values = sorted(values)

@@ -29,7 +29,7 @@ from ipuft.datasets import (
     resolve_data_path,
     tokenizer_source,
 )
-from ipuft.errors import DataError
+from ipuft.errors import DataError, first_line
 from ipuft.generate import generate
 from ipuft.inference import LayerMajor, dataset_loss
 from ipuft.plugins import PluginHooks
@@ -81,8 +81,8 @@ def tokenizer_for(cfg: DictConfig):
         try:
             return Tokenizer.from_str(data.decode("utf-8"))
         except Exception as exc:  # noqa: BLE001 (a bad encoding, or the Rust side's plain Exceptions)
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise DataError(f"{path} is not a valid tokenizer.json ({first[:200]})") from None
+            why = first_line(exc, type(exc).__name__)[:200]
+            raise DataError(f"{path} is not a valid tokenizer.json ({why})") from None
     if path.exists():
         return load_tokenizer(str(path))
     if cfg.data.tokenizer is not None:

@@ -30,7 +30,7 @@ from ipuft.checkpoint import (
 from ipuft.components import VariableSpec
 from ipuft.datasets import EOS, load_tokenizer
 from ipuft.engine import unit_role
-from ipuft.errors import CheckpointError
+from ipuft.errors import CheckpointError, first_line
 from ipuft.hf import DEFAULT_SHARD_BYTES, component_hf_config, export_names, unit_mappings
 from ipuft.hf_checkpoint import HF_SHAPES
 from ipuft.model import build_model
@@ -153,7 +153,7 @@ def export_hf(path: str | Path, out: str | Path, hooks: PluginHooks, shard_bytes
     except CheckpointError:
         raise
     except Exception as exc:  # noqa: BLE001 (a full disk is an OSError, or another write error)
-        why = getattr(exc, "strerror", None) or str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc)
+        why = getattr(exc, "strerror", None) or first_line(exc, type(exc).__name__)
         raise CheckpointError(f"--hf {out} cannot be written ({why}); nothing was left behind") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

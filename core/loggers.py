@@ -18,6 +18,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from ipuft import hookimpl
+from ipuft.errors import described
 from ipuft.registry import NamedRegistry
 
 JSONL = "jsonl"  # the built-in metrics.jsonl, always written; naming it in logging.backends is allowed
@@ -79,9 +80,8 @@ class Backends:
             call()
         except Exception as exc:  # noqa: BLE001 (a logging backend never stops training)
             self.active.pop(name, None)
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             sys.stderr.write(f"ipuft: warning: logging backend {name!r} failed and is off for this run: "
-                             f"{type(exc).__name__}{': ' + first[:200] if first else ''}\n")
+                             f"{described(exc, 200)}\n")
 
     def log(self, step: int, record: dict[str, Any]) -> None:
         for name, backend in list(self.active.items()):

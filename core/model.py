@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ipuft.components import ROLES, Component, ComponentBuilder, VariableSpec
-from ipuft.errors import ConfigError, IpuftError, PluginError
+from ipuft.errors import ConfigError, IpuftError, PluginError, described
 from ipuft.plugins import PluginHooks
 from ipuft.precision import compute_dtype
 from ipuft.program import StepProgram
@@ -49,9 +49,8 @@ def blamed(builder: ComponentBuilder, what: str) -> Iterator[None]:
     except Exception as exc:  # noqa: BLE001 (the plugin's bug, reported as one line naming it)
         from ipuft.plugins import debugging
 
-        message = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
         error = PluginError(f"{builder.role} component {builder.name!r} of plugin {builder.plugin!r} failed in "
-                            f"{what}: {type(exc).__name__}{': ' + message if message else ''}")
+                            f"{what}: {described(exc)}")
         raise error from (exc if debugging() else None)
 
 

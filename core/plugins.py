@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 from ipuft import __version__, hookspecs
 from ipuft.components import ROLES, ComponentRegistry, VariableSpec
 from ipuft.config.sections import ConfigSectionRegistry
-from ipuft.errors import ConfigError, IpuftError, PluginError
+from ipuft.errors import ConfigError, IpuftError, PluginError, described
 from ipuft.loggers import JSONL, LoggerRegistry
 from ipuft.optim import Optimizer, OptimizerRegistry
 from ipuft.registry import PLAIN, TRYFIRST, TRYLAST, Origin
@@ -204,10 +204,8 @@ class PluginHooks:
         except IpuftError:
             raise
         except Exception as exc:  # noqa: BLE001 (a plugin's bug, reported as one line naming it)
-            message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             error = PluginError(f"plugin {self._culprit(hook_name, exc.__traceback__)!r} failed in {hook_name}: "
-                                f"{type(exc).__name__}{': ' + message[:300] if message else ''} "
-                                f"({DEBUG_ENV}=1 shows the traceback)")
+                                f"{described(exc)} ({DEBUG_ENV}=1 shows the traceback)")
             raise error from (exc if debugging() else None)
 
     # ---- registration hooks ----

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from ipuft.checkpoint import checkpoint_initializer, find_checkpoint
 from ipuft.engine import Initializer, PhasedEngine, initial_values
-from ipuft.errors import ConfigError
+from ipuft.errors import ConfigError, first_line
 from ipuft.hf_checkpoint import hf_initializer
 from ipuft.model import ModelParts, build_model
 from ipuft.parallel import DistributedError, Layout, init_layout
@@ -77,6 +77,6 @@ def collective_errors(layout: Layout):
     except (RuntimeError, dist.DistBackendError) as exc:
         if not layout.distributed:
             raise
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise DistributedError(f"rank {layout.rank}: a peer rank died or stopped responding ({first}); "
+        raise DistributedError(f"rank {layout.rank}: a peer rank died or stopped responding "
+                               f"({first_line(exc, type(exc).__name__)}); "
                                f"stopping") from None
