@@ -22,7 +22,7 @@ import torch
 
 from ipuft.parallel import Layout, all_gather_flat
 from ipuft.profiling import section
-from ipuft.store import VariableStore
+from ipuft.store import VariableStore, host_copy
 
 KINDS = ("x", "dx")
 
@@ -50,10 +50,8 @@ class ActivationBuffers:
         size = tensor.numel() * tensor.element_size()
         if self.offload:
             with section("copies"):
-                host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.pin)
-                host.copy_(tensor, non_blocking=self.pin)
+                tensor = host_copy(tensor, self.pin)
             self.store.traffic.d2h["activation"] += size
-            tensor = host
         else:
             self.store.ledger.acquire(size)
         self._slots[(kind, row, mb)] = tensor.detach()

@@ -392,18 +392,12 @@ class PhasedEngine:
         the input leaf) until the unit's backward, which then needs no recompute. The tensors autograd saves
         stay counted on the device from here to there."""
         x_in, x_out = self.program.activation_rows(phase)
-        trainable = self.trainable[phase.role]
-        params = {n: t.detach().requires_grad_() if n in trainable else t for n, t in weights.items()}
-        leaves = {n: p for n, p in params.items() if n in trainable}
+        params, leaves = self._autograd_weights(phase, weights)
         graphs = _Graphs(leaves)
         with bound(module, params):
             for mb in range(batch.micro_batches):
                 with contextlib.ExitStack() as stack:
-                    if x_in is None:
-                        inputs, args = [], (batch.input_ids[mb],)
-                    else:
-                        x = stack.enter_context(self.buffers.read("x", x_in, mb)).detach().requires_grad_()
-                        inputs, args = [x], (x,)
+                    inputs, args = self._unit_input(stack, x_in, mb, batch.input_ids, consume=False)
                     if not inputs and not leaves:  # a frozen first unit: its backward has nothing to do
                         with torch.no_grad(), self._rng(phase.unit, mb):
                             out = module(*args)
@@ -417,6 +411,24 @@ class PhasedEngine:
                         self.graph_peak = max(self.graph_peak, self.graph_bytes)
                 self.buffers.write("x", x_out, mb, out.detach())
         self._graphs[phase.unit] = graphs
+
+    def _autograd_weights(self, phase: Phase, weights: Tensors) -> tuple[Tensors, Tensors]:
+        """The unit's weights to bind for a forward with autograd, and the leaves among them: trainable weights
+        become fresh leaves (their gradients accumulate there); frozen ones are bound as they are, without
+        autograd, so no gradient is computed for them."""
+        trainable = self.trainable[phase.role]
+        params = {n: t.detach().requires_grad_() if n in trainable else t for n, t in weights.items()}
+        return params, {n: p for n, p in params.items() if n in trainable}
+
+    def _unit_input(self, stack: contextlib.ExitStack, x_in: int | None, mb: int, input_ids: torch.Tensor,
+                    consume: bool) -> tuple[list[torch.Tensor], tuple]:
+        """Micro-batch ``mb``'s input to a unit, for a forward with autograd: the token ids (the first unit),
+        or the buffered activation ``x[x_in][mb]`` as a leaf whose gradient is the ``dx`` upstream needs;
+        returns ``(input leaves, call arguments)``."""
+        if x_in is None:
+            return [], (input_ids[mb],)
+        x = stack.enter_context(self.buffers.read("x", x_in, mb, consume=consume)).detach().requires_grad_()
+        return [x], (x,)
 
     def _gradients(self, phase: Phase, module, weights: Tensors, st: _StepState) -> Tensors:
         """The gradient of the unit's trainable variables over every micro-batch, reduced over DP, in its
@@ -437,11 +449,10 @@ class PhasedEngine:
         """Loss-backward (head) or recompute-backward (decoder, embeddings) of every micro-batch; returns
         the unit's gradients summed over micro-batches: by autograd itself (into the leaves' ``.grad``), or
         with ``wide`` into float32 sums, one micro-batch's 16-bit gradient at a time."""
-        trainable = self.trainable[phase.role]
         graphs = self._graphs.pop(phase.unit, None)
-        # Frozen variables are bound without autograd: no gradient is computed for them.
-        params = {n: t.detach().requires_grad_() if n in trainable else t for n, t in weights.items()}
-        leaves = graphs.leaves if graphs is not None else {n: p for n, p in params.items() if n in trainable}
+        params, leaves = self._autograd_weights(phase, weights)
+        if graphs is not None:
+            leaves = graphs.leaves  # the kept graphs accumulate into the leaves their forward bound
         sums: Tensors = {}
         with bound(module, params):
             for mb in range(st.batch.micro_batches):
@@ -463,11 +474,7 @@ class PhasedEngine:
         ``dx``), backpropagate into ``params``, and keep the gradient of the unit's input as ``dx``."""
         x_in, x_out = self.program.activation_rows(phase)
         with contextlib.ExitStack() as stack:
-            if x_in is None:
-                inputs, args = [], (st.batch.input_ids[mb],)
-            else:
-                x = stack.enter_context(self.buffers.read("x", x_in, mb, consume=True)).detach().requires_grad_()
-                inputs, args = [x], (x,)
+            inputs, args = self._unit_input(stack, x_in, mb, st.batch.input_ids, consume=True)
             if x_out is None:  # the head: loss, and the gradient that seeds the backward
                 args = (*args, st.batch.labels[mb])
                 seed = None

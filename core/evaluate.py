@@ -39,6 +39,18 @@ from ipuft.templates import resolve_template
 MNLI_MODES = ("score", "generate")
 
 
+class Measured:
+    """The ``--json`` figures of the passes run after it is made: tokens per second and the device peak."""
+
+    def __init__(self, engine) -> None:
+        engine.store.ledger.reset_peak()
+        self.engine, self.began = engine, time.perf_counter()
+
+    def figures(self, tokens: int) -> dict:
+        return {"tokens_per_s": tokens / (time.perf_counter() - self.began),
+                "device_peak_bytes": self.engine.store.ledger.peak}
+
+
 def evaluate_loss(cfg: DictConfig, hooks: PluginHooks, dataset: TokenDataset | None = None) -> dict:
     """``{"loss", "perplexity", "tokens", "tokens_per_s", "device_peak_bytes"}`` over every row of
     ``data.path`` (or of ``dataset``), once, in order."""
@@ -47,12 +59,10 @@ def evaluate_loss(cfg: DictConfig, hooks: PluginHooks, dataset: TokenDataset | N
     dataset = dataset if dataset is not None else data_source(cfg)
     assert isinstance(dataset, TokenDataset)
     engine = inference_engine(cfg, hooks)
-    engine.store.ledger.reset_peak()
-    began = time.perf_counter()
+    measured = Measured(engine)
     with collective_errors(engine.layout):
         result = dataset_loss(engine, dataset, cfg.execution.micro_batch_size)
-    return {**result, "tokens_per_s": result["tokens"] / (time.perf_counter() - began),
-            "device_peak_bytes": engine.store.ledger.peak}
+    return {**result, **measured.figures(result["tokens"])}
 
 
 def inference_config(path: str, hooks: PluginHooks, overrides: tuple[str, ...] | list[str] = ()) -> DictConfig:
@@ -109,16 +119,14 @@ def generate_texts(cfg: DictConfig, hooks: PluginHooks, prompts: list[str], max_
     runner = LayerMajor(engine)
     seed = sampling.pop("seed", 0)
     generator = torch.Generator(engine.device).manual_seed(seed)
-    engine.store.ledger.reset_peak()
-    began = time.perf_counter()
+    measured = Measured(engine)
     new = []
     for chunk in batches(encoded, batch_size):
         new += generate(runner, chunk, max_new_tokens, eos_id=tokenizer.token_to_id(EOS), generator=generator,
                         **sampling)
-    seconds = time.perf_counter() - began
     count = sum(len(n) for n in new)
     return {"completions": [p + tokenizer.decode(n, skip_special_tokens=False) for p, n in zip(prompts, new)],
-            "new_tokens": count, "tokens_per_s": count / seconds, "device_peak_bytes": engine.store.ledger.peak}
+            "new_tokens": count, **measured.figures(count)}
 
 
 def label_log_likelihoods(runner: LayerMajor, prompts: list[list[int]],
@@ -168,8 +176,7 @@ def evaluate_mnli(cfg: DictConfig, hooks: PluginHooks, mode: str = "score", batc
     labels = [template.labels[k] for k in sorted(template.labels)]
     engine = inference_engine(cfg, hooks)
     runner = LayerMajor(engine)
-    engine.store.ledger.reset_peak()
-    began = time.perf_counter()
+    measured = Measured(engine)
     correct = tokens = 0
     if mode == "score":
         # Each label's text exactly as the template renders it after the prompt, tokenized on its own as in training.
@@ -187,6 +194,5 @@ def evaluate_mnli(cfg: DictConfig, hooks: PluginHooks, mode: str = "score", batc
             for (_, expected), ids in zip(chunk, new):
                 correct += tokenizer.decode(ids, skip_special_tokens=False).replace(EOS, "").strip() == expected
             tokens += sum(len(ids) for ids in new)
-    seconds = time.perf_counter() - began
     return {"accuracy": correct / len(examples), "examples": len(examples), "correct": correct, "mode": mode,
-            "tokens_per_s": tokens / seconds, "device_peak_bytes": engine.store.ledger.peak}
+            **measured.figures(tokens)}

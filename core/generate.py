@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ipuft.store import host_copy
+
 if TYPE_CHECKING:
     from ipuft.inference import LayerMajor
 
@@ -75,8 +77,7 @@ class LayerKVCache:
             if t.device == device:
                 return t
             if device.type == "cpu":
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-                return host.copy_(t, non_blocking=pin)
+                return host_copy(t, pin)
             return t.to(device, non_blocking=pin)
 
         if self.keys is not None:

@@ -26,6 +26,7 @@ from ipuft.components import IGNORE_INDEX, bound
 from ipuft.errors import DataError
 from ipuft.generate import KVCache, LayerKVCache
 from ipuft.program import Op, Phase
+from ipuft.store import host_copy
 
 if TYPE_CHECKING:
     from ipuft.datasets import TokenDataset
@@ -86,10 +87,8 @@ class LayerMajor:
         if not self.offload:
             self.store.ledger.acquire(size)
             return hidden
-        host = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=self.pin)
-        host.copy_(hidden, non_blocking=self.pin)
         self.store.traffic.d2h["activation"] += size
-        return host
+        return host_copy(hidden, self.pin)
 
     def _fetch(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` back on the device for the next unit; its parked bytes are then the unit's input."""

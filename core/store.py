@@ -35,6 +35,12 @@ def nbytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def host_copy(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
+    """A copy of ``tensor`` in host memory: pinned, and copied asynchronously, with ``pin`` (CUDA)."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+    return host.copy_(tensor, non_blocking=pin)
+
+
 @dataclass
 class Traffic:
     """Bytes moved between host and compute device, per category (a variable group, ``activation``,

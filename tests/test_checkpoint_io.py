@@ -158,10 +158,6 @@ def test_a_bad_header_is_one_line(tmp_path, case):
     assert fragment in message, message
 
 
-def run_cli(argv, capsys):
-    return cli(capsys, *argv)
-
-
 def test_export_reads_only_the_weights_and_resume_refuses_damaged_optimizer_state(tmp_path, trained, capsys,
                                                                                    monkeypatch, hooks):
     """optim.safetensors damaged: export (and a new run from the weights) go on, with the right weights;
@@ -172,7 +168,7 @@ def test_export_reads_only_the_weights_and_resume_refuses_damaged_optimizer_stat
     monkeypatch.chdir(tmp_path)
     checkpoint = _checkpoint(tmp_path, trained)
     _flip(checkpoint / OPTIM)
-    code, _, err = run_cli(["export", "--checkpoint", str(checkpoint), "--hf", str(tmp_path / "out")], capsys)
+    code, _, err = cli(capsys, "export", "--checkpoint", str(checkpoint), "--hf", str(tmp_path / "out"))
     assert code == 0, err
     exported = load_file(str(tmp_path / "out" / "model.safetensors"))
     saved = load_file(str(checkpoint / WEIGHTS))
@@ -182,11 +178,11 @@ def test_export_reads_only_the_weights_and_resume_refuses_damaged_optimizer_stat
     assert set(exported) == {hf for hf, _ in pairs} and len(pairs) == len(saved)
     for hf, ours in pairs:
         assert torch.equal(exported[hf], saved[ours]), hf
-    code, _, err = run_cli(["train", "--config", "tiny", "training.global_batch_size=2", "training.steps=2",
-                            f"model.init_checkpoint={checkpoint}", f"output_dir={tmp_path}/fresh"], capsys)
+    code, _, err = cli(capsys, "train", "--config", "tiny", "training.global_batch_size=2", "training.steps=2",
+                            f"model.init_checkpoint={checkpoint}", f"output_dir={tmp_path}/fresh")
     assert code == 0, err
-    code, _, err = run_cli(["train", "--config", "tiny", "training.global_batch_size=2", "training.steps=2",
-                            f"checkpoint.load={checkpoint}", f"output_dir={tmp_path}/resumed"], capsys)
+    code, _, err = cli(capsys, "train", "--config", "tiny", "training.global_batch_size=2", "training.steps=2",
+                            f"checkpoint.load={checkpoint}", f"output_dir={tmp_path}/resumed")
     assert code == 2
     assert err == f"ipuft: error: checkpoint {checkpoint}: optim.safetensors does not match its checksum (corrupted)\n"
     assert not (tmp_path / "resumed" / "metrics.jsonl").exists()  # it stopped before any step
@@ -213,7 +209,7 @@ def test_damaged_weights_stop_export_train_and_eval_with_one_line(tmp_path, trai
         "eval": ["eval", "--checkpoint", str(checkpoint), "data.format=tokens", f"data.path={tokens}"],
     }
     for what, argv in commands.items():
-        code, _, err = run_cli(argv, capsys)
+        code, _, err = cli(capsys, *argv)
         assert code == 2, (what, err)
         assert err.startswith(expected) and err.count("\n") == 1 and "Traceback" not in err, (what, err)
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
@@ -229,8 +225,8 @@ def test_damaged_small_files_are_refused_when_read(tmp_path, trained, capsys, mo
         data = bytearray((checkpoint / name).read_bytes())
         data[-3] ^= 0x01  # checked before it is parsed
         (checkpoint / name).write_bytes(bytes(data))
-        code, _, err = run_cli(["train", "--config", "tiny", "training.global_batch_size=2", "training.steps=2",
-                                f"checkpoint.load={checkpoint}", f"output_dir={tmp_path / name}/resumed"], capsys)
+        code, _, err = cli(capsys, "train", "--config", "tiny", "training.global_batch_size=2", "training.steps=2",
+                                f"checkpoint.load={checkpoint}", f"output_dir={tmp_path / name}/resumed")
         assert code == 2
         assert err == f"ipuft: error: checkpoint {checkpoint}: {name} does not match its checksum (corrupted)\n"
 
