@@ -12,16 +12,14 @@ The shard specs must turn the first's shapes into the second's.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ipuft.components import ROLES, Component, ComponentBuilder, VariableSpec
-from ipuft.errors import ConfigError, IpuftError, PluginError, described
-from ipuft.plugins import PluginHooks
+from ipuft.errors import ConfigError, PluginError, described
+from ipuft.plugins import PluginHooks, plugin_errors
 from ipuft.precision import compute_dtype
 from ipuft.program import StepProgram
 from ipuft.sharding import ShardSpec, resolve_shard_specs
@@ -38,20 +36,11 @@ class ModelParts:
     program: StepProgram
 
 
-@contextmanager
-def blamed(builder: ComponentBuilder, what: str) -> Iterator[None]:
+def blamed(builder: ComponentBuilder, what: str):
     """A plugin's component failing in ``what`` (its build, ``variable_specs()``): one line naming it, not a
     traceback (``IPUFT_DEBUG=1`` keeps the traceback)."""
-    try:
-        yield
-    except IpuftError:
-        raise
-    except Exception as exc:  # noqa: BLE001 (the plugin's bug, reported as one line naming it)
-        from ipuft.plugins import debugging
-
-        error = PluginError(f"{builder.role} component {builder.name!r} of plugin {builder.plugin!r} failed in "
-                            f"{what}: {described(exc)}")
-        raise error from (exc if debugging() else None)
+    return plugin_errors(lambda exc: f"{builder.role} component {builder.name!r} of plugin {builder.plugin!r} "
+                                     f"failed in {what}: {described(exc)}")
 
 
 def build_component(cfg: DictConfig, builder: ComponentBuilder):

@@ -13,7 +13,8 @@ from __future__ import annotations
 import os
 import sys
 import traceback
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import metadata
 from types import CodeType, TracebackType
@@ -59,6 +60,19 @@ class PluginInfo:
 def disabled_from_env() -> set[str]:
     """Entry-point (or distribution) names listed, comma-separated, in ``IPUFT_DISABLE_PLUGINS``."""
     return {n.strip() for n in os.environ.get(DISABLE_ENV, "").split(",") if n.strip()}
+
+
+@contextmanager
+def plugin_errors(line: Callable[[Exception], str]) -> Iterator[None]:
+    """Run a plugin's code: an :class:`IpuftError` it raises passes as it is (it is already one line); any other
+    exception, the plugin's bug, becomes the one :class:`PluginError` line ``line(exc)`` (its traceback kept,
+    as the cause, only under ``IPUFT_DEBUG=1``)."""
+    try:
+        yield
+    except IpuftError:
+        raise
+    except Exception as exc:  # noqa: BLE001 (a plugin's bug, reported as one line naming it)
+        raise PluginError(line(exc)) from (exc if debugging() else None)
 
 
 def create_plugin_manager(
@@ -199,14 +213,9 @@ class PluginHooks:
     def call(self, hook_name: str, **kwargs: Any) -> Any:
         """Call hook ``hook_name`` through pluggy. An :class:`IpuftError` a plugin raises passes as it is; any
         other exception becomes one :class:`PluginError` line naming the plugin and the hook."""
-        try:
+        with plugin_errors(lambda exc: f"plugin {self._culprit(hook_name, exc.__traceback__)!r} failed in "
+                                       f"{hook_name}: {described(exc)} ({DEBUG_ENV}=1 shows the traceback)"):
             return getattr(self.pm.hook, hook_name)(**kwargs)
-        except IpuftError:
-            raise
-        except Exception as exc:  # noqa: BLE001 (a plugin's bug, reported as one line naming it)
-            error = PluginError(f"plugin {self._culprit(hook_name, exc.__traceback__)!r} failed in {hook_name}: "
-                                f"{described(exc)} ({DEBUG_ENV}=1 shows the traceback)")
-            raise error from (exc if debugging() else None)
 
     # ---- registration hooks ----
 
