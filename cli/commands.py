@@ -23,6 +23,7 @@ from ipuft.hf import DEFAULT_SHARD_BYTES
 from ipuft.plugins import DEBUG_ENV, PluginHooks, create_plugin_manager, debugging
 
 DEFAULT_PRESET = "small-cpu"
+PROMPTS_LIMIT = 1 << 28  # bytes of a --prompts file
 
 
 def config_arguments(command: Callable) -> Callable:
@@ -247,7 +248,11 @@ def generate(hooks: PluginHooks, path: str, prompts_file: str | None, batch_size
         prompts, overrides = [args[0]], args[1:]
     else:
         try:
-            text = Path(prompts_file).read_text(encoding="utf-8")
+            with open(prompts_file, "rb") as f:  # bounded: a prompt file is text, never gigabytes
+                data = f.read(PROMPTS_LIMIT + 1)
+            if len(data) > PROMPTS_LIMIT:
+                raise click.UsageError(f"--prompts {prompts_file}: larger than {PROMPTS_LIMIT} bytes; split it")
+            text = data.decode("utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise click.UsageError(f"--prompts {prompts_file}: cannot be read ({exc})") from None
         prompts, overrides = [line for line in text.splitlines() if line.strip()], args

@@ -114,3 +114,20 @@ def test_a_plugin_can_add_a_subcommand(fake_dist, capsys):
     """})
     code, out, _ = run_cli(capsys, "hello")
     assert (code, out) == (0, "hello from a plugin\n")
+
+
+@pytest.mark.parametrize(("content", "fragment"), [
+    (b"\xff\xfe not text", "cannot be read ('utf-8' codec can't decode"),
+    (b"x" * 65, "larger than 64 bytes; split it"),
+    (b"\n  \n", "no prompt in it (one per line)"),
+])
+def test_a_bad_prompts_file_is_one_line(capsys, tmp_path, monkeypatch, content, fragment):
+    """--prompts FILE is read bounded and checked before any model is loaded: one line, exit 2."""
+    from ipuft.cli import commands
+
+    monkeypatch.setattr(commands, "PROMPTS_LIMIT", 64)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes(content)
+    code, _, err = run_cli(capsys, "generate", "--checkpoint", str(tmp_path), "--prompts", str(prompts))
+    assert code == 2 and err.startswith(f"ipuft: error: --prompts {prompts}: ") and fragment in err
+    assert err.count("\n") == 1
