@@ -309,8 +309,12 @@ def checkpoint_config(path: str | Path, sections, overrides: list[str] | tuple[s
     data = saved_config_data(found)
     for old, new in MOVED.items():
         value = _pop(data, old)
-        if value is not None and _saved(data, new) is None and _saved(data, "training.optimizer.name") == "adamw":
-            data.setdefault("plugins", {}).setdefault(new.split(".")[1], {})[new.rpartition(".")[2]] = value
+        if value is None or _saved(data, new) is not None or _saved(data, "training.optimizer.name") != "adamw":
+            continue
+        plugins = data.setdefault("plugins", {})
+        section = plugins.setdefault(new.split(".")[1], {}) if isinstance(plugins, dict) else None
+        if isinstance(section, dict):  # else the file is malformed there, and loading it says so in one line
+            section[new.rpartition(".")[2]] = value
     for key in (*_PLACEMENT, *RETIRED):
         _pop(data, key)
     # A saved config holds every plugin section installed when it was saved; one whose used_when that run did not

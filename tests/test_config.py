@@ -135,3 +135,29 @@ def test_a_checkpoint_saved_with_retired_or_moved_keys_still_loads(hooks, traine
     assert cfg.plugins.adamw.beta2 == 0.95 and "beta2" not in cfg.training.optimizer
     with pytest.raises(ConfigError, match=r"model\.eval"):
         load_config("tiny", ["model.eval=false"], hooks.registrations.config_sections)
+
+
+def test_a_checkpoint_config_whose_plugins_node_is_not_a_mapping_is_one_line(hooks, trained, tmp_path):
+    """An old-style Adam key to move, and a ``plugins`` node that is not a mapping to move it into: the
+    migration leaves it, and loading says what is wrong in one line."""
+    import hashlib
+    import json
+    import shutil
+
+    import yaml
+
+    from ipuft.checkpoint import checkpoint_config, find_checkpoint
+
+    forged = tmp_path / "forged"
+    shutil.copytree(find_checkpoint(trained / "run"), forged)
+    data = yaml.safe_load((forged / "config.yaml").read_text())
+    data["plugins"], data["training"]["optimizer"]["beta2"] = "oops", 0.95
+    config = yaml.safe_dump(data)
+    (forged / "config.yaml").write_text(config)
+    manifest = json.loads((forged / "manifest.json").read_text())
+    manifest["config.yaml"] = hashlib.sha256(config.encode()).hexdigest()
+    (forged / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ConfigError) as info:
+        checkpoint_config(forged, hooks.registrations.config_sections)
+    assert str(info.value) == (f"preset {forged / 'config.yaml'}: config: Merge error: str is not a subclass of "
+                               f"PluginSections. value: oops")

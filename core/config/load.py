@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from ipuft.config.schema import Config
 from ipuft.config.sections import ConfigSectionRegistry
@@ -119,9 +119,7 @@ def _explain(exc: OmegaConfBaseException, schema: DictConfig, source: str) -> Co
         where = f"in {parent}" if parent else "at the top level"
         return ConfigError(f"{source}: unknown config key {key}; valid keys {where}: "
                            f"{', '.join(_valid_keys(schema, parent))}")
-    msg = str(getattr(exc, "msg", exc)).splitlines()[0]
-    if isinstance(exc, ValidationError):
-        return ConfigError(f"{source}: {key}: {msg}")
+    msg = str(getattr(exc, "msg", None) or exc).splitlines()[0]  # a merge error of a whole node has no msg
     return ConfigError(f"{source}: {key or 'config'}: {msg}")
 
 
