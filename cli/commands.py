@@ -309,13 +309,28 @@ def run(argv: list[str] | None = None) -> None:
     except IpuftError as exc:
         if debugging():
             traceback.print_exception(exc)
-        fail(str(exc), exc.exit_code)
+        fail(str(exc), exc.exit_code, at_once=_in_process_group())
     except click.exceptions.Abort:
-        fail("aborted", 130)
+        fail("aborted", 130, at_once=_in_process_group())
     except click.ClickException as exc:
         fail(exc.format_message(), exc.exit_code)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
-        fail("interrupted", 130)
+        fail("interrupted", 130, at_once=_in_process_group())
+    else:
+        if _in_process_group():
+            from ipuft.parallel import leave
+
+            leave()
+
+
+def _in_process_group() -> bool:
+    """Whether this process joined a torch.distributed process group (checked without importing torch).
+
+    A command that completed leaves the group on every rank. One that failed while in a group ends the
+    process at once instead: a peer may still be in a collective with this rank, or, after a timed-out
+    collective, Gloo's thread may still wait in it, and tearing the group down would then hang or abort."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
 

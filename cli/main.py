@@ -13,10 +13,14 @@ import sys
 import threading
 
 
-def fail(message: str, code: int = 2) -> None:
-    """Print one line naming what is wrong, and exit."""
+def fail(message: str, code: int = 2, at_once: bool = False) -> None:
+    """Print one line naming what is wrong, and exit; ``at_once`` ends the process without the interpreter's
+    teardown (every ``finally`` on the way here has run; buffered output is flushed)."""
     sys.stderr.write(f"ipuft: error: {message}\n")
     sys.stderr.flush()
+    if at_once:
+        sys.stdout.flush()
+        os._exit(code)
     sys.exit(code)
 
 

@@ -33,6 +33,12 @@ class TrainingError(IpuftError):
     exit_code = 1
 
 
+class DistributedError(IpuftError):
+    """A collective failed: a peer rank died or stopped responding."""
+
+    exit_code = 1
+
+
 class Stopped(IpuftError):
     """A SIGINT or SIGTERM stopped training cleanly; the exit code is 128 + the signal's number."""
 

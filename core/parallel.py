@@ -18,18 +18,12 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from ipuft.errors import ConfigError, IpuftError
+from ipuft.errors import ConfigError
 from ipuft.profiling import section, timed
 
 # torch 2.13 renamed the flat collectives; older releases only have the second names.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-class DistributedError(IpuftError):
-    """A collective failed: a peer rank died or stopped responding."""
-
-    exit_code = 1
 
 
 @dataclass
@@ -76,6 +70,16 @@ def activate(layout: Layout) -> Layout:
     global _ACTIVE  # noqa: PLW0603 (the one process-wide layout)
     _ACTIVE = layout
     return layout
+
+
+def leave() -> None:
+    """Leave the process group, when this process joined one, at the end of a command that completed on
+    every rank. Left to the interpreter's exit, Gloo's connection threads are torn down by static
+    destructors while a peer may still be closing its side, which now and then aborts a rank after its
+    work is done ('terminate called without an active exception', exit code -6)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    activate(Layout())
 
 
 def launched_world() -> int:

@@ -18,10 +18,10 @@ from omegaconf import DictConfig
 
 from ipuft.checkpoint import checkpoint_initializer, find_checkpoint
 from ipuft.engine import Initializer, PhasedEngine, initial_values
-from ipuft.errors import ConfigError, first_line
+from ipuft.errors import ConfigError, DistributedError, first_line
 from ipuft.hf_checkpoint import hf_initializer
 from ipuft.model import ModelParts, build_model
-from ipuft.parallel import DistributedError, Layout, init_layout
+from ipuft.parallel import Layout, init_layout
 from ipuft.plugins import PluginHooks
 
 
