@@ -79,3 +79,25 @@ def test_rotary_turns_only_the_rotary_pairs():
     a, b = q[0, p, :, 2 * i], q[0, p, :, 2 * i + 1]
     torch.testing.assert_close(rotated[0, p, :, 2 * i], a * angle.cos() - b * angle.sin(), rtol=0, atol=1e-6)
     torch.testing.assert_close(rotated[0, p, :, 2 * i + 1], a * angle.sin() + b * angle.cos(), rtol=0, atol=1e-6)
+
+
+def test_rotary_with_autograd_leaves_its_input_and_has_the_rotations_exact_gradient():
+    """The autograd path (a copy rotated, the gradient turned back by the conjugate) against the rotation
+    written in real arithmetic (GPT-J's rotate-every-two with cos and sin) differentiated by autograd."""
+    block, _ = _block_and_weights()
+    rotor = block.attn._rotor(0, 5, torch.device("cpu"))
+    x = torch.randn(2, 5, 4, 8, requires_grad=True)
+    before = x.detach().clone()
+    ours = apply_interleaved_rotary(x, rotor)
+    assert torch.equal(x.detach(), before)  # the input a graph saved is not overwritten
+
+    cos, sin = rotor.real.repeat_interleave(2, -1), rotor.imag.repeat_interleave(2, -1)  # [T, 1, rotary_dim]
+    head, tail = x[..., :4], x[..., 4:]
+    every_two = torch.stack((-head[..., 1::2], head[..., ::2]), -1).flatten(-2)
+    expected = torch.cat((head * cos + every_two * sin, tail), -1)
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-6)
+
+    seed = torch.randn_like(x)
+    (grad,) = torch.autograd.grad(ours, x, seed)
+    (reference,) = torch.autograd.grad(expected, x, seed)
+    torch.testing.assert_close(grad, reference, rtol=0, atol=1e-6)  # float32 rounding of a rotation

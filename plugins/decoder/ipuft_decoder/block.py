@@ -66,17 +66,19 @@ _GELU_K, _GELU_A = math.sqrt(2.0 / math.pi), 0.044715
 class _CpuGeluNew(torch.autograd.Function):
     """``gelu_new`` on float32 CPU tensors, about twice as fast as ATen's tanh-GELU kernel there.
 
-    ATen's CPU kernel for ``gelu(approximate="tanh")`` runs several times slower than its vectorised
-    ``tanh``; composing the formula from ``addcmul``, in-place multiplies and ``tanh_`` makes fewer
-    slow passes. The backward is ATen's own ``gelu_backward``, exactly as ``F.gelu`` would give.
+    ``0.5·x·(1 + tanh(z)) = x·σ(2z)``: ATen's CPU ``sigmoid`` is several times faster than its ``tanh``,
+    and than ``gelu(approximate="tanh")`` (0.2 against 0.44 ms on a [512, 1024] tensor on the 2-core CI
+    CPU; 0.8 ms for the same formula through ``tanh_``), within 1 ulp-scale of the tanh form (5e-7 at most,
+    in float32, against float64). The backward is ATen's own ``gelu_backward``, exactly as ``F.gelu``
+    would give; composing it from elementwise ops measured slower.
     """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x)
-        k = torch.tensor(_GELU_K, dtype=x.dtype)
-        inner = torch.addcmul(k, x, x, value=_GELU_K * _GELU_A).mul_(x)  # √(2/π)·(x + 0.044715·x³)
-        return inner.tanh_().add_(1.0).mul_(x).mul_(0.5)
+        k = torch.tensor(2.0 * _GELU_K, dtype=x.dtype)
+        z2 = torch.addcmul(k, x, x, value=2.0 * _GELU_K * _GELU_A).mul_(x)  # 2·√(2/π)·(x + 0.044715·x³)
+        return z2.sigmoid_().mul_(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
@@ -99,18 +101,41 @@ def rotary_rotor(positions: int, rotary_dim: int, base: float, device: torch.dev
     return torch.polar(torch.ones_like(angles), angles)[:, None, :]
 
 
+def _rotate_pairs_(x: torch.Tensor, rotor: torch.Tensor) -> torch.Tensor:
+    """Turn the first ``rotor.shape[-1]`` adjacent pairs of the last dimension of float32 ``x`` in place."""
+    pairs = torch.view_as_complex(x.unflatten(-1, (-1, 2)))
+    pairs[..., : rotor.shape[-1]] *= rotor
+    return x
+
+
+class _InterleavedRotary(torch.autograd.Function):
+    """The rotation with autograd as two kernels each way: a copy and one complex multiply forward, and
+    the gradient turned back by the conjugate rotor. Autograd's own graph for an in-place multiply on a
+    complex slice of a view costs a dozen copies and fills per call (about 2% of a step on the CPU)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, rotor: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(rotor)
+        return _rotate_pairs_(x.clone(memory_format=torch.contiguous_format), rotor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (rotor,) = ctx.saved_tensors
+        return _rotate_pairs_(grad.clone(memory_format=torch.contiguous_format), rotor.conj()), None
+
+
 def apply_interleaved_rotary(x: torch.Tensor, rotor: torch.Tensor) -> torch.Tensor:
     """Rotate each adjacent pair ``(x[2i], x[2i+1])``, ``i < rotary_dim / 2``, of ``x[B, T, heads, head_dim]``
     by its angle: GPT-J's interleaved ("rotate every two") rotary, as one complex multiplication per pair.
 
-    ``x`` is a projection's fresh output, which nothing else reads, so float32 is rotated in place; the
-    pairs past ``rotary_dim`` are left as they are.
+    ``x`` is a projection's fresh output, which nothing else reads: without autograd, float32 is rotated in
+    place; the pairs past ``rotary_dim`` are left as they are.
     """
     if x.dtype != torch.float32:
         return apply_interleaved_rotary(x.float(), rotor).to(x.dtype)
-    pairs = torch.view_as_complex(x.unflatten(-1, (-1, 2)))
-    pairs[..., : rotor.shape[-1]] *= rotor
-    return x
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _InterleavedRotary.apply(x, rotor)
+    return _rotate_pairs_(x, rotor)
 
 
 class GPTJAttention(nn.Module):
