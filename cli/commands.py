@@ -306,30 +306,31 @@ def run(argv: list[str] | None = None) -> None:
         hooks.registrations  # noqa: B018 - surface registration errors before any command runs
         hooks.register_commands(cli)
         cli.main(args=argv, prog_name="ipuft", obj=hooks, standalone_mode=False)
+        if _in_process_group():
+            from ipuft.parallel import leave
+
+            leave()
     except IpuftError as exc:
         if debugging():
             traceback.print_exception(exc)
         fail(str(exc), exc.exit_code, at_once=_in_process_group())
-    except click.exceptions.Abort:
-        fail("aborted", 130, at_once=_in_process_group())
+    except click.exceptions.Abort:  # click's form of a KeyboardInterrupt
+        fail("aborted", 130, at_once=True)
     except click.ClickException as exc:
         fail(exc.format_message(), exc.exit_code)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
-        fail("interrupted", 130, at_once=_in_process_group())
-    else:
-        if _in_process_group():
-            from ipuft.parallel import leave
-
-            leave()
+        fail("interrupted", 130, at_once=True)
 
 
 def _in_process_group() -> bool:
     """Whether this process joined a torch.distributed process group (checked without importing torch).
 
     A command that completed leaves the group on every rank. One that failed while in a group ends the
-    process at once instead: a peer may still be in a collective with this rank, or, after a timed-out
+    process at once instead (as a Ctrl-C always does: a KeyboardInterrupt that landed in code Python ran for
+    an extension, as torch's import does, makes the interpreter kill itself by SIGINT at exit, whatever
+    code it was given): a peer may still be in a collective with this rank, or, after a timed-out
     collective, Gloo's thread may still wait in it, and tearing the group down would then hang or abort."""
     dist = sys.modules.get("torch.distributed")
     return dist is not None and dist.is_available() and dist.is_initialized()

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from ipuft.errors import ConfigError
+from ipuft.errors import ConfigError, DistributedError, first_line
 from ipuft.profiling import section, timed
 
 # torch 2.13 renamed the flat collectives; older releases only have the second names.
@@ -78,6 +78,11 @@ def leave() -> None:
     destructors while a peer may still be closing its side, which now and then aborts a rank after its
     work is done ('terminate called without an active exception', exit code -6)."""
     if dist.is_initialized():
+        try:
+            dist.barrier()  # no rank closes its connections while a peer still works over them
+        except (RuntimeError, dist.DistBackendError) as exc:
+            raise DistributedError(f"rank {dist.get_rank()}: a peer rank died or stopped responding at the end "
+                                   f"of the command ({first_line(exc, type(exc).__name__)})") from None
         dist.destroy_process_group()
     activate(Layout())
 

@@ -22,14 +22,17 @@ def _entry(rank: int, world: int, port: int, target, args, errors: Path) -> None
     import torch
 
     torch.set_num_threads(1)
+    import torch.distributed as dist
+
     try:
         target(rank, *args)
     except BaseException:
         (errors / f"rank{rank}.txt").write_text(traceback.format_exc())
         raise
+    else:
+        if dist.is_initialized():
+            dist.barrier()  # every rank is done with its collectives before any closes its connections
     finally:
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.destroy_process_group()
 
