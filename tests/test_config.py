@@ -1,5 +1,7 @@
 """Config: presets, merge order, derived values and the one-line errors of bad input."""
 
+from pathlib import Path
+
 import pytest
 from omegaconf.errors import ReadonlyConfigError
 
@@ -161,3 +163,38 @@ def test_a_checkpoint_config_whose_plugins_node_is_not_a_mapping_is_one_line(hoo
         checkpoint_config(forged, hooks.registrations.config_sections)
     assert str(info.value) == (f"preset {forged / 'config.yaml'}: config: Merge error: str is not a subclass of "
                                f"PluginSections. value: oops")
+
+
+def test_a_runs_config_yaml_loads_back_as_the_same_config(hooks, tmp_path):
+    """What `ipuft config show` prints (and a run directory's config.yaml holds) is a --config file: its
+    derived gradient_accumulation is a record, re-derived after the overrides; a value that is not what its
+    batch keys give is refused with both numbers."""
+    from ipuft.config import to_yaml
+
+    sections = hooks.registrations.config_sections
+    cfg = load_config("tiny", ["training.global_batch_size=8", "execution.micro_batch_size=2"], sections)
+    saved = tmp_path / "config.yaml"
+    saved.write_text(to_yaml(cfg))
+    assert load_config(str(saved), [], sections) == cfg
+    assert load_config(str(saved), ["training.global_batch_size=16"], sections).gradient_accumulation == 8
+    saved.write_text(to_yaml(cfg).replace("gradient_accumulation: 4", "gradient_accumulation: 2"))
+    with pytest.raises(ConfigError, match=r"^gradient_accumulation: is derived as .* = 4 here, not 2; set those"):
+        load_config(str(saved), [], sections)
+
+
+def test_a_saved_config_of_an_unselected_plugin_loads_but_a_setting_of_it_is_refused(install_plugin, tmp_path):
+    """A config dump holds every installed plugin's section at its defaults, used or not: those set nothing.
+    A value other than the default in a section the config does not use is still the one-line error."""
+    from ipuft.config import to_yaml
+
+    hooks = install_plugin("ipuft_test_sgd", name="sgd", path=Path(__file__).parent / "fixtures")
+    sections = hooks.registrations.config_sections
+    cfg = load_config("tiny", [], sections)  # adamw: plugins.sgd does nothing here
+    saved = tmp_path / "config.yaml"
+    saved.write_text(to_yaml(cfg))
+    assert "momentum: 0.9" in saved.read_text()
+    assert load_config(str(saved), [], sections) == cfg
+    saved.write_text(to_yaml(cfg).replace("momentum: 0.9", "momentum: 0.5"))
+    with pytest.raises(ConfigError, match=r"^plugins\.sgd\.momentum \(used when training\.optimizer\.name=sgd\): "
+                                          r"it is set but does nothing"):
+        load_config(str(saved), [], sections)

@@ -6,6 +6,7 @@ Every mistake becomes a :class:`ConfigError` whose message names the key and wha
 from __future__ import annotations
 
 import dataclasses
+from enum import Enum
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -158,11 +159,14 @@ def load_config(
         if not default_preset:
             typed |= set(_dotted_keys(data))
             if isinstance(preset, str):
-                chosen |= typed
+                # A run's config.yaml (or `config show`'s output) holds every installed section at its
+                # defaults: only a value other than the default is a setting the file makes.
+                chosen |= {key for key in typed if not _is_default(schema, data, key)}
         try:
             cfg = OmegaConf.merge(cfg, data)
         except OmegaConfBaseException as exc:
             raise _explain(exc, schema, f"preset {name}") from None
+        _drop_recorded_gradient_accumulation(cfg, data)
     for key, value in _parse_overrides(list(overrides)):
         typed.add(key)
         chosen.add(key)
@@ -202,6 +206,37 @@ def load_config(
 
 
 _MISSING = object()
+
+
+def _is_default(schema: DictConfig, data: dict, key: str) -> bool:
+    """Whether dotted ``key``'s value in ``data`` is the schema's default for it."""
+    try:
+        default = OmegaConf.select(schema, key, default=_MISSING)
+        value = data
+        for part in key.split("."):
+            value = value[part]
+    except (OmegaConfBaseException, KeyError, TypeError):  # an odd key: merging the file names it
+        return False
+    if OmegaConf.is_config(default):
+        default = OmegaConf.to_container(default)
+    elif isinstance(default, Enum):
+        default = default.name
+    return default is not _MISSING and type(value) is type(default) and value == default
+
+
+def _drop_recorded_gradient_accumulation(cfg: DictConfig, data: dict) -> None:
+    """A file's ``gradient_accumulation`` that is what its own batch keys derive is a record of them (a run's
+    config.yaml, `config show`'s output): dropped, so that it is derived again after the overrides. Any other
+    value is left for validation to refuse."""
+    recorded = data.get("gradient_accumulation")
+    try:
+        batch = cfg.training.global_batch_size
+        replicas = cfg.execution.data_parallel * cfg.execution.micro_batch_size
+        derived = batch // replicas if batch % replicas == 0 else None
+    except Exception:  # noqa: BLE001 (malformed batch keys: validation names them)
+        return
+    if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded == derived:
+        cfg.gradient_accumulation = None
 
 
 def _dotted_keys(data: dict, prefix: str = "") -> list[str]:

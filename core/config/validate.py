@@ -122,12 +122,12 @@ def derive_and_validate(cfg: DictConfig) -> None:
 
     replicas_batch = execution.data_parallel * execution.micro_batch_size
     gbs = cfg.training.global_batch_size
-    _require(cfg.gradient_accumulation is None, "gradient_accumulation",
-             "is derived as training.global_batch_size / (execution.data_parallel × execution.micro_batch_size); "
-             "set those instead")
     _require(gbs % replicas_batch == 0, "training.global_batch_size",
              f"{gbs} is not divisible by execution.data_parallel × execution.micro_batch_size = "
              f"{execution.data_parallel} × {execution.micro_batch_size} = {replicas_batch}")
+    _require(cfg.gradient_accumulation is None, "gradient_accumulation",
+             f"is derived as training.global_batch_size / (execution.data_parallel × execution.micro_batch_size) "
+             f"= {gbs // replicas_batch} here, not {cfg.gradient_accumulation}; set those instead")
     cfg.gradient_accumulation = gbs // replicas_batch
     if execution.rts is None:
         execution.rts = execution.data_parallel > 1 and execution.recompute
