@@ -214,8 +214,8 @@ class PhasedEngine:
                 optim = self.store.entries[unit]["optim"]
                 for n, t in wide.items():
                     optim[f"{n}.{MASTER}"].copy_(t)
-            if unit in stores_grad:
-                self.store.allocate(unit, "grad", [s for s in stored if s.trainable])
+            if unit in stores_grad:  # written by each step before it is read: zeros, not the weights' draws
+                self.store.allocate(unit, "grad", [replace(s, init=Init("zeros")) for s in stored if s.trainable])
 
     # ---- one step ----
 
