@@ -145,7 +145,7 @@ def label_log_likelihoods(runner: LayerMajor, prompts: list[list[int]],
         where[i] = len(p) - 1
         where[i, : len(c)] += torch.arange(len(c))
         targets[i, : len(c)] = torch.tensor(c)
-    logits = runner.head(runner.hidden(ids), where).float()
+    logits = runner.vocabulary(runner.head(runner.hidden(ids), where)).float()
     targets = targets.to(logits.device)
     keep = targets != IGNORE_INDEX
     log_probs = logits.log_softmax(-1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ipuft.components import IGNORE_INDEX, bound
-from ipuft.errors import DataError
+from ipuft.errors import ConfigError, DataError
 from ipuft.generate import KVCache, LayerKVCache
 from ipuft.program import Op, Phase
 from ipuft.store import host_copy
@@ -176,12 +176,24 @@ class LayerMajor:
         return mean.double() * count, count
 
     def logits(self, input_ids: torch.Tensor, cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor:
-        """Logits ``[B, T, V]`` of ``input_ids[B, T]`` (``[B, 1, V]``, the last position's, if ``last_only``)."""
+        """Logits ``[B, T, V]`` over the vocabulary of ``input_ids[B, T]`` (``[B, 1, V]``, the last position's,
+        if ``last_only``)."""
         hidden = self.hidden(input_ids, cache)
         if not last_only:
-            return self.head(hidden)
+            return self.vocabulary(self.head(hidden))
         last = torch.full((hidden.shape[0], 1), hidden.shape[1] - 1, dtype=torch.long)
-        return self.head(hidden, last)
+        return self.vocabulary(self.head(hidden, last))
+
+    def vocabulary(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits``, checked to be over the vocabulary: what generating text and scoring labels by their
+        likelihood need, and what a classification head's scores are not."""
+        model = self.engine.cfg.model
+        if logits.shape[-1] != model.embedding.vocab_size:
+            raise ConfigError(f"model.head: {model.head} gives {logits.shape[-1]} scores per position, not logits "
+                              f"over the {model.embedding.vocab_size}-token vocabulary; generating text and scoring "
+                              f"labels by their likelihood need a language-model head (ipuft eval's loss task works "
+                              f"with any head)")
+        return logits
 
 
 def dataset_loss(engine: PhasedEngine, dataset: TokenDataset, micro_batch_size: int) -> dict:

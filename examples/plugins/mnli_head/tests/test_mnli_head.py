@@ -153,6 +153,23 @@ def test_training_through_the_command_line_improves_accuracy_on_the_sample(hooks
     assert before["rows"] == after["rows"] == 300
     assert before["accuracy"] < 0.45 and after["accuracy"] > before["accuracy"] + 0.2, (before, after)
 
+    # Text generation and label scoring by likelihood need vocabulary logits: one line, not garbage text or a
+    # traceback; the loss task works with this head.
+    line = ("ipuft: error: model.head: mnli_classifier gives 3 scores per position, not logits over the 512-token "
+            "vocabulary; generating text and scoring labels by their likelihood need a language-model head (ipuft "
+            "eval's loss task works with any head)\n")
+    capsys.readouterr()
+    mnli = ["eval", "--checkpoint", str(run), "data.path=mnli-sample", "--task", "mnli"]
+    for command in (["generate", "--checkpoint", str(run), "hello"], mnli, [*mnli, "--mode", "generate"]):
+        with pytest.raises(SystemExit) as info:
+            main(command)
+        assert info.value.code == 2 and capsys.readouterr().err == line, command
+    with pytest.raises(SystemExit) as info:
+        main(["eval", "--checkpoint", str(run), "data.path=mnli-sample", "--json"])
+        raise SystemExit(0)
+    assert info.value.code in (0, None)
+    assert json.loads(capsys.readouterr().out)["loss"] < math.log(3)
+
 
 def test_tensor_parallel_training_equals_one_process(hooks, tmp_path):
     """The replicated head under TP=2 (torchrun, two Gloo ranks): the same losses and final weights as one
