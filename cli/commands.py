@@ -299,6 +299,7 @@ def plugins_command(hooks: PluginHooks, as_json: bool) -> None:
 def run(argv: list[str] | None = None) -> None:
     """Run the command line on ``argv``; see :func:`ipuft.cli.main.main`."""
     args = sys.argv[1:] if argv is None else list(argv)
+    program = argv is None  # the process is ours to end (not a caller's, such as a test's)
     if "--debug" in args[: args.index("--")] if "--" in args else "--debug" in args:
         os.environ[DEBUG_ENV] = "1"  # before the plugins load, so that their import errors show tracebacks too
     try:
@@ -313,15 +314,15 @@ def run(argv: list[str] | None = None) -> None:
     except IpuftError as exc:
         if debugging():
             traceback.print_exception(exc)
-        fail(str(exc), exc.exit_code, at_once=_in_process_group())
+        fail(str(exc), exc.exit_code, at_once=program and _in_process_group())
     except click.exceptions.Abort:  # click's form of a KeyboardInterrupt
-        fail("aborted", 130, at_once=True)
+        fail("aborted", 130, at_once=program)
     except click.ClickException as exc:
         fail(exc.format_message(), exc.exit_code)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
-        fail("interrupted", 130, at_once=True)
+        fail("interrupted", 130, at_once=program)
 
 
 def _in_process_group() -> bool:

@@ -60,9 +60,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         run(argv)
     except KeyboardInterrupt:
-        fail("interrupted", 130, at_once=True)  # see ipuft.cli.commands._in_process_group
+        fail("interrupted", 130, at_once=argv is None)  # see ipuft.cli.commands._in_process_group
     finally:
-        if main_thread:
+        if main_thread and argv is None:  # the process is ours
             # The command is over and has printed its outcome. The interpreter's teardown restores SIGINT's
             # default action, so a Ctrl-C there would kill the process by the signal (exit -2, no line);
             # ignored, it leaves the command's own exit code.
