@@ -329,10 +329,9 @@ def _in_process_group() -> bool:
     """Whether this process joined a torch.distributed process group (checked without importing torch).
 
     A command that completed leaves the group on every rank. One that failed while in a group ends the
-    process at once instead (as a Ctrl-C always does: a KeyboardInterrupt that landed in code Python ran for
-    an extension, as torch's import does, makes the interpreter kill itself by SIGINT at exit, whatever
-    code it was given): a peer may still be in a collective with this rank, or, after a timed-out
-    collective, Gloo's thread may still wait in it, and tearing the group down would then hang or abort."""
+    process at once instead (as a Ctrl-C does, see :func:`ipuft.cli.main.fail`): a peer may still be in a
+    collective with this rank, or, after a timed-out collective, Gloo's thread may still wait in it, and
+    tearing the group down would then hang or abort."""
     dist = sys.modules.get("torch.distributed")
     return dist is not None and dist.is_available() and dist.is_initialized()
 

@@ -16,7 +16,9 @@ import threading
 
 def fail(message: str, code: int = 2, at_once: bool = False) -> None:
     """Print one line naming what is wrong, and exit; ``at_once`` ends the process without the interpreter's
-    teardown (every ``finally`` on the way here has run; buffered output is flushed)."""
+    teardown (every ``finally`` on the way here has run; buffered output is flushed). A Ctrl-C ends so: a
+    KeyboardInterrupt that landed in code Python ran for an extension (as torch's import does) makes the
+    interpreter kill itself by SIGINT at exit, whatever code it was given (exit -2)."""
     sys.stderr.write(f"ipuft: error: {message}\n")
     sys.stderr.flush()
     if at_once:
@@ -26,9 +28,7 @@ def fail(message: str, code: int = 2, at_once: bool = False) -> None:
 
 
 def _interrupted_while_starting(signum, frame) -> None:
-    sys.stderr.write("ipuft: error: interrupted\n")
-    sys.stderr.flush()
-    os._exit(130)
+    fail("interrupted", 130, at_once=True)
 
 
 TORCH_FREE = ("config", "plugins")  # commands that never import torch
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         run(argv)
     except KeyboardInterrupt:
-        fail("interrupted", 130, at_once=argv is None)  # see ipuft.cli.commands._in_process_group
+        fail("interrupted", 130, at_once=argv is None)
     finally:
         if main_thread and argv is None:  # the process is ours
             # The command is over and has printed its outcome. The interpreter's teardown restores SIGINT's

@@ -32,8 +32,9 @@ from ipuft.datasets import (
 from ipuft.errors import DataError, first_line
 from ipuft.generate import generate
 from ipuft.inference import LayerMajor, dataset_loss
+from ipuft.parallel import collective_errors
 from ipuft.plugins import PluginHooks
-from ipuft.runtime import collective_errors, inference_engine
+from ipuft.runtime import inference_engine
 from ipuft.templates import resolve_template
 
 MNLI_MODES = ("score", "generate")

@@ -11,6 +11,7 @@ collectives below, which are the identity when tensor parallelism is off.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -78,13 +79,23 @@ def leave() -> None:
     destructors while a peer may still be closing its side, which now and then aborts a rank after its
     work is done ('terminate called without an active exception', exit code -6)."""
     if dist.is_initialized():
-        try:
+        with collective_errors(active()):
             dist.barrier()  # no rank closes its connections while a peer still works over them
-        except (RuntimeError, dist.DistBackendError) as exc:
-            raise DistributedError(f"rank {dist.get_rank()}: a peer rank died or stopped responding at the end "
-                                   f"of the command ({first_line(exc, type(exc).__name__)})") from None
         dist.destroy_process_group()
     activate(Layout())
+
+
+@contextmanager
+def collective_errors(layout: Layout):
+    """Turn a failed collective (a dead or stuck peer) into one clear error naming this rank."""
+    try:
+        yield
+    except (RuntimeError, dist.DistBackendError) as exc:
+        if not layout.distributed:
+            raise
+        raise DistributedError(f"rank {layout.rank}: a peer rank died or stopped responding "
+                               f"({first_line(exc, type(exc).__name__)}); "
+                               f"stopping") from None
 
 
 def launched_world() -> int:

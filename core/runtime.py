@@ -10,18 +10,16 @@ from ``checkpoint.load``, ``model.init_checkpoint``, ``model.hf_checkpoint`` or 
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
 
 import torch
-import torch.distributed as dist
 from omegaconf import DictConfig
 
 from ipuft.checkpoint import checkpoint_initializer, find_checkpoint
 from ipuft.engine import Initializer, PhasedEngine, initial_values
-from ipuft.errors import ConfigError, DistributedError, first_line
+from ipuft.errors import ConfigError
 from ipuft.hf_checkpoint import hf_initializer
 from ipuft.model import ModelParts, build_model
-from ipuft.parallel import Layout, init_layout
+from ipuft.parallel import init_layout
 from ipuft.plugins import PluginHooks
 
 
@@ -67,16 +65,3 @@ def inference_engine(cfg: DictConfig, hooks: PluginHooks) -> PhasedEngine:
     layout = init_layout(cfg, device)
     parts = build_model(cfg, hooks)
     return PhasedEngine(cfg, parts, None, device, layout, initializer(cfg, parts))
-
-
-@contextmanager
-def collective_errors(layout: Layout):
-    """Turn a failed collective (a dead or stuck peer) into one clear error naming this rank."""
-    try:
-        yield
-    except (RuntimeError, dist.DistBackendError) as exc:
-        if not layout.distributed:
-            raise
-        raise DistributedError(f"rank {layout.rank}: a peer rank died or stopped responding "
-                               f"({first_line(exc, type(exc).__name__)}); "
-                               f"stopping") from None

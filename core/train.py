@@ -46,11 +46,11 @@ from ipuft.errors import ConfigError, Stopped, TrainingError
 from ipuft.inference import dataset_loss
 from ipuft.loggers import Backends
 from ipuft.model import ModelParts, build_model
-from ipuft.parallel import Layout
+from ipuft.parallel import Layout, collective_errors
 from ipuft.plugins import PluginHooks
 from ipuft.precision import Recipe, recipe
 from ipuft.profiling import PhaseLabels, StepProfile, profiling
-from ipuft.runtime import build_engine, collective_errors
+from ipuft.runtime import build_engine
 from ipuft.schedule import learning_rate
 
 

@@ -17,7 +17,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from ipuft.config.schema import Config
 from ipuft.config.sections import ConfigSectionRegistry
-from ipuft.config.validate import derive_and_validate
+from ipuft.config.validate import derive_and_validate, derived_gradient_accumulation
 from ipuft.errors import ConfigError, choices
 
 
@@ -229,13 +229,13 @@ def _drop_recorded_gradient_accumulation(cfg: DictConfig, data: dict) -> None:
     config.yaml, `config show`'s output): dropped, so that it is derived again after the overrides. Any other
     value is left for validation to refuse."""
     recorded = data.get("gradient_accumulation")
-    try:
-        batch = cfg.training.global_batch_size
-        replicas = cfg.execution.data_parallel * cfg.execution.micro_batch_size
-        derived = batch // replicas if batch % replicas == 0 else None
-    except Exception:  # noqa: BLE001 (malformed batch keys: validation names them)
+    if not isinstance(recorded, int) or isinstance(recorded, bool):
         return
-    if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded == derived:
+    try:
+        derived = derived_gradient_accumulation(cfg)
+    except (ArithmeticError, TypeError):  # a zero or missing batch key: validation names it
+        return
+    if recorded == derived:
         cfg.gradient_accumulation = None
 
 

@@ -47,6 +47,14 @@ def _require(condition: bool, key: str, message: str) -> None:
         raise ConfigError(f"{key}: {message}")
 
 
+def derived_gradient_accumulation(cfg: DictConfig) -> int | None:
+    """``training.global_batch_size / (execution.data_parallel × execution.micro_batch_size)``, or None when
+    that is not a whole number."""
+    replicas = cfg.execution.data_parallel * cfg.execution.micro_batch_size
+    batch = cfg.training.global_batch_size
+    return batch // replicas if batch % replicas == 0 else None
+
+
 def derive_and_validate(cfg: DictConfig) -> None:
     """Fill the derived values of ``cfg`` in place and check its cross-key constraints."""
     for key in _POSITIVE:
@@ -120,15 +128,15 @@ def derive_and_validate(cfg: DictConfig) -> None:
                        ("model.intermediate_size", model.intermediate_size)):
         _require(value % tp == 0, key, f"{value} is not divisible by execution.tensor_parallel={tp}")
 
-    replicas_batch = execution.data_parallel * execution.micro_batch_size
-    gbs = cfg.training.global_batch_size
-    _require(gbs % replicas_batch == 0, "training.global_batch_size",
-             f"{gbs} is not divisible by execution.data_parallel × execution.micro_batch_size = "
-             f"{execution.data_parallel} × {execution.micro_batch_size} = {replicas_batch}")
+    ga = derived_gradient_accumulation(cfg)
+    _require(ga is not None, "training.global_batch_size",
+             f"{cfg.training.global_batch_size} is not divisible by execution.data_parallel × "
+             f"execution.micro_batch_size = {execution.data_parallel} × {execution.micro_batch_size} = "
+             f"{execution.data_parallel * execution.micro_batch_size}")
     _require(cfg.gradient_accumulation is None, "gradient_accumulation",
              f"is derived as training.global_batch_size / (execution.data_parallel × execution.micro_batch_size) "
-             f"= {gbs // replicas_batch} here, not {cfg.gradient_accumulation}; set those instead")
-    cfg.gradient_accumulation = gbs // replicas_batch
+             f"= {ga} here, not {cfg.gradient_accumulation}; set those instead")
+    cfg.gradient_accumulation = ga
     if execution.rts is None:
         execution.rts = execution.data_parallel > 1 and execution.recompute
     if not execution.recompute:
