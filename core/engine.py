@@ -30,6 +30,7 @@ from ipuft.activations import ActivationBuffers, working_set
 from ipuft.batch import Batch
 from ipuft.components import Init, VariableSpec, bound, recompute
 from ipuft.errors import PluginError
+from ipuft.hostmem import retain_freed_memory
 from ipuft.model import ModelParts
 from ipuft.optim import Optimizer, StepContext
 from ipuft.parallel import Layout, active
@@ -180,6 +181,8 @@ class PhasedEngine:
         # recompute=false: each unit's forward graphs, kept from its forward to its backward (see _forward).
         self._graphs: dict[str, _Graphs] = {}
         self.graph_bytes = self.graph_peak = 0  # their saved tensors' bytes now, and the step's peak
+        if cfg.execution.retain_host_memory:
+            retain_freed_memory()
         self.store = VariableStore(self.device, offload=cfg.execution.offload)
         self.buffers = ActivationBuffers(self.store, cfg.execution.activation_offload, self.layout)
         self.updates = 0  # optimizer steps taken; Adam's bias correction counts from 1

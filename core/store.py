@@ -11,8 +11,15 @@ A phase :meth:`~VariableStore.load`\\ s what it needs onto the compute device an
 direction, and :class:`DeviceLedger` the bytes resident on the compute device and their peak.
 
 With ``offload=False`` the variables live on the compute device: loads hand out the stored tensors
-themselves and saves are no-ops, so the same program runs with no traffic. On a CPU compute device with
-offload on, loads and saves are real copies, so the counters are honest there too.
+themselves and saves are no-ops, so the same program runs with no traffic.
+
+On a CPU compute device host memory *is* device memory, so with offload on a load lends the stored tensors
+instead of copying them within the one memory, and a save has nothing to copy back for them (CUDA copies
+for real). The counters and the ledger still count what the program moves and holds, the bytes a separate
+device would see, so that they equal ``ipuft plan``'s on any machine; only the memcpys are skipped.
+
+Wherever the variables live in the compute device's memory (offload off, or lent), a save of a fresh
+tensor (a gradient) keeps that tensor as the stored one instead of copying it into the old.
 """
 
 from __future__ import annotations
@@ -33,6 +40,13 @@ Tensors = dict[str, torch.Tensor]
 
 def nbytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _replaceable(stored: torch.Tensor, fresh: torch.Tensor) -> bool:
+    """``fresh`` can be kept as the stored variable: same shape, dtype and memory, and a whole tensor of its
+    own (not a view that would keep a larger one alive)."""
+    return (fresh.shape == stored.shape and fresh.dtype == stored.dtype and fresh.device == stored.device
+            and fresh._base is None and fresh.is_contiguous() and not fresh.requires_grad)
 
 
 def host_copy(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
@@ -104,6 +118,8 @@ class VariableStore:
         self.compute = torch.device(compute)
         self.offload = offload
         self.home = torch.device("cpu") if offload else self.compute
+        # Host memory is the compute device's (a CPU device): loads lend the stored tensors, saves copy nothing.
+        self.lends = offload and self.compute.type == "cpu"
         # Pinned host memory makes host↔device copies asynchronous on CUDA.
         self.pin = offload and self.compute.type == "cuda"
         self.entries: dict[str, dict[str, Tensors]] = defaultdict(dict)
@@ -146,6 +162,9 @@ class VariableStore:
             stored = {n: t for n, t in stored.items() if n in names}
         if not self.offload:
             return stored
+        if self.lends:
+            self._count_load(group, stored)
+            return stored
         if (unit, group) in self._prefetched:
             out, ready = self._prefetched.pop((unit, group))
             current = torch.cuda.current_stream(self.compute)
@@ -180,18 +199,26 @@ class VariableStore:
         self.ledger.acquire(size)
 
     def save(self, unit: str, group: str, tensors: Tensors) -> None:
-        """Write ``tensors`` (on the compute device) back as ``unit``'s ``group``."""
+        """Write ``tensors`` (on the compute device, loaded or created by the phase) back as ``unit``'s
+        ``group``. Where the variables live in the compute device's memory, a fresh tensor the phase no longer
+        uses (a gradient) replaces the stored one instead of being copied into it."""
         stored = self.entries[unit][group]
         moved = {n: t for n, t in tensors.items() if stored[n] is not t}
-        if moved:
-            with section("copies"):
-                for name, t in moved.items():
+        in_place = not self.offload or self.lends
+        with section("copies"):
+            for name, t in moved.items():
+                if in_place and _replaceable(stored[name], t):
+                    stored[name] = t
+                else:
                     stored[name].copy_(t, non_blocking=self.pin)
-        if self.offload:
-            self.traffic.d2h[group] += nbytes(moved.values())
+        if self.offload:  # lent tensors changed in place count as moved back, as copies would be
+            self.traffic.d2h[group] += nbytes((tensors if self.lends else moved).values())
 
     def release(self, unit: str, group: str, tensors: Tensors) -> None:
         """The phase is done with ``tensors``, which it loaded or created on the device."""
+        if self.lends:  # each was counted when lent
+            self.ledger.release(nbytes(tensors.values()))
+            return
         stored = self.entries[unit].get(group, {})
         self.ledger.release(nbytes(t for n, t in tensors.items() if stored.get(n) is not t))
 

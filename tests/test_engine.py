@@ -183,6 +183,50 @@ def test_counters_equal_the_plan(hooks, make_config, offload, placement, activat
     assert engine.store.host_bytes() == planned["host_bytes"] - host_activations
 
 
+def test_a_cpu_device_lends_offloaded_variables_and_counts_them_as_copies():
+    """On a CPU device, host memory is device memory: with offload on, a load hands out the stored tensors
+    themselves, a save of a tensor changed in place copies nothing, and a fresh gradient becomes the stored
+    one; the counters and the ledger count exactly what a copy would have moved and held."""
+    from ipuft.components import Init, VariableSpec
+    from ipuft.store import VariableStore
+
+    store = VariableStore(torch.device("cpu"), offload=True)
+    specs = [VariableSpec("w", (4, 8), torch.float32, Init("normal", 1.0)), VariableSpec("b", (8,), torch.float32,
+                                                                                         Init("zeros"))]
+    store.allocate("u", "fwd", specs)
+    store.allocate("u", "grad", [VariableSpec(s.name, s.shape, s.dtype, Init("zeros")) for s in specs])
+    stored = dict(store.entries["u"]["fwd"])
+    loaded = store.load("u", "fwd")
+    assert all(loaded[n] is stored[n] for n in stored)
+    assert store.traffic.h2d["fwd"] == store.ledger.resident == (32 + 8) * 4
+    loaded["w"].add_(1.0)  # an update in place
+    store.save("u", "fwd", {"w": loaded["w"]})
+    assert store.traffic.d2h["fwd"] == 32 * 4 and store.entries["u"]["fwd"]["w"] is stored["w"]
+    fresh = {"w": torch.ones(4, 8), "b": torch.full((8,), 2.0)}
+    store.save("u", "grad", fresh)
+    assert all(store.entries["u"]["grad"][n] is fresh[n] for n in fresh) and store.traffic.d2h["grad"] == 40 * 4
+    view = torch.zeros(2, 8, 4).transpose(1, 2)[0]  # not a tensor of its own: copied into the stored one
+    kept = store.entries["u"]["grad"]["w"]
+    store.save("u", "grad", {"w": view})
+    assert store.entries["u"]["grad"]["w"] is kept and torch.equal(kept, torch.zeros(4, 8))
+    store.release("u", "fwd", loaded)
+    assert store.ledger.resident == 0 and store.ledger.peak == 40 * 4
+
+
+def test_lent_offloaded_steps_equal_offload_off_bit_for_bit(hooks, make_config):
+    """Lending instead of copying changes no result: offload on equals offload off, bit for bit, in every
+    weight and optimizer state, with host and device optimizer placement."""
+    for placement in ("device", "host"):
+        on = make_engine(make_config(*EQUIVALENCE, f"execution.optimizer_placement={placement}"), hooks)
+        off = make_engine(make_config(*EQUIVALENCE, "execution.offload=false"), hooks)
+        for a, b in zip(run_engine(on, on.cfg), run_engine(off, off.cfg), strict=True):
+            assert (a.loss, a.grad_norm) == (b.loss, b.grad_norm)
+        for group in ("fwd", "optim"):
+            for unit, tensors in on.store.state(group).items():
+                for n, t in tensors.items():
+                    assert torch.equal(t, off.store.state(group)[unit][n]), (placement, group, unit, n)
+
+
 @pytest.mark.parametrize("offload", [True, False])
 def test_frozen_roles_train_like_the_reference_and_move_nothing_for_updates(hooks, make_config, offload):
     """model.freeze=[embeddings,head]: the decoder trains exactly as a reference whose embeddings and head
