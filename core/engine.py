@@ -338,8 +338,8 @@ class PhasedEngine:
         if self.host_update and Op.OPTIMIZER_STEP in phase.ops and not st.skip:
             with section("optimizer"):
                 self._host_step(phase, st)
-        for group, tensors in loaded.items():
-            self.store.release(unit, group, tensors)
+        for tensors in loaded.values():
+            self.store.release(tensors)
         if phase.computes_gradient and "grad" not in loaded:
             self.store.ledger.release(nbytes(grads.values()))
 

@@ -77,7 +77,7 @@ class LayerMajor:
                 yield module
         finally:
             self.store.ledger.release(gathered)
-            self.store.release(phase.unit, "fwd", stored)
+            self.store.release(stored)
 
     # ---- where the batch's buffers live ----
 

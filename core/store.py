@@ -214,13 +214,11 @@ class VariableStore:
         if self.offload:  # lent tensors changed in place count as moved back, as copies would be
             self.traffic.d2h[group] += nbytes((tensors if self.lends else moved).values())
 
-    def release(self, unit: str, group: str, tensors: Tensors) -> None:
-        """The phase is done with ``tensors``, which it loaded or created on the device."""
-        if self.lends:  # each was counted when lent
+    def release(self, tensors: Tensors) -> None:
+        """The phase is done with ``tensors``, which it loaded: with offload each was counted on the device when
+        it came (copied or lent); without, they are the stored variables, counted for as long as they live."""
+        if self.offload:
             self.ledger.release(nbytes(tensors.values()))
-            return
-        stored = self.entries[unit].get(group, {})
-        self.ledger.release(nbytes(t for n, t in tensors.items() if stored.get(n) is not t))
 
     def synchronize(self) -> None:
         """Wait for outstanding asynchronous copies (CUDA), so host values are final."""

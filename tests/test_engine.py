@@ -209,7 +209,7 @@ def test_a_cpu_device_lends_offloaded_variables_and_counts_them_as_copies():
     kept = store.entries["u"]["grad"]["w"]
     store.save("u", "grad", {"w": view})
     assert store.entries["u"]["grad"]["w"] is kept and torch.equal(kept, torch.zeros(4, 8))
-    store.release("u", "fwd", loaded)
+    store.release(loaded)
     assert store.ledger.resident == 0 and store.ledger.peak == 40 * 4
 
 

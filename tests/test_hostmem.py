@@ -12,8 +12,8 @@ pytestmark = pytest.mark.skipif(
 
 # Run in a fresh process each (the setting is process-wide): whether glibc took the setting, how many MiB
 # of a 16 MiB tensor it mapped outside its heap (mallinfo2's hblkhd), and the page faults of rounds 4-8 of
-# allocating, filling and freeing 64 tensors of 1 MiB (the heap grows by 64 MiB and shrinks again each round,
-# like a layer-major step's activations).
+# allocating, filling and freeing 64 tensors of 1 MiB (the heap grows by 64 MiB each round and, by glibc's
+# defaults, may be trimmed again, like a layer-major step's activations).
 PROBE = """
 import ctypes, resource, sys, torch
 from ipuft.hostmem import retain_freed_memory
