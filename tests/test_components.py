@@ -82,7 +82,7 @@ def test_rotary_turns_only_the_rotary_pairs():
 
 
 def test_rotary_with_autograd_leaves_its_input_and_has_the_rotations_exact_gradient():
-    """The autograd path (a copy rotated, the gradient turned back by the conjugate) against the rotation
+    """The autograd path (a rotated product, the gradient turned back by the conjugate) against the rotation
     written in real arithmetic (GPT-J's rotate-every-two with cos and sin) differentiated by autograd."""
     block, _ = _block_and_weights()
     rotor = block.attn._rotor(0, 5, torch.device("cpu"))
@@ -91,7 +91,9 @@ def test_rotary_with_autograd_leaves_its_input_and_has_the_rotations_exact_gradi
     ours = apply_interleaved_rotary(x, rotor)
     assert torch.equal(x.detach(), before)  # the input a graph saved is not overwritten
 
-    cos, sin = rotor.real.repeat_interleave(2, -1), rotor.imag.repeat_interleave(2, -1)  # [T, 1, rotary_dim]
+    assert torch.equal(rotor[..., 2:], torch.ones(5, 1, 2, dtype=rotor.dtype))  # past rotary_dim: times 1
+    turns = rotor[..., :2]
+    cos, sin = turns.real.repeat_interleave(2, -1), turns.imag.repeat_interleave(2, -1)  # [T, 1, rotary_dim]
     head, tail = x[..., :4], x[..., 4:]
     every_two = torch.stack((-head[..., 1::2], head[..., ::2]), -1).flatten(-2)
     expected = torch.cat((head * cos + every_two * sin, tail), -1)

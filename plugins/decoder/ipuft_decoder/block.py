@@ -93,49 +93,36 @@ def gelu_new(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-def rotary_rotor(positions: int, rotary_dim: int, base: float, device: torch.device) -> torch.Tensor:
-    """Unit complex numbers ``[positions, 1, rotary_dim // 2]``: pair ``i`` of a head's first
-    ``rotary_dim`` dimensions turns by ``position · base^(-2i/rotary_dim)``."""
+def rotary_rotor(positions: int, rotary_dim: int, head_dim: int, base: float, device: torch.device) -> torch.Tensor:
+    """Unit complex numbers ``[positions, 1, head_dim // 2]``: pair ``i`` of a head turns by
+    ``position · base^(-2i/rotary_dim)`` when ``i < rotary_dim / 2``, and by angle 0 (times exactly 1)
+    past it, so that one contiguous complex multiply covers every pair of a head."""
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device).float() / rotary_dim
     angles = torch.outer(torch.arange(positions, device=device).float(), 1.0 / (base**exponents))
+    angles = F.pad(angles, (0, head_dim // 2 - rotary_dim // 2))
     return torch.polar(torch.ones_like(angles), angles)[:, None, :]
 
 
-def _rotate_pairs_(x: torch.Tensor, rotor: torch.Tensor) -> torch.Tensor:
-    """Turn the first ``rotor.shape[-1]`` adjacent pairs of the last dimension of float32 ``x`` in place."""
-    pairs = torch.view_as_complex(x.unflatten(-1, (-1, 2)))
-    pairs[..., : rotor.shape[-1]] *= rotor
-    return x
-
-
-class _InterleavedRotary(torch.autograd.Function):
-    """The rotation with autograd as two kernels each way: a copy and one complex multiply forward, and
-    the gradient turned back by the conjugate rotor. Autograd's own graph for an in-place multiply on a
-    complex slice of a view costs a dozen copies and fills per call (about 2% of a step on the CPU)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, rotor: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(rotor)
-        return _rotate_pairs_(x.clone(memory_format=torch.contiguous_format), rotor)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (rotor,) = ctx.saved_tensors
-        return _rotate_pairs_(grad.clone(memory_format=torch.contiguous_format), rotor.conj()), None
+def _as_pairs(x: torch.Tensor) -> torch.Tensor:
+    """The last dimension of float32 ``x`` as complex numbers, one per adjacent pair (a view)."""
+    return torch.view_as_complex(x.unflatten(-1, (-1, 2)))
 
 
 def apply_interleaved_rotary(x: torch.Tensor, rotor: torch.Tensor) -> torch.Tensor:
-    """Rotate each adjacent pair ``(x[2i], x[2i+1])``, ``i < rotary_dim / 2``, of ``x[B, T, heads, head_dim]``
-    by its angle: GPT-J's interleaved ("rotate every two") rotary, as one complex multiplication per pair.
+    """Rotate each adjacent pair ``(x[2i], x[2i+1])`` of ``x[B, T, heads, head_dim]`` by its angle (the
+    ``rotor`` of :func:`rotary_rotor`): GPT-J's interleaved ("rotate every two") rotary, as one complex
+    multiplication of the whole head; the pairs past ``rotary_dim`` are multiplied by exactly 1.
 
-    ``x`` is a projection's fresh output, which nothing else reads: without autograd, float32 is rotated in
-    place; the pairs past ``rotary_dim`` are left as they are.
+    With autograd the product is a new tensor, and autograd turns the gradient back by the conjugate rotor:
+    views and one multiply each way. ``x`` is a projection's fresh output, which nothing else
+    reads: without autograd, float32 is rotated in place.
     """
     if x.dtype != torch.float32:
         return apply_interleaved_rotary(x.float(), rotor).to(x.dtype)
     if torch.is_grad_enabled() and x.requires_grad:
-        return _InterleavedRotary.apply(x, rotor)
-    return _rotate_pairs_(x, rotor)
+        return torch.view_as_real(_as_pairs(x) * rotor).flatten(-2)
+    _as_pairs(x).mul_(rotor)
+    return x
 
 
 class GPTJAttention(nn.Module):
@@ -161,7 +148,7 @@ class GPTJAttention(nn.Module):
         size = length if start == 0 else 1 << (start + length - 1).bit_length()
         key = (size, device)
         if key not in self._rotors:
-            self._rotors[key] = rotary_rotor(size, self.rotary_dim, self.rotary_base, device)
+            self._rotors[key] = rotary_rotor(size, self.rotary_dim, self.head_dim, self.rotary_base, device)
         return self._rotors[key][start : start + length]
 
     def forward(self, h: torch.Tensor, cache: LayerKVCache | None = None) -> torch.Tensor:
@@ -171,7 +158,7 @@ class GPTJAttention(nn.Module):
         if cache is not None and cache.pad is not None:  # left-padded rows: per-row positions, pad keys hidden
             positions = cache.positions(new, h.device)
             table = self._rotor(0, 1 << (cache.length + new - 1).bit_length(), h.device)  # covers every position
-            rotor = table[positions]  # [B, T, 1, rotary_dim / 2]
+            rotor = table[positions]  # [B, T, 1, head_dim / 2]
             mask = cache.attention_mask(new, h.device)
         else:
             rotor = self._rotor(0 if cache is None else cache.length, new, h.device)
