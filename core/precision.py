@@ -30,7 +30,7 @@ from omegaconf import DictConfig
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Elements rounded at a time: bounds the rounding's temporaries on the device.
 ROUNDING_CHUNK = 1 << 20
-ROUNDING_BYTES_PER_ELEMENT = 40  # int64 indices and bits, float32 probabilities, 16-bit candidates
+ROUNDING_BYTES_PER_ELEMENT = 40  # at most: int64 indices, int32 bits, the rounding's float32 and int32 temporaries
 
 
 def rounding_workspace(numel: int) -> int:
@@ -75,45 +75,90 @@ def rounding_key(seed: int, unit: str, name: str, update: int) -> int:
     return zlib.crc32(f"{seed}/{unit}/{name}/{update}".encode())
 
 
-_MASK32 = 0xFFFFFFFF
+def _int32(c: int) -> int:
+    """The int32 whose two's-complement bits are those of ``c`` in [0, 2^32)."""
+    return c - (1 << 32) if c >= 1 << 31 else c
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """``x · c mod 2^32`` for int64 ``x`` in [0, 2^32), without int64 overflow (16-bit halves of ``c``)."""
-    low = x * (c & 0xFFFF)
-    high = ((x * (c >> 16)) & 0xFFFF) << 16
-    return (low + high) & _MASK32
+def _shr32(x: torch.Tensor, s: int) -> torch.Tensor:
+    """The logical right shift of int32 ``x`` read as unsigned (``>>`` on int32 shifts the sign in)."""
+    return (x >> s) & ((1 << (32 - s)) - 1)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's 32-bit finaliser: a bijection of [0, 2^32) that scrambles every input bit."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = _mul32(x, 0xC2B2AE35)
-    return x ^ (x >> 16)
+    """MurmurHash3's 32-bit finaliser on int32 tensors read as unsigned: a bijection of [0, 2^32) that
+    scrambles every input bit. Multiplication of int32 tensors keeps the low 32 bits of the product, as
+    unsigned arithmetic would (a wrapping multiply on every backend), so no op needs int64: it is about
+    20 times faster than int64 arithmetic masked back to 32 bits, on the CPU."""
+    x = x ^ _shr32(x, 16)
+    x = x * _int32(0x85EBCA6B)
+    x = x ^ _shr32(x, 13)
+    x = x * _int32(0xC2B2AE35)
+    return x ^ _shr32(x, 16)
+
+
+def _bits32(key: int, index: torch.Tensor) -> torch.Tensor:
+    """:func:`random_bits` as int32 (the same 32 bits, read as unsigned)."""
+    high_key = _int32(key ^ 0x9E3779B9)
+    low = index.to(torch.int32)  # the low 32 bits (int64 → int32 keeps them)
+    if index.numel() and int(index.max()) < 1 << 32:  # the usual case: the high half mixes to one constant
+        high = int(_mix32(torch.tensor([high_key], dtype=torch.int32)))
+    else:
+        high = _mix32((index >> 32).to(torch.int32) ^ high_key)
+    return _mix32(_mix32(low ^ _int32(key)) ^ high)
 
 
 def random_bits(key: int, index: torch.Tensor) -> torch.Tensor:
-    """32 random bits (int64 in [0, 2^32)) for each int64 ``index`` ≥ 0, a pure function of ``(key, index)``."""
-    high_key = key ^ 0x9E3779B9
-    if index.numel() and int(index.max()) < 1 << 32:  # the usual case: the high half mixes to one constant
-        high = int(_mix32(torch.tensor(high_key, dtype=torch.int64)))
-        return _mix32(_mix32((index & _MASK32) ^ key) ^ high)
-    return _mix32(_mix32((index & _MASK32) ^ key) ^ _mix32((index >> 32) ^ high_key))
+    """32 random bits (int64 in [0, 2^32)) for each int64 ``index`` ≥ 0, a pure function of ``(key, index)``:
+    ``mix(mix(low(index) ^ key) ^ mix(high(index) ^ key ^ 0x9E3779B9))`` with ``mix`` :func:`_mix32` and
+    ``low``/``high`` the halves of the index."""
+    return _bits32(key, index).to(torch.int64) & 0xFFFFFFFF
 
 
 def round_stochastically(value: torch.Tensor, dtype: torch.dtype, bits: torch.Tensor) -> torch.Tensor:
     """``value`` (float32) rounded into ``dtype``: to the neighbour on either side with the probability
-    that makes the expectation ``value`` itself, choosing by ``bits`` (32 random bits per element)."""
+    that makes the expectation ``value`` itself, choosing by ``bits`` (32 random bits per element, int64 or
+    int32). The rounding is :func:`_round_by_neighbours`'s; bfloat16 computes it as :func:`_round_bfloat16`."""
+    bits = bits.to(torch.int32)  # the low 32 bits
+    return _round_bfloat16(value, bits) if dtype == torch.bfloat16 else _round_by_neighbours(value, dtype, bits)
+
+
+def _round_by_neighbours(value: torch.Tensor, dtype: torch.dtype, bits: torch.Tensor) -> torch.Tensor:
+    """The neighbour of ``value`` that is not its nearest in ``dtype`` is taken where the top 24 of the int32
+    ``bits``, as a fraction of 2^24, fall under that neighbour's probability; otherwise the nearest. NaN,
+    infinities and values whose other neighbour would be infinite round to nearest."""
     nearest = value.to(dtype)
     near = nearest.float()
     away = torch.where(near > value, float("-inf"), float("inf")).to(dtype)
     other = torch.nextafter(nearest, away)
     gap = other.float() - near
     p_other = torch.where(gap.isfinite() & (gap != 0), (value - near) / gap, 0.0)
-    uniform = (bits >> 8).float() * 2.0**-24  # 24 bits: exact in float32
+    uniform = _shr32(bits, 8).float() * 2.0**-24  # 24 bits: exact in float32
     return torch.where(uniform < p_other, other, nearest)
+
+
+def _round_bfloat16(value: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """:func:`_round_by_neighbours` into bfloat16, on the float32 bit patterns (about twice as fast).
+
+    A bfloat16 is the top half of a float32, so the neighbours of ``value`` are its bits with the low 16
+    cleared (toward zero) and that plus one bfloat16 step (away from zero), and ``low``, the 16 bits cleared,
+    is how far it lies from the first in 2^-16 of a step. Round-to-nearest-even goes away where
+    ``low + (last kept bit) > 0x8000``. Away is taken with probability ``low / 2^16``: where the nearest is
+    toward zero, where the 24-bit draw ``u < low·2^8`` (the other neighbour's chance, as in the float
+    formulation), and where the nearest is away, where ``u ≥ (2^16 - low)·2^8``, that is
+    ``(2^24 - 1 - u) < low·2^8``: the draw mirrored. Both are exact, so the choice is the float
+    formulation's, bit for bit.
+    """
+    v = value.view(torch.int32)
+    low = v & 0xFFFF
+    up = (v >> 16).bitwise_and_(1).add_(low).add_(0x7FFF).bitwise_right_shift_(16)  # 1 where RNE goes away
+    u = _shr32(bits, 8).bitwise_xor_(up.mul_(0xFFFFFF))  # the 24-bit draw, mirrored where RNE goes away
+    away = torch.lt(u, low << 8).to(torch.int32).bitwise_left_shift_(16)
+    rounded = (v - low).add_(away).view(torch.float32).to(torch.bfloat16)  # exact: the low half is zero
+    special = (v & 0x7FFFFFFF) >= 0x7F7F0000  # NaN, ±inf, and a step away from the largest finite value
+    if bool(special.any()):
+        rounded = torch.where(special, value.to(torch.bfloat16), rounded)
+    return rounded
 
 
 def stochastic_round_(weight: torch.Tensor, value: torch.Tensor, key: int,
@@ -126,5 +171,5 @@ def stochastic_round_(weight: torch.Tensor, value: torch.Tensor, key: int,
     flat_w, flat_v = weight.view(-1), value.reshape(-1)
     for start in range(0, flat_w.numel(), ROUNDING_CHUNK):
         count = min(ROUNDING_CHUNK, flat_w.numel() - start)
-        bits = random_bits(key, indices(start, count))
+        bits = _bits32(key, indices(start, count))
         flat_w[start : start + count] = round_stochastically(flat_v[start : start + count], weight.dtype, bits)

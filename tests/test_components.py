@@ -1,5 +1,7 @@
 """How the engine runs a component (``bound``) and the decoder's CPU kernels, against plain references."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -103,3 +105,42 @@ def test_rotary_with_autograd_leaves_its_input_and_has_the_rotations_exact_gradi
     (grad,) = torch.autograd.grad(ours, x, seed)
     (reference,) = torch.autograd.grad(expected, x, seed)
     torch.testing.assert_close(grad, reference, rtol=0, atol=1e-6)  # float32 rounding of a rotation
+
+
+def test_gelu_new_in_bfloat16_is_correctly_rounded_with_atens_16_bit_gradient():
+    """The 16-bit CPU path computes the float32 sigmoid form and rounds once: for every bfloat16 in [-8, 8]
+    that is the float64 value correctly rounded. (The float64 reference is the sigmoid form too: the tanh
+    form's ``1 + tanh(z)`` cancels for negative x, even in float64.)"""
+    every = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    x = every[every.float().abs() <= 8].clone().requires_grad_()
+    k, a = math.sqrt(2 / math.pi), 0.044715
+    x64 = x.detach().double()
+    exact = (x64 * torch.sigmoid(2 * k * (x64 + a * x64**3))).to(torch.bfloat16)
+    y = gelu_new(x)
+    assert y.dtype == torch.bfloat16 and x.numel() > 30000
+    assert torch.equal(y.detach(), exact)
+    seed = torch.randn(x.shape).to(torch.bfloat16)
+    (ours,) = torch.autograd.grad(y, x, seed)
+    (aten,) = torch.autograd.grad(F.gelu(x, approximate="tanh"), x, seed)
+    assert torch.equal(ours, aten)  # ATen's bfloat16 gelu_backward, as F.gelu's
+
+
+def test_bfloat16_block_on_the_cpu_tracks_a_float64_reference():
+    """With its attention computed in float32 and rounded once, the bfloat16 block (output and every
+    gradient) stays within a few bfloat16 roundings of the same block in float64: each of the block's
+    roughly ten rounded intermediates is off by at most 2^-9 relative, so 8·2^-8 of the largest value bounds
+    the sum of them with room; a wrong mask, dtype or transpose would be off by the size of the values."""
+    block, weights = _block_and_weights()
+    x = torch.randn(2, 6, 32).to(torch.bfloat16)
+    seed = torch.randn(2, 6, 32).to(torch.bfloat16)
+    results = {}
+    for dtype in (torch.bfloat16, torch.float64):
+        leaves = {n: w.to(torch.bfloat16).to(dtype).requires_grad_() for n, w in weights.items()}
+        inp = x.to(dtype).detach().requires_grad_()
+        out = functional_call(block.to(dtype), leaves, (inp,))
+        out.backward(seed.to(dtype))
+        results[dtype] = {"out": out.detach(), "x": inp.grad, **{n: w.grad for n, w in leaves.items()}}
+    for name, ours in results[torch.bfloat16].items():
+        expected = results[torch.float64][name]
+        assert ours.dtype == torch.bfloat16, name
+        assert (ours.double() - expected).abs().max() <= 8 * 2**-8 * expected.abs().max(), name

@@ -11,7 +11,7 @@ from ipuft.config import load_config
 from ipuft.datasets import data_source
 from ipuft.engine import MASTER
 from ipuft.plan import estimate
-from ipuft.precision import random_bits, round_stochastically, rounding_key
+from ipuft.precision import _round_bfloat16, _round_by_neighbours, random_bits, round_stochastically, rounding_key
 from ipuft.runtime import build_engine
 from ipuft.schedule import learning_rate
 from ipuft.train import replica_batch
@@ -87,6 +87,55 @@ def test_random_bits_are_a_pure_function_of_key_and_index():
     assert abs(uniform.mean().item() - 0.5) < 5 * math.sqrt(1 / 12 / index.numel())
     for bit in range(32):  # every bit is a fair coin
         assert abs(((bits >> bit) & 1).double().mean().item() - 0.5) < 5 * 0.5 / math.sqrt(index.numel())
+
+
+def test_random_bits_are_the_documented_hash():
+    """The int32 implementation (wrapping multiplies, masked arithmetic shifts) against MurmurHash3's finaliser
+    in Python integers, for indices on both sides of 2^31 and 2^32 and an odd count (the kernels' scalar tails)."""
+    mask = 0xFFFFFFFF
+
+    def mix(x):
+        x ^= x >> 16
+        x = (x * 0x85EBCA6B) & mask
+        x ^= x >> 13
+        x = (x * 0xC2B2AE35) & mask
+        return x ^ (x >> 16)
+
+    gen = torch.Generator().manual_seed(3)
+    low = [0, 1, 2**31 - 1, 2**31, 2**32 - 1] + torch.randint(0, 2**32, (500,), generator=gen).tolist()
+    high = [2**32, 2**33 + 5] + torch.randint(2**32, 2**45, (500,), generator=gen).tolist()
+    for key in (0, 12345, 2**31 + 7, mask):
+        for index in (low, low + high):
+            expected = [mix(mix((i & mask) ^ key) ^ mix((i >> 32) ^ key ^ 0x9E3779B9)) for i in index]
+            assert random_bits(key, torch.tensor(index)).tolist() == expected
+
+
+def test_bfloat16_rounding_in_integers_is_the_float_formulation_bit_for_bit():
+    gen = torch.Generator().manual_seed(5)
+    n = 1 << 18
+    exponents = torch.randint(-45, 39, (n,), generator=gen).float()
+    wide = torch.randn(n, generator=gen) * 10.0**exponents  # normal and subnormal, every binade, both signs
+    special = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 3.3895e38, -3.3895e38, 3.39e38, 3.4e38,
+                            3.4028235e38, 1.0 + 2**-8, 1.0 + 3 * 2**-8, 2.0 - 2**-20, -(2.0 - 2**-20),
+                            1.0 + 2**-9])  # ties to even both ways, a binade's top, the largest values
+    # Every low half past a bfloat16, on both sides of a tie and of either parity, at the largest finite
+    # bfloat16 and at 1.0, each with the 24-bit draws on either side of its threshold (low·2^8 below a
+    # half step, (2^16 - low)·2^8 above it) and at the extremes.
+    low = torch.arange(0, 1 << 16, 7, dtype=torch.int32).repeat_interleave(8)
+    high = torch.tensor([0x3F80, 0x3F81, 0x7F7F, 0x7F7E, -0x0081], dtype=torch.int32)  # -0x81: the sign bit set
+    edges = ((high[:, None] << 16) | low[None, :]).flatten()
+    lows = edges & 0xFFFF
+    threshold = torch.where(lows + ((edges >> 16) & 1) > 0x8000, 0x10000 - lows, lows) << 8
+    offset = torch.tensor([-1, 0, 1, -(1 << 24), (1 << 24) - 1, 2, -2, 0], dtype=torch.int32).repeat(edges.numel() // 8)
+    draws = ((threshold + offset).clamp(0, (1 << 24) - 1) << 8) | 0x5A  # the low 8 bits are never used
+    for value, bits in ((wide, random_bits(11, torch.arange(n)).to(torch.int32)),
+                        (special.repeat(4096), random_bits(12, torch.arange(special.numel() * 4096)).to(torch.int32)),
+                        (edges.view(torch.float32), draws)):
+        ours, reference = _round_bfloat16(value, bits), _round_by_neighbours(value, torch.bfloat16, bits)
+        same = (ours.view(torch.int16) == reference.view(torch.int16)) | (ours.isnan() & reference.isnan())
+        assert bool(same.all()), value[~same][:5]
+    assert torch.equal(round_stochastically(wide, torch.bfloat16, random_bits(11, torch.arange(n))),
+                       _round_bfloat16(wide, random_bits(11, torch.arange(n)).to(torch.int32)))
 
 
 # -- training ---------------------------------------------------------------------------------------------

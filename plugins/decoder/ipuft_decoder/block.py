@@ -9,6 +9,10 @@ Under tensor parallelism the block is built with this rank's share of the heads 
 parallel, one all-reduce (core's ``reduce_from_tensor_parallel``) sums both partial outputs; fc_out's
 bias is added once, after it. At TP=1 the collectives are the identity.
 
+On the CPU, 16-bit attention without a cache is computed in float32 (ATen's CPU flash-attention backward
+is 2-3 times slower in 16 bits) and ``gelu_new`` in float32 rounded once; elsewhere both run in the
+tensors' dtype.
+
 For inference, ``forward(x, cache)`` takes an optional per-layer key/value cache
 (:class:`ipuft.generate.LayerKVCache`): the new tokens' positions start at ``cache.length``, their keys
 (after rotary) and values are appended to it, and the queries attend over every cached and new key. A
@@ -64,21 +68,23 @@ _GELU_K, _GELU_A = math.sqrt(2.0 / math.pi), 0.044715
 
 
 class _CpuGeluNew(torch.autograd.Function):
-    """``gelu_new`` on float32 CPU tensors, about twice as fast as ATen's tanh-GELU kernel there.
+    """``gelu_new`` on CPU tensors, about twice as fast as ATen's tanh-GELU kernel there.
 
     ``0.5·x·(1 + tanh(z)) = x·σ(2z)``: ATen's CPU ``sigmoid`` is several times faster than its ``tanh``,
     and than ``gelu(approximate="tanh")`` (0.2 against 0.44 ms on a [512, 1024] tensor on the 2-core CI
     CPU; 0.8 ms for the same formula through ``tanh_``), within 1 ulp-scale of the tanh form (5e-7 at most,
-    in float32, against float64). The backward is ATen's own ``gelu_backward``, exactly as ``F.gelu``
-    would give; composing it from elementwise ops measured slower.
+    in float32, against float64). A 16-bit ``x`` is computed in float32 and rounded once, as ATen's own
+    16-bit kernel does (0.28 against 0.51 ms in bfloat16). The backward is ATen's own ``gelu_backward``, in
+    ``x``'s dtype, exactly as ``F.gelu`` would give; composing it from elementwise ops measured slower.
     """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x)
-        k = torch.tensor(2.0 * _GELU_K, dtype=x.dtype)
-        z2 = torch.addcmul(k, x, x, value=2.0 * _GELU_K * _GELU_A).mul_(x)  # 2·√(2/π)·(x + 0.044715·x³)
-        return z2.sigmoid_().mul_(x)
+        x32 = x.float()
+        k = torch.tensor(2.0 * _GELU_K)
+        z2 = torch.addcmul(k, x32, x32, value=2.0 * _GELU_K * _GELU_A).mul_(x32)  # 2·√(2/π)·(x + 0.044715·x³)
+        return z2.sigmoid_().mul_(x32).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
@@ -88,7 +94,7 @@ class _CpuGeluNew(torch.autograd.Function):
 
 def gelu_new(x: torch.Tensor) -> torch.Tensor:
     """GPT-J's activation, ``0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))``."""
-    if x.device.type == "cpu" and x.dtype == torch.float32:
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
         return _CpuGeluNew.apply(x)
     return F.gelu(x, approximate="tanh")
 
@@ -162,12 +168,18 @@ class GPTJAttention(nn.Module):
             mask = cache.attention_mask(new, h.device)
         else:
             rotor = self._rotor(0 if cache is None else cache.length, new, h.device)
-        q = apply_interleaved_rotary(self.q_proj(h).unflatten(-1, split), rotor).transpose(1, 2)
-        k = apply_interleaved_rotary(self.k_proj(h).unflatten(-1, split), rotor).transpose(1, 2)
-        v = self.v_proj(h).unflatten(-1, split).transpose(1, 2)
+        q, k, v = (proj(h).unflatten(-1, split) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        if cache is None and self.kernel == "sdpa" and h.device.type == "cpu" and h.dtype != torch.float32:
+            # ATen's CPU flash-attention backward is 2-3 times slower in 16 bits than in float32 (5.6-6.3 against
+            # 2.5-3.0 ms forward and backward, with the casts, at [4, 8, 128, 32]): the rotary (float32 anyway)
+            # and the attention stay in float32 up to the output. A cache keeps its dtype.
+            q, k, v = q.float(), k.float(), v.float()
+        q = apply_interleaved_rotary(q, rotor).transpose(1, 2)
+        k = apply_interleaved_rotary(k, rotor).transpose(1, 2)
+        v = v.transpose(1, 2)
         if cache is not None:
             k, v = cache.append(k, v)  # every key and value so far: [B, heads, T_past + T, head_dim]
-        out = self._attend(q, k, v, mask).transpose(1, 2).flatten(-2)
+        out = self._attend(q, k, v, mask).to(h.dtype).transpose(1, 2).flatten(-2)
         return output_projection(self.out_proj.weight, out)  # partial under TP
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
