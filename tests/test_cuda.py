@@ -60,3 +60,17 @@ def test_cuda_profile_accounts_for_the_step(hooks, make_config):
     covered = sum(p["seconds"].values())
     assert 0.5 * p["step_s"] <= covered <= p["step_s"]
     assert p["seconds"]["copies"] > 0 and p["seconds"]["collectives"] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_cuda_stochastic_rounding_equals_the_cpus(dtype):
+    """The int32 hash (wrapping multiplies) and the rounding give the CPU's bits on the GPU, so a layout's
+    ranks round alike on either device."""
+    from ipuft.precision import random_bits, round_stochastically
+
+    index = torch.cat([torch.arange(100_003), torch.arange(2**32 - 50, 2**32 + 50)])
+    value = torch.randn(index.numel()) * 10.0 ** torch.randint(-8, 8, (index.numel(),)).float()
+    bits = random_bits(77, index)
+    assert torch.equal(random_bits(77, index.cuda()).cpu(), bits)
+    ours = round_stochastically(value.cuda(), dtype, bits.cuda()).cpu()
+    assert torch.equal(ours.view(torch.int16), round_stochastically(value, dtype, bits).view(torch.int16))
