@@ -120,8 +120,8 @@ def apply_interleaved_rotary(x: torch.Tensor, rotor: torch.Tensor) -> torch.Tens
     multiplication of the whole head; the pairs past ``rotary_dim`` are multiplied by exactly 1.
 
     With autograd the product is a new tensor, and autograd turns the gradient back by the conjugate rotor:
-    views and one multiply each way. ``x`` is a projection's fresh output, which nothing else
-    reads: without autograd, float32 is rotated in place.
+    views and one multiply each way. ``x`` is a projection's fresh output, which nothing else reads:
+    without autograd, float32 is rotated in place.
     """
     if x.dtype != torch.float32:
         return apply_interleaved_rotary(x.float(), rotor).to(x.dtype)
