@@ -11,7 +11,7 @@ from ipuft.config import load_config
 from ipuft.datasets import data_source
 from ipuft.engine import MASTER
 from ipuft.plan import estimate
-from ipuft.precision import _round_bfloat16, _round_by_neighbours, random_bits, round_stochastically, rounding_key
+from ipuft.precision import _round_by_neighbours, random_bits, round_stochastically, rounding_key
 from ipuft.runtime import build_engine
 from ipuft.schedule import learning_rate
 from ipuft.train import replica_batch
@@ -110,32 +110,39 @@ def test_random_bits_are_the_documented_hash():
             assert random_bits(key, torch.tensor(index)).tolist() == expected
 
 
-def test_bfloat16_rounding_in_integers_is_the_float_formulation_bit_for_bit():
+# float32 bit patterns whose low bits the edge cases fill: 1.0 and the next 16-bit values (both parities),
+# the largest finite values and their lower neighbours, a negative, and float16's smallest normal and the
+# float32s just under it.
+EDGE_BASES = {torch.bfloat16: [0x3F800000, 0x3F810000, 0x7F7F0000, 0x7F7E0000, 0xBF7F0000],
+              torch.float16: [0x3F800000, 0x3F802000, 0x477FE000, 0x477FC000, 0xBF802000, 0x38800000, 0x387FE000]}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_rounding_on_bit_patterns_is_the_float_formulation_bit_for_bit(dtype):
     gen = torch.Generator().manual_seed(5)
     n = 1 << 18
     exponents = torch.randint(-45, 39, (n,), generator=gen).float()
     wide = torch.randn(n, generator=gen) * 10.0**exponents  # normal and subnormal, every binade, both signs
     special = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 3.3895e38, -3.3895e38, 3.39e38, 3.4e38,
-                            3.4028235e38, 1.0 + 2**-8, 1.0 + 3 * 2**-8, 2.0 - 2**-20, -(2.0 - 2**-20),
-                            1.0 + 2**-9])  # ties to even both ways, a binade's top, the largest values
-    # Every low half past a bfloat16, on both sides of a tie and of either parity, at the largest finite
-    # bfloat16 and at 1.0, each with the 24-bit draws on either side of its threshold (low·2^8 below a
-    # half step, (2^16 - low)·2^8 above it) and at the extremes.
-    low = torch.arange(0, 1 << 16, 7, dtype=torch.int32).repeat_interleave(8)
-    high = torch.tensor([0x3F80, 0x3F81, 0x7F7F, 0x7F7E, -0x0081], dtype=torch.int32)  # -0x81: the sign bit set
-    edges = ((high[:, None] << 16) | low[None, :]).flatten()
-    lows = edges & 0xFFFF
-    threshold = torch.where(lows + ((edges >> 16) & 1) > 0x8000, 0x10000 - lows, lows) << 8
+                            3.4028235e38, 65504.0, 65519.0, 65520.0, -65520.0, 6e-5, 6.1e-5, -3e-8, 1.0 + 2**-8,
+                            1.0 + 3 * 2**-8, 1.0 + 2**-11, 2.0 - 2**-20, -(2.0 - 2**-20), 1.0 + 2**-9])
+    # Every dropped low part (in steps, from 0), at each base, with the 24-bit draws on either side of the
+    # threshold (low·2^(24-d) where the nearest is toward zero, (2^d - low)·2^(24-d) where it is away) and at
+    # the extremes.
+    dropped = {torch.bfloat16: 16, torch.float16: 13}[dtype]
+    low = torch.arange(0, 1 << dropped, 3, dtype=torch.int64).repeat_interleave(8)
+    edges = (torch.tensor(EDGE_BASES[dtype])[:, None] | low[None, :]).flatten().to(torch.int32)
+    lows = edges & ((1 << dropped) - 1)
+    nearest_away = lows + ((edges >> dropped) & 1) > 1 << (dropped - 1)
+    threshold = torch.where(nearest_away, (1 << dropped) - lows, lows) << (24 - dropped)
     offset = torch.tensor([-1, 0, 1, -(1 << 24), (1 << 24) - 1, 2, -2, 0], dtype=torch.int32).repeat(edges.numel() // 8)
     draws = ((threshold + offset).clamp(0, (1 << 24) - 1) << 8) | 0x5A  # the low 8 bits are never used
     for value, bits in ((wide, random_bits(11, torch.arange(n)).to(torch.int32)),
                         (special.repeat(4096), random_bits(12, torch.arange(special.numel() * 4096)).to(torch.int32)),
                         (edges.view(torch.float32), draws)):
-        ours, reference = _round_bfloat16(value, bits), _round_by_neighbours(value, torch.bfloat16, bits)
+        ours, reference = round_stochastically(value, dtype, bits), _round_by_neighbours(value, dtype, bits)
         same = (ours.view(torch.int16) == reference.view(torch.int16)) | (ours.isnan() & reference.isnan())
         assert bool(same.all()), value[~same][:5]
-    assert torch.equal(round_stochastically(wide, torch.bfloat16, random_bits(11, torch.arange(n))),
-                       _round_bfloat16(wide, random_bits(11, torch.arange(n)).to(torch.int32)))
 
 
 # -- training ---------------------------------------------------------------------------------------------
