@@ -65,6 +65,7 @@ def output_projection(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 _GELU_K, _GELU_A = math.sqrt(2.0 / math.pi), 0.044715
+_16_BIT = (torch.bfloat16, torch.float16)  # computed in float32 on the CPU (gelu_new, attention)
 
 
 class _CpuGeluNew(torch.autograd.Function):
@@ -94,7 +95,7 @@ class _CpuGeluNew(torch.autograd.Function):
 
 def gelu_new(x: torch.Tensor) -> torch.Tensor:
     """GPT-J's activation, ``0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))``."""
-    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
+    if x.device.type == "cpu" and (x.dtype == torch.float32 or x.dtype in _16_BIT):
         return _CpuGeluNew.apply(x)
     return F.gelu(x, approximate="tanh")
 
@@ -169,7 +170,7 @@ class GPTJAttention(nn.Module):
         else:
             rotor = self._rotor(0 if cache is None else cache.length, new, h.device)
         q, k, v = (proj(h).unflatten(-1, split) for proj in (self.q_proj, self.k_proj, self.v_proj))
-        if cache is None and self.kernel == "sdpa" and h.device.type == "cpu" and h.dtype != torch.float32:
+        if cache is None and self.kernel == "sdpa" and h.device.type == "cpu" and h.dtype in _16_BIT:
             # ATen's CPU flash-attention backward is 2-3 times slower in 16 bits than in float32 (5.6-6.3 against
             # 2.5-3.0 ms forward and backward, with the casts, at [4, 8, 128, 32]): the rotary (float32 anyway)
             # and the attention stay in float32 up to the output. A cache keeps its dtype.
