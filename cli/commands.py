@@ -56,6 +56,21 @@ def config_arguments(command: Callable) -> Callable:
     return wrapper
 
 
+def warn(cfg, training: bool = True) -> None:
+    """The warnings of a command that computes, on rank 0: 16-bit updates that vanish (a command that trains),
+    and 16-bit compute on a CPU without fast 16-bit kernels."""
+    from ipuft.kernels import slow_precision_warning
+    from ipuft.plan import compute_device
+    from ipuft.precision import vanishing_updates_warning
+
+    if os.environ.get("RANK", "0") != "0":
+        return
+    for warning in (vanishing_updates_warning(cfg) if training else None,
+                    slow_precision_warning(cfg, compute_device(cfg))):
+        if warning is not None:
+            click.echo(f"ipuft: warning: {warning}", err=True)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="ipuft")
 @click.option("--debug", is_flag=True, help="Errors come with their full traceback (as IPUFT_DEBUG=1 does).")
@@ -80,11 +95,9 @@ def train(hooks: PluginHooks, cfg) -> None:
     training.optimizer.learning_rate.maximum, model.precision, data.path, output_dir, checkpoint.load
     (ipuft config show lists them all).
     """
-    from ipuft.precision import vanishing_updates_warning
     from ipuft.train import train as run_training
 
-    if (warning := vanishing_updates_warning(cfg)) is not None and os.environ.get("RANK", "0") == "0":
-        click.echo(f"ipuft: warning: {warning}", err=True)
+    warn(cfg)
     run_training(cfg, hooks)
 
 
@@ -102,20 +115,20 @@ def plan(hooks: PluginHooks, cfg, as_json: bool, batch_size: int) -> None:
       ipuft plan --config gptj-6b
       ipuft plan --config gptj-6b execution.data_parallel=8 --json
     """
+    from ipuft.kernels import require_precision_support
     from ipuft.model import build_model
-    from ipuft.plan import estimate, fit, format_fit, format_plan
-    from ipuft.precision import vanishing_updates_warning
+    from ipuft.plan import compute_device, estimate, fit, format_fit, format_plan
 
+    require_precision_support(cfg, compute_device(cfg))
     parts = build_model(cfg, hooks)
     result = estimate(cfg, parts, hooks, batch_size)
     result["machine"] = fit(cfg, hooks, result)
     if as_json:
         click.echo(json.dumps(result, indent=2))
-        return
-    click.echo(format_plan(result))
-    click.echo(format_fit(cfg, result["machine"]))
-    if (warning := vanishing_updates_warning(cfg)) is not None:
-        click.echo(f"ipuft: warning: {warning}", err=True)
+    else:
+        click.echo(format_plan(result))
+        click.echo(format_fit(cfg, result["machine"]))
+    warn(cfg)
 
 
 @cli.command()
@@ -123,10 +136,12 @@ def plan(hooks: PluginHooks, cfg, as_json: bool, batch_size: int) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--profile", is_flag=True,
               help="Then five profiled steps: where a step's time goes, by phase kind, copies and collectives.")
+@click.option("--steps", default=5, show_default=True, type=click.IntRange(min=1),
+              help="Timed steps after the untimed one (and as many profiled steps with --profile).")
 @click.option("--trace", default=None, metavar="FILE", type=click.Path(dir_okay=False),
               help="Then one step recorded by torch.profiler, written to FILE as a Chrome trace (chrome://tracing, "
                    "Perfetto), with a range per phase; under torchrun, FILE's stem gets .rank<N>.")
-def bench(hooks: PluginHooks, cfg, as_json: bool, profile: bool, trace: str | None) -> None:
+def bench(hooks: PluginHooks, cfg, as_json: bool, profile: bool, steps: int, trace: str | None) -> None:
     """Build the program, run one untimed step, then five timed steps; print the throughput.
 
     \b
@@ -139,12 +154,19 @@ def bench(hooks: PluginHooks, cfg, as_json: bool, profile: bool, trace: str | No
 
     if trace is not None and not Path(trace).resolve().parent.is_dir():
         raise click.UsageError(f"--trace {trace}: its directory does not exist")
-    result = benchmark(cfg, hooks, profile=profile, trace=None if trace is None else Path(trace))
+    warn(cfg)
+    result = benchmark(cfg, hooks, timed_steps=steps, profile=profile, trace=None if trace is None else Path(trace))
     if as_json:
         click.echo(json.dumps(result))
         return
     click.echo(f"Duration: {result['duration_s']:.4f} s  Throughput: {result['samples_per_s']:.1f} samples/s "
                f"{result['tokens_per_s']:.1f} tokens/s")
+    peak, giga = result["matmul_peak"], 1e9
+    shape = " × ".join(map(str, peak["shape"]))
+    click.echo(f"Model FLOPs: {result['model_flops_per_s'] / giga:,.1f} GFLOP/s (and "
+               f"{result['recompute_flops_per_s'] / giga:,.1f} recomputed): MFU {result['mfu']:.1%}, with the "
+               f"recompute {result['hfu']:.1%}, of a {shape} {peak['dtype']} matmul's "
+               f"{peak['flops_per_s'] / giga:,.1f} GFLOP/s on this device")
     if profile:
         click.echo(format_profile(result["profile"]))
     if trace is not None:
@@ -203,6 +225,7 @@ def eval_command(hooks: PluginHooks, cfg, as_json: bool, task: str, mode: str, b
         click.echo("ipuft: note: no checkpoint.load or model.hf_checkpoint: evaluating random weights", err=True)
     if validation is not None and task == "mnli":
         raise click.UsageError("eval --task mnli: give data.path=FILE with MNLI rows")
+    warn(cfg, training=False)
     result = evaluate_mnli(cfg, hooks, mode, batch_size) if task == "mnli" else evaluate_loss(cfg, hooks, validation)
     if as_json:
         click.echo(json.dumps(result))
@@ -259,6 +282,7 @@ def generate(hooks: PluginHooks, path: str, prompts_file: str | None, batch_size
         if not prompts:
             raise click.UsageError(f"--prompts {prompts_file}: no prompt in it (one per line)")
     cfg = inference_config(path, hooks, overrides)
+    warn(cfg, training=False)
     result = generate_texts(cfg, hooks, prompts, max_new_tokens, batch_size, temperature=temperature, top_k=top_k,
                             top_p=top_p, seed=seed)
     if as_json:

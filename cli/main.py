@@ -13,6 +13,8 @@ import signal
 import sys
 import threading
 
+from ipuft.hostmem import huge_pages_for_torch
+
 
 def fail(message: str, code: int = 2, at_once: bool = False) -> None:
     """Print one line naming what is wrong, and exit; ``at_once`` ends the process without the interpreter's
@@ -47,6 +49,8 @@ def _computes(args: list[str]) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``ipuft`` console script."""
+    if argv is None:  # the process is ours: before torch's first allocation, which reads the setting
+        huge_pages_for_torch()
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGINT, _interrupted_while_starting) if main_thread else None
     try:

@@ -15,6 +15,14 @@ come from the heap, and freed heap memory is kept for reuse, as a caching alloca
 resident memory then stays at its peak instead of falling between steps, which is what a step needs
 again anyway. Larger blocks (the variable store's big tensors, allocated once) are still mapped. It is
 process-wide, like the allocator it tunes; elsewhere than glibc it does nothing.
+
+Tensors of 2 MiB and more are mapped afresh each time, and at GPT-J-6B's width a step makes and frees
+many of hundreds of MB (an embedding's gradient is 0.8 GB): faulted in 4 KiB at a time, a 1-layer float32
+step took 2.8 million page faults. :func:`huge_pages_for_torch` asks torch's CPU allocator to back them with
+transparent huge pages (``THP_MEM_ALLOC_ENABLE=1``, which torch reads at its first allocation: the ``ipuft``
+console script sets it at start unless it is set): 35 thousand faults, and that step 10-15% faster (11.9
+against 9.6-10.2 s, and 0.096 against 0.119 s for a ``small-cpu`` step); resident memory is the same. The
+kernel must allow it (``/sys/kernel/mm/transparent_hugepage/enabled``: ``madvise`` or ``always``).
 """
 
 from __future__ import annotations
@@ -27,6 +35,15 @@ M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_MAX = 32 * 1024 * 1024  # glibc's largest accepted M_MMAP_THRESHOLD on 64-bit
 TRIM_NEVER = 2**31 - 1  # an int's largest value: free heap memory is returned to the kernel only beyond 2 GiB
+
+
+HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"
+
+
+def huge_pages_for_torch() -> None:
+    """Transparent huge pages for torch's CPU tensors of 2 MiB and more, unless ``THP_MEM_ALLOC_ENABLE`` is set:
+    effective only before torch's first CPU allocation in this process."""
+    os.environ.setdefault(HUGE_PAGES_ENV, "1")
 
 
 @functools.cache  # once per process

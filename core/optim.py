@@ -52,6 +52,10 @@ class StepContext:
 class Optimizer(ABC):
     """An update rule applied variable by variable, in place."""
 
+    #: Set by core from the optimizer's registration (``elementwise=``); the engine then hands it pieces of
+    #: variables of its choosing (see :meth:`step_unit`) rather than whole ones.
+    elementwise: bool = True
+
     @abstractmethod
     def state_specs(self, variable: VariableSpec) -> list[VariableSpec]:
         """The optimizer-state variables kept for ``variable`` (names local to it, e.g. ``m``, ``v``)."""
@@ -77,7 +81,12 @@ class Optimizer(ABC):
     ) -> None:
         """Update every trainable variable of one unit at once (float32, as :meth:`step`). The default calls
         :meth:`step` per variable; an optimizer may override it with multi-tensor ops (``torch._foreach_*``),
-        one call per op for the whole unit instead of one per variable, with the same results."""
+        one call per op for the whole unit instead of one per variable, with the same results.
+
+        An elementwise optimizer is called with pieces: flat slices of the unit's variables (and of their state),
+        each under its variable's name, a few hundred thousand elements per call on the CPU (so that they stay
+        in cache across the update's passes), a few million on a GPU; a variable larger than that comes in
+        several calls."""
         for name, weight, grad, state in zip(names, weights, grads, states, strict=True):
             self.step(name, weight, grad, state, ctx)
 

@@ -116,6 +116,20 @@ class Placement:
         padding = (row >= full_shape[dim]) | (local >= self.local_numel)
         return torch.where(padding, math.prod(full_shape) + local, index)
 
+    def counters(self, start: int, count: int, device: torch.device | str = "cpu") -> torch.Tensor | int:
+        """:meth:`full_indices`, or, where they are consecutive (one process, a replicated or row-sharded
+        variable, an RTS slice of one), just the first of them: what stochastic rounding keys each element's
+        bits on, without making the indices."""
+        local = start + (self.layout.dp_rank * self.stored_shape[0] if self.sharded_over_dp else 0)
+        if self.shard.replicated_over_tp or self.layout.tensor_parallel == 1:
+            return local
+        if self.shard.tp_dim == 0:  # this rank's rows are one block of the full variable, unless padding
+            inner = math.prod(self.local_shape[1:])
+            rows, last = self.local_shape[0], (local + count - 1) // inner
+            if local + count <= self.local_numel and self.layout.tp_rank * rows + last < self.spec.shape[0]:
+                return local + self.layout.tp_rank * rows * inner
+        return self.full_indices(start, count, device)
+
     def norm_weight(self) -> float:
         """1 where this rank's stored gradient holds elements no other rank counts, else 0.
 

@@ -2,27 +2,38 @@
 computed from the real variable shapes without allocating anything (components are on the meta device).
 
 Traffic per optimizer step is exact: the engine's counters must equal it. The device peak is an estimate:
-it adds the largest phase's variables, gradients, resident activations, and one micro-batch's working
-activations of its layer (measured by running the layer on the meta device).
+it adds the largest phase's variables, gradients, resident activations, and the busiest moment of one
+micro-batch through its unit (measured by running the unit on the meta device, :mod:`ipuft.measure`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections import defaultdict
 
 import torch
 from omegaconf import DictConfig
-from torch.func import functional_call
 
 from ipuft.components import VariableSpec
-from ipuft.engine import optimizer_state_specs, placements, unit_role, updates_on_host
+from ipuft.engine import (
+    gradient_working_bytes,
+    group_transient_bytes,
+    optimizer_state_specs,
+    placements,
+    unit_role,
+    update_chunk,
+    update_groups,
+    updates_on_host,
+)
+from ipuft.flops import step_flops
+from ipuft.measure import UnitCost, unit_cost
 from ipuft.model import ModelParts
 from ipuft.optim import Optimizer
 from ipuft.parallel import Layout
 from ipuft.plugins import PluginHooks
-from ipuft.precision import Recipe, compute_dtype, recipe, rounding_workspace
+from ipuft.precision import Recipe, compute_dtype, recipe
 from ipuft.program import Op
 
 TOKEN_BYTES = torch.empty((), dtype=torch.int64).element_size()
@@ -88,41 +99,13 @@ def activation_peak_bytes(cfg: DictConfig) -> int:
     return (cfg.model.layers + 1) * cfg.gradient_accumulation * stored_activation_bytes(cfg)
 
 
-def working_bytes(parts: ModelParts, role: str, cfg: DictConfig) -> int:
-    """Bytes autograd saves for one micro-batch of one unit of ``role``, measured on the meta device."""
-    mbs, seq, hidden = cfg.execution.micro_batch_size, cfg.model.sequence_length, cfg.model.hidden_size
-    trainable = {v.name for v in parts.variables[role] if v.trainable}
-    params = {v.name: torch.empty(v.shape, dtype=v.dtype, device="meta", requires_grad=v.name in trainable)
-              for v in parts.modules[role].variable_specs()}
-    ids = torch.zeros(mbs, seq, dtype=torch.int64, device="meta")
-    x = torch.empty(mbs, seq, hidden, dtype=compute_dtype(cfg), device="meta", requires_grad=True)
-    args = {"embeddings": (ids,), "decoder": (x,), "head": (x, ids)}[role]
-    # Counted by storage, as the engine's ledger counts real tensors: a view (a transposed weight, a head's
-    # slice) costs nothing beyond its base, and the weights and the input are counted elsewhere.
-    excluded = {id(t) for t in (*params.values(), x)}
-    total = 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        root = t._base if t._base is not None else t
-        if id(root) not in excluded:
-            excluded.add(id(root))
-            total += root.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        functional_call(parts.modules[role], params, args)
-    return total
-
-
-def graph_bytes(cfg: DictConfig, parts: ModelParts) -> int:
+def graph_bytes(cfg: DictConfig, parts: ModelParts, costs: dict[str, UnitCost]) -> int:
     """``execution.recompute=false``: the bytes of the forward graphs kept at the end of the forward, every
     decoder layer's and the embeddings' for every micro-batch (what autograd saves, measured per unit)."""
     if cfg.execution.recompute:
         return 0
-    embeddings = working_bytes(parts, "embeddings", cfg) if any(v.trainable for v in parts.variables["embeddings"]) \
-        else 0
-    return cfg.gradient_accumulation * (cfg.model.layers * working_bytes(parts, "decoder", cfg) + embeddings)
+    embeddings = costs["embeddings"].saved_bytes if any(v.trainable for v in parts.variables["embeddings"]) else 0
+    return cfg.gradient_accumulation * (cfg.model.layers * costs["decoder"].saved_bytes + embeddings)
 
 
 def traffic(cfg: DictConfig, parts: ModelParts, sizes: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
@@ -177,22 +160,31 @@ def _activation_io(parts: ModelParts, phase) -> tuple[int, int]:
     return reads, writes
 
 
-def update_transient_bytes(cfg: DictConfig, parts: ModelParts, role: str) -> int:
-    """Bytes an optimizer step of a 16-bit unit of ``role`` adds on the device: the float32 views of its
-    largest variable and of that variable's gradient, and the stochastic rounding's workspace."""
+def compute_device(cfg: DictConfig) -> torch.device:
+    """The device the run computes on (``execution.device``; ``auto``: CUDA when there is one), as the plan
+    sees it (device 0)."""
+    cuda = cfg.execution.device.value != "cpu" and torch.cuda.is_available()
+    return torch.device("cuda" if cuda else "cpu")
+
+
+def update_transient_bytes(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer, role: str) -> int:
+    """The most bytes one optimizer call on a unit of ``role`` adds on the device (the float32 views and
+    gradients of 16-bit weights, the stochastic rounding's workspace): the engine's largest group of pieces
+    (:func:`ipuft.engine.update_groups`) of the unit's stored trainable variables."""
+    placed = placements(parts, rank_layout(cfg), bool(cfg.execution.rts))[role]
+    sizes = [(name, math.prod(p.stored_shape)) for name, p in placed.items() if p.spec.trainable]
+    chunk = update_chunk(compute_device(cfg)) if getattr(optimizer, "elementwise", True) else None
     how = recipe(cfg)
-    if how is Recipe.exact:
-        return 0
-    largest = max(v.numel for v in parts.variables[role])
-    views = largest * (4 if how is Recipe.master else 8)
-    return views + (rounding_workspace(largest) if how is Recipe.stochastic else 0)
+    return max((group_transient_bytes(how, [stop - start for _, start, stop in group])
+                for group in update_groups(sizes, chunk)), default=0)
 
 
-def device_peak_estimate(cfg: DictConfig, parts: ModelParts, sizes: dict[str, dict[str, int]]) -> int:
-    """The largest phase's resident bytes: see the module docstring."""
+def device_peak_estimate(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer, sizes: dict[str, dict[str, int]],
+                         costs: dict[str, UnitCost], lent: bool = False) -> int:
+    """The largest phase's resident bytes: see the module docstring. ``lent``: count the variables a phase
+    loads as nothing, as on a CPU device, where the store lends them (the bytes the phases add to the store's)."""
     act = activation_bytes(cfg)
     resident_vars = 0 if cfg.execution.offload else sum(_stored(s) for s in sizes.values())
-    working = {role: working_bytes(parts, role, cfg) for role in ("embeddings", "decoder", "head")}
     # Offloaded: one row in, one out and a gradient in flight (and their TP slices); else every buffered
     # entry, and under TP the entries gathered from their slices.
     tp = cfg.execution.tensor_parallel
@@ -200,29 +192,53 @@ def device_peak_estimate(cfg: DictConfig, parts: ModelParts, sizes: dict[str, di
         acts = 3 * act + (3 * stored_activation_bytes(cfg) if tp > 1 else 0)
     else:
         acts = activation_peak_bytes(cfg) + (3 * act if tp > 1 else 0)
-    # A 16-bit unit's backward holds autograd's 16-bit gradients and their float32 sums.
-    grad_factor = 1 if compute_dtype(cfg) == torch.float32 else 3
     # recompute=false: the kept graphs peak at the end of the forward, and are all there when the head's
     # loss-backward runs; an upper bound for every phase.
-    graphs = graph_bytes(cfg, parts)
+    graphs = graph_bytes(cfg, parts, costs)
     host_update = updates_on_host(cfg)
+    wide = compute_dtype(cfg) != torch.float32
+    transient = {role: update_transient_bytes(cfg, parts, optimizer, role) for role in parts.variables}
     peak = 0
     for phase in parts.program:
-        unit = sizes[phase.unit]
+        unit, cost = sizes[phase.unit], costs[phase.role]
         io = phase_io(phase, unit, host_update)
         if io is None:
             continue
-        loaded = sum(io[0].values()) if cfg.execution.offload else 0
-        # Autograd's fresh gradients of the unit, on the device until stored (or used, for the embeddings').
+        loaded = sum(io[0].values()) if cfg.execution.offload and not lent else 0
+        # A micro-batch's busiest moment (its fresh gradients included; at least what the engine's ledger counts
+        # for it: its gradients and what autograd saved), and beside it the unit's gradient summed so far (the
+        # float32 sums of 16-bit weights).
         grads = unit["trainable"] if phase.computes_gradient else 0
-        # The micro-batch loop, then the update: the second holds only the finished (16-bit) gradients. An
-        # update in host memory holds nothing on the device.
-        compute = grad_factor * grads + acts + working[phase.role] if phase.computes else 0
+        micro_batch = [cost.forward_peak_bytes] if Op.FORWARD in phase.ops else []
+        if phase.computes_gradient:
+            summed = gradient_working_bytes(grads, wide, cfg.gradient_accumulation) - grads
+            micro_batch.append(summed + max(cost.backward_peak_bytes, grads + cost.saved_bytes))
+        compute = acts + max(micro_batch) if phase.computes else 0
+        # The update holds only the finished (16-bit) gradients. An update in host memory holds nothing on the
+        # device.
         device_update = Op.OPTIMIZER_STEP in phase.ops and not host_update
-        update = grads + update_transient_bytes(cfg, parts, phase.role) if device_update else 0
+        update = grads + transient[phase.role] if device_update else 0
         peak = max(peak, resident_vars + graphs + loaded + max(compute, update))
     return peak
 
+
+def init_host_bytes(cfg: DictConfig, parts: ModelParts) -> int:
+    """What filling the store adds to host memory at its busiest: the engine initialises one unit at a time
+    from its full float32 weights (random draws, or a checkpoint's), which stay beside the store until they
+    are cut to this rank's shards or rounded to 16 bits (for unsharded float32 weights they become the store)."""
+    sharded = cfg.execution.tensor_parallel > 1 or bool(cfg.execution.rts)
+    if compute_dtype(cfg) == torch.float32 and not sharded:
+        return 0
+    return max(sum(v.numel * 4 for v in parts.variables[role]) for role in parts.variables)
+
+
+# What a process computing on the CPU keeps besides the tensors the plan counts and what it held at start: the
+# math libraries' buffers (MKL's memory manager held 80 MiB at GPT-J-6B width), the engine's own objects, and
+# the blocks glibc's heap keeps once the busiest micro-batch has freed them (execution.retain_host_memory).
+# Measured at 0.19-0.27 GiB at that width (one layer, sequences of 128 and 256) on the 2-core CI CPU, where
+# bench/width.py prints peak RSS against the plan; this allowance is about twice that. The heap's share that
+# grows with the model, one micro-batch's blocks under 32 MiB, is added from its measurement (UnitCost).
+CPU_RUNTIME_BYTES = 512 * 2**20
 
 GENERATE_NEW_TOKENS = 64  # the inference view: prompts that fill the sequence but for this many new tokens
 
@@ -232,6 +248,7 @@ def estimate(cfg: DictConfig, parts: ModelParts, hooks: PluginHooks, inference_b
     the view of ``generate`` with ``inference_batch_size`` prompts of ``sequence_length - 64`` tokens, each
     continued by 64 (see :func:`inference_estimate`)."""
     optimizer = hooks.registrations.build_optimizer(cfg)
+    costs = {role: unit_cost(parts, role, cfg, compute_device(cfg)) for role in parts.modules}
     sizes = group_bytes(cfg, parts, optimizer)
     moved = traffic(cfg, parts, sizes)
     variables = sum(_stored(s) for s in sizes.values())
@@ -276,12 +293,18 @@ def estimate(cfg: DictConfig, parts: ModelParts, hooks: PluginHooks, inference_b
         "variables_bytes": {unit: s for unit, s in sizes.items()},
         "variable_bytes": variables,
         "activation_bytes": acts,
-        "graph_bytes": graph_bytes(cfg, parts),
+        "graph_bytes": graph_bytes(cfg, parts, costs),
         "host_bytes": host_vars + host_acts,
-        "device_peak_bytes": device_peak_estimate(cfg, parts, sizes),
+        "device_peak_bytes": device_peak_estimate(cfg, parts, optimizer, sizes, costs),
+        # On a CPU device its memory is the host's: what the phases add to the store (a load lends the stored
+        # variables), and what the process keeps besides its tensors while it computes.
+        "cpu_working_bytes": device_peak_estimate(cfg, parts, optimizer, sizes, costs, lent=True)
+                             + CPU_RUNTIME_BYTES + max(c.heap_peak_bytes for c in costs.values()),
+        "init_host_bytes": init_host_bytes(cfg, parts),
         "h2d_bytes_per_step": sum(moved["h2d"].values()),
         "d2h_bytes_per_step": sum(moved["d2h"].values()),
         "traffic": moved,
+        "flops_per_step": step_flops(cfg, parts, costs).as_dict(),
         "inference": inference_estimate(cfg, parts, inference_batch_size,
                                         max(1, cfg.model.sequence_length - GENERATE_NEW_TOKENS),
                                         min(GENERATE_NEW_TOKENS, cfg.model.sequence_length - 1) or 1),
@@ -346,29 +369,33 @@ _REMEDIES = (
 
 
 def machine_memory(cfg: DictConfig) -> dict:
-    """This machine's available host memory and, when the run computes on CUDA, the device's free memory."""
-    host = None
+    """This machine's available host memory and, when the run computes on CUDA, the device's free memory; and
+    the host memory this process holds now (the interpreter, torch, the plugins: what each rank holds before
+    it allocates the model)."""
+    host = process = None
     try:
         for line in open("/proc/meminfo").read().splitlines():  # noqa: SIM115 (a one-shot read)
             if line.startswith("MemAvailable:"):
                 host = int(line.split()[1]) * 1024
+        for line in open("/proc/self/status").read().splitlines():  # noqa: SIM115
+            if line.startswith("VmRSS:"):
+                process = int(line.split()[1]) * 1024
     except OSError:
         pass
     if host is None:
         host = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    device = None
-    if cfg.execution.device.value != "cpu" and torch.cuda.is_available():
-        device = torch.cuda.mem_get_info()[0]
-    return {"host_available_bytes": host, "device_free_bytes": device}
+    device = torch.cuda.mem_get_info()[0] if compute_device(cfg).type == "cuda" else None
+    return {"host_available_bytes": host, "device_free_bytes": device, "process_bytes": process or 0}
 
 
 def _needs(cfg: DictConfig, result: dict, memory: dict) -> tuple[int, int | None]:
-    """Host bytes (every rank on this machine; the device's too when it is the CPU) and device bytes."""
+    """Host bytes (every rank on this machine: its process, its store, and the larger of what filling the store
+    adds and, on a CPU device, what its phases add) and device bytes."""
     world = cfg.execution.data_parallel * cfg.execution.tensor_parallel
-    host = result["host_bytes"] * world
+    rank = memory.get("process_bytes", 0) + result["host_bytes"]
     if memory["device_free_bytes"] is None:
-        return host + result["device_peak_bytes"] * world, None
-    return host, result["device_peak_bytes"]
+        return world * (rank + max(result["cpu_working_bytes"], result["init_host_bytes"])), None
+    return world * (rank + result["init_host_bytes"]), result["device_peak_bytes"]
 
 
 def _fits(cfg: DictConfig, result: dict, memory: dict) -> bool:
@@ -431,6 +458,11 @@ def format_bytes(n: int) -> str:
     return f"{n / 2**30:,.3f} GiB" if n >= 2**26 else f"{n / 2**20:,.3f} MiB"
 
 
+def format_flops(n: float) -> str:
+    """``n`` floating-point operations (or, with a unit appended by the caller, per second) in G or T."""
+    return f"{n / 1e12:,.3f} T" if n >= 1e12 else f"{n / 1e9:,.3f} G"
+
+
 def format_plan(result: dict) -> str:
     """The human-readable form of :func:`estimate`."""
     lines = [f"step program ({len(result['program'])} phases, GA={result['gradient_accumulation']}, "
@@ -455,6 +487,9 @@ def format_plan(result: dict) -> str:
     for direction in ("h2d", "d2h"):
         parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(result["traffic"][direction].items()))
         lines.append(f"  {direction} by kind:        {parts}")
+    flops = result["flops_per_step"]
+    lines.append(f"compute / step:       {format_flops(flops['model'])} model (forward and backward)"
+                 + (f" + {format_flops(flops['recompute'])} recomputed" if flops["recompute"] else ""))
     inf = result["inference"]
     lines += [
         f"generate ({inf['batch_size']} rows together, {inf['prompt_tokens']}-token prompts "

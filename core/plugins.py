@@ -164,7 +164,10 @@ class Registrations:
 
     def build_optimizer(self, cfg: DictConfig) -> Optimizer:
         """The optimizer ``training.optimizer.name`` names, built from ``cfg``."""
-        return self.optimizers.get(cfg.training.optimizer.name).build(cfg)
+        name = cfg.training.optimizer.name
+        optimizer = self.optimizers.get(name).build(cfg)
+        optimizer.elementwise = self.optimizers.elementwise(name)  # what its registration declared
+        return optimizer
 
 
 def _priority(impl: pluggy.HookImpl) -> int:

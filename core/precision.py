@@ -85,27 +85,73 @@ def _shr32(x: torch.Tensor, s: int) -> torch.Tensor:
     return (x >> s) & ((1 << (32 - s)) - 1)
 
 
+def _xorshift_(x: torch.Tensor, s: int, scratch: torch.Tensor) -> torch.Tensor:
+    """``x ^= x >>> s`` in place (a logical shift of ``x`` read as unsigned), through ``scratch``."""
+    torch.bitwise_right_shift(x, s, out=scratch)
+    return x.bitwise_xor_(scratch.bitwise_and_((1 << (32 - s)) - 1))
+
+
+def _mix32_(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser, in place on an int32 tensor read as unsigned: a bijection of [0, 2^32)
+    that scrambles every input bit. Multiplication of int32 tensors keeps the low 32 bits of the product, as
+    unsigned arithmetic would (a wrapping multiply on every backend), so no op needs int64: it is about 20
+    times faster than int64 arithmetic masked back to 32 bits, on the CPU. In place, through one scratch
+    tensor, it allocates nothing: eleven passes over ``x``."""
+    _xorshift_(x, 16, scratch).mul_(_int32(0x85EBCA6B))
+    _xorshift_(x, 13, scratch).mul_(_int32(0xC2B2AE35))
+    return _xorshift_(x, 16, scratch)
+
+
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's 32-bit finaliser on int32 tensors read as unsigned: a bijection of [0, 2^32) that
-    scrambles every input bit. Multiplication of int32 tensors keeps the low 32 bits of the product, as
-    unsigned arithmetic would (a wrapping multiply on every backend), so no op needs int64: it is about
-    20 times faster than int64 arithmetic masked back to 32 bits, on the CPU."""
-    x = x ^ _shr32(x, 16)
-    x = x * _int32(0x85EBCA6B)
-    x = x ^ _shr32(x, 13)
-    x = x * _int32(0xC2B2AE35)
-    return x ^ _shr32(x, 16)
+    """:func:`_mix32_` on a copy."""
+    x = x.clone()
+    return _mix32_(x, torch.empty_like(x))
+
+
+def _mix32_int(x: int) -> int:
+    """:func:`_mix32` of one unsigned 32-bit Python integer."""
+    x ^= x >> 16
+    x = (x * 0x85EBCA6B) & 0xFFFFFFFF
+    x ^= x >> 13
+    x = (x * 0xC2B2AE35) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def _hash_(low: torch.Tensor, key: int, high: torch.Tensor | int) -> torch.Tensor:
+    """``mix(mix(low ^ key) ^ high)``, in place on the int32 ``low`` (``high``: the mixed high halves)."""
+    scratch = torch.empty_like(low)
+    _mix32_(low.bitwise_xor_(_int32(key)), scratch)
+    return _mix32_(low.bitwise_xor_(high), scratch)
+
+
+def _high(key: int) -> int:
+    """The mixed high half of every index under 2^32, as an int32."""
+    return _int32(_mix32_int(key ^ 0x9E3779B9))
 
 
 def _bits32(key: int, index: torch.Tensor) -> torch.Tensor:
     """:func:`random_bits` as int32 (the same 32 bits, read as unsigned)."""
-    high_key = _int32(key ^ 0x9E3779B9)
-    low = index.to(torch.int32)  # the low 32 bits (int64 → int32 keeps them)
-    if index.numel() and int(index.max()) < 1 << 32:  # the usual case: the high half mixes to one constant
-        high = int(_mix32(torch.tensor([high_key], dtype=torch.int32)))
-    else:
-        high = _mix32((index >> 32).to(torch.int32) ^ high_key)
-    return _mix32(_mix32(low ^ _int32(key)) ^ high)
+    low = index.to(torch.int32)  # the low 32 bits (int64 → int32 keeps them); a new tensor
+    if index.numel() and int(index.max()) >= 1 << 32:
+        high_index = (index >> 32).to(torch.int32).bitwise_xor_(_int32(key ^ 0x9E3779B9))
+        high = _mix32_(high_index, torch.empty_like(high_index))
+    else:  # the usual case: the high half mixes to one constant
+        high = _high(key)
+    return _hash_(low, key, high)
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device, int32 0, 1, 2, ... (arange is slow on the CPU)
+
+
+def _range_bits32(key: int, first: int, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """:func:`_bits32` of the consecutive indices ``first … first+count-1``, made as int32 directly."""
+    if first + count > 1 << 31:
+        return _bits32(key, torch.arange(first, first + count, dtype=torch.int64, device=device))
+    device = torch.device(device)
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < count:
+        counters = _COUNTERS[device] = torch.arange(max(count, ROUNDING_CHUNK), dtype=torch.int32, device=device)
+    return _hash_(torch.add(counters[:count], first), key, _high(key))
 
 
 def random_bits(key: int, index: torch.Tensor) -> torch.Tensor:
@@ -147,8 +193,10 @@ def _round_by_neighbours(value: torch.Tensor, dtype: torch.dtype, bits: torch.Te
 _DROPPED_BITS = {torch.bfloat16: (16, 0, 0x7F7F0000), torch.float16: (13, 0x38800000, 0x477FE000)}
 
 
-def _round_by_bits(value: torch.Tensor, dtype: torch.dtype, bits: torch.Tensor) -> torch.Tensor:
-    """:func:`_round_by_neighbours` on the float32 bit patterns, bit for bit and 2-3 times as fast.
+def _round_by_bits(value: torch.Tensor, dtype: torch.dtype, bits: torch.Tensor,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`_round_by_neighbours` on the float32 bit patterns, bit for bit and several times as fast; into
+    ``out`` (a tensor of ``dtype`` shaped like ``value``) when given.
 
     Where a 16-bit value is a float32 with its low ``d`` mantissa bits cleared (bfloat16: d = 16; float16
     in its normal range: d = 13), the neighbours of ``value`` are its bits with those cleared (toward zero)
@@ -159,34 +207,52 @@ def _round_by_bits(value: torch.Tensor, dtype: torch.dtype, bits: torch.Tensor) 
     away, where ``u ≥ (2^d - low)·2^(24-d)``, that is ``(2^24 - 1 - u) < low·2^(24-d)``: the draw mirrored.
     Both are exact, so the choice is the float formulation's. Elements outside that range (float16
     subnormals, NaN, infinities, the largest finite values) take the float formulation itself.
+
+    Every step is an int32 op in place on one of three chunk-sized buffers (no bool tensor, no other
+    allocation): about twenty passes, where each one costs as much as a float32 add.
     """
     dropped, smallest, largest = _DROPPED_BITS[dtype]
     v = value.view(torch.int32)
     low = v & ((1 << dropped) - 1)
-    up = (v >> dropped).bitwise_and_(1).add_(low).add_((1 << (dropped - 1)) - 1).bitwise_right_shift_(dropped)
-    u = _shr32(bits, 8).bitwise_xor_(up.mul_(0xFFFFFF))  # the 24-bit draw, mirrored where RNE goes away
-    away = torch.lt(u, low << (24 - dropped)).to(torch.int32).bitwise_left_shift_(dropped)
-    rounded = (v - low).add_(away).view(torch.float32).to(dtype)  # exact: the dropped bits are zero
-    magnitude = v & 0x7FFFFFFF
-    outside = magnitude >= largest
-    if smallest:  # float16's subnormals are not float32s with bits cleared; zero is its own neighbour
-        outside |= (magnitude < smallest) & (magnitude != 0)
-    index = outside.view(-1).nonzero().view(-1)
-    if index.numel():
-        flat = rounded.view(-1)
-        flat[index] = _round_by_neighbours(value.reshape(-1)[index], dtype, bits.reshape(-1)[index])
-    return rounded
+    work = torch.bitwise_right_shift(v, dropped)
+    # 1 where round-to-nearest-even goes away, times 0xFFFFFF: the mask that mirrors the 24-bit draw there.
+    work.bitwise_and_(1).add_(low).add_((1 << (dropped - 1)) - 1).bitwise_right_shift_(dropped).mul_(0xFFFFFF)
+    draw = torch.bitwise_right_shift(bits.to(torch.int32), 8).bitwise_and_(0xFFFFFF).bitwise_xor_(work)
+    # away = 2^d where draw < low·2^(24-d): their difference (both under 2^24) is negative just there.
+    torch.bitwise_left_shift(low, 24 - dropped, out=work)
+    away = draw.sub_(work).bitwise_right_shift_(31).bitwise_and_(1 << dropped)
+    rounded = torch.sub(v, low, out=work).add_(away).view(torch.float32)  # the dropped bits are now zero
+    out = rounded.to(dtype) if out is None else out.copy_(rounded)  # exact
+    magnitude = low.copy_(v).bitwise_and_(0x7FFFFFFF)
+    if not magnitude.numel():
+        return out
+    outside = int(magnitude.max()) >= largest
+    # float16's subnormals are not float32s with bits cleared; zero (magnitude - 1 wraps high) is its own neighbour.
+    if smallest and not outside:
+        outside = int(torch.sub(magnitude, 1, out=draw).bitwise_and_(0x7FFFFFFF).min()) < smallest - 1
+    if outside:
+        where = magnitude >= largest
+        if smallest:
+            where |= (magnitude < smallest) & (magnitude != 0)
+        index = where.view(-1).nonzero().view(-1)
+        flat = out.view(-1)
+        flat[index] = _round_by_neighbours(value.reshape(-1)[index], dtype, bits.reshape(-1)[index].to(torch.int32))
+    return out
 
 
 def stochastic_round_(weight: torch.Tensor, value: torch.Tensor, key: int,
-                      indices: Callable[[int, int], torch.Tensor]) -> None:
-    """Write float32 ``value`` into 16-bit ``weight`` (same shape), rounded stochastically.
+                      indices: Callable[[int, int], torch.Tensor | int]) -> None:
+    """Write float32 ``value`` into 16-bit ``weight`` (same shape, both contiguous), rounded stochastically.
 
     ``indices(start, count)`` gives the variable-wide index of flat elements ``start … start+count-1`` of
-    ``weight`` (int64, on its device): the counter of each element's random bits.
+    ``weight``: the counter of each element's random bits. It is an int64 tensor on the weight's device, or,
+    where those elements are consecutive in the variable, the index of the first (an int), which saves
+    making the indices.
     """
     flat_w, flat_v = weight.view(-1), value.reshape(-1)
     for start in range(0, flat_w.numel(), ROUNDING_CHUNK):
         count = min(ROUNDING_CHUNK, flat_w.numel() - start)
-        bits = _bits32(key, indices(start, count))
-        flat_w[start : start + count] = round_stochastically(flat_v[start : start + count], weight.dtype, bits)
+        first = indices(start, count)
+        bits = (_range_bits32(key, first, count, weight.device) if isinstance(first, int)
+                else _bits32(key, first))
+        _round_by_bits(flat_v[start : start + count], weight.dtype, bits, out=flat_w[start : start + count])

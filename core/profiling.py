@@ -65,6 +65,7 @@ class StepProfile:
     def __init__(self, device: torch.device | str) -> None:
         self.cuda = torch.device(device).type == "cuda"
         self.seconds = dict.fromkeys(CATEGORIES, 0.0)
+        self.phases: dict[str, float] = {}  # each phase's whole time (its copies and collectives in), by role:kind
         self._nested: list[float] = []  # for each open section, the time its nested sections took
 
     def now(self) -> float:
@@ -86,9 +87,16 @@ class StepProfile:
             if self._nested:
                 self._nested[-1] += elapsed
 
-    def phase(self, phase: Phase) -> AbstractContextManager[None]:
-        """Time a phase as its kind (:func:`phase_kind`)."""
-        return self.section(phase_kind(phase))
+    @contextmanager
+    def phase(self, phase: Phase) -> Iterator[None]:
+        """Time a phase as its kind (:func:`phase_kind`), and its whole time under ``<role>:<kind>``."""
+        key = f"{phase.role}:{phase_kind(phase)}"
+        start = self.now()
+        try:
+            with self.section(phase_kind(phase)):
+                yield
+        finally:
+            self.phases[key] = self.phases.get(key, 0.0) + self.now() - start
 
     def report(self, total: float, steps: int) -> dict:
         """Per step: the measured ``step_s`` (``total`` over ``steps``), each category's seconds and share of
@@ -101,6 +109,7 @@ class StepProfile:
             "share": {c: s / total for c, s in self.seconds.items()},
             "other_s": (total - covered) / steps,
             "other_share": (total - covered) / total,
+            "phases": {key: s / steps for key, s in self.phases.items()},
         }
 
 
@@ -152,9 +161,20 @@ def timed(category: str) -> Callable[[F], F]:
 
 
 def format_profile(report: dict) -> str:
-    """The breakdown as a table: seconds per step and share, by category, then the remainder and the step."""
+    """The breakdown as a table: seconds per step and share, by category, then the remainder and the step;
+    then each kind of phase by role, with its FLOP/s and their share of the matmul peak where the report has
+    them (``ipuft bench``: :func:`ipuft.flops.phase_rates`)."""
     rows = [(CATEGORIES[c], report["seconds"][c], report["share"][c]) for c in CATEGORIES]
     rows += [(OTHER, report["other_s"], report["other_share"]), ("step", report["step_s"], 1.0)]
     lines = [f"where a step's time goes (mean of {report['steps']} profiled steps):"]
     lines += [f"  {name:<26} {seconds:9.4f} s  {share:6.1%}" for name, seconds, share in rows]
+    rates = report.get("phase_flops", {})
+    lines.append("by phase (whole phases, copies and collectives in; FLOP/s counting the recompute):")
+    for key, seconds in report["phases"].items():
+        line = f"  {key:<26} {seconds:9.4f} s"
+        if key in rates and rates[key]["flops_per_s"]:
+            line += f"  {rates[key]['flops_per_s'] / 1e9:10,.1f} GFLOP/s"
+            if rates[key].get("of_peak") is not None:
+                line += f"  {rates[key]['of_peak']:6.1%} of the matmul peak"
+        lines.append(line)
     return "\n".join(lines)

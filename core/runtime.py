@@ -18,13 +18,15 @@ from ipuft.checkpoint import checkpoint_initializer, find_checkpoint
 from ipuft.engine import Initializer, PhasedEngine, initial_values
 from ipuft.errors import ConfigError
 from ipuft.hf_checkpoint import hf_initializer
+from ipuft.kernels import require_precision_support
 from ipuft.model import ModelParts, build_model
 from ipuft.parallel import init_layout
 from ipuft.plugins import PluginHooks
 
 
 def select_device(cfg: DictConfig) -> torch.device:
-    """``execution.device``: ``auto`` takes CUDA when available; under torchrun, the local rank's GPU."""
+    """``execution.device``: ``auto`` takes CUDA when available; under torchrun, the local rank's GPU. A GPU
+    that cannot compute in ``model.precision`` is refused (:func:`ipuft.kernels.require_precision_support`)."""
     choice = cfg.execution.device.value
     if choice == "cuda" and not torch.cuda.is_available():
         raise ConfigError("execution.device: cuda was asked for but no CUDA device is available; use auto or cpu")
@@ -33,8 +35,11 @@ def select_device(cfg: DictConfig) -> torch.device:
     if choice == "cuda":
         index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
         torch.cuda.set_device(index)
-        return torch.device("cuda", index)
-    return torch.device(choice)
+        device = torch.device("cuda", index)
+    else:
+        device = torch.device(choice)
+    require_precision_support(cfg, device)
+    return device
 
 
 def initializer(cfg: DictConfig, parts: ModelParts) -> Initializer:

@@ -8,6 +8,7 @@ and ``metrics.jsonl`` (one JSON object per step).
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -43,6 +44,7 @@ from ipuft.data import SampleData
 from ipuft.datasets import TokenDataset, data_source, tokenizer_path, tokenizer_source, validation_source
 from ipuft.engine import PhasedEngine, StepResult, optimizer_state_specs, unit_role
 from ipuft.errors import ConfigError, Stopped, TrainingError
+from ipuft.flops import StepFlops, phase_rates, run_matmul_peak, step_flops, utilisation
 from ipuft.inference import dataset_loss
 from ipuft.loggers import Backends
 from ipuft.model import ModelParts, build_model
@@ -229,9 +231,12 @@ def run_directory(cfg: DictConfig) -> Path:
     return path
 
 
-def metrics_record(step: int, result: StepResult, lr: float, tokens: int, seconds: float) -> dict:
+def metrics_record(step: int, result: StepResult, lr: float, tokens: int, seconds: float, flops: StepFlops) -> dict:
+    """One step's line of metrics.jsonl: the step's results, its speed, and this rank's FLOP/s (model and
+    recompute apart, :mod:`ipuft.flops`)."""
     record = {"step": step, "loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
-              "tokens_per_s": tokens / seconds if seconds > 0 else 0.0, "step_time_s": seconds}
+              "tokens_per_s": tokens / seconds if seconds > 0 else 0.0, "step_time_s": seconds,
+              **utilisation(flops, seconds if seconds > 0 else math.inf)}
     record.update({k: v for k, v in asdict(result).items() if k not in ("loss", "grad_norm")})
     return record
 
@@ -300,6 +305,7 @@ def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[di
     if int(os.environ.get("RANK", "0")) == 0:  # rank 0 alone writes the run directory
         check_run_paths(cfg, parts, hooks)
     engine = build_engine(cfg, hooks, parts)
+    flops = step_flops(cfg, parts, device=engine.device)
     start = restore(engine, cfg, resumed, data) if resumed is not None else 0
     main = engine.layout.is_main
     out = run_directory(cfg) if main else None
@@ -319,7 +325,7 @@ def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[di
             batch = replica_batch(cfg, data, step, engine.layout)
             began = time.perf_counter()
             result = engine.step(batch, lr)
-            record = metrics_record(step + 1, result, lr, tokens, time.perf_counter() - began)
+            record = metrics_record(step + 1, result, lr, tokens, time.perf_counter() - began, flops)
             if validation is not None and ((step + 1) % cfg.training.eval_steps == 0 or step + 1 == steps):
                 scored = dataset_loss(engine, validation, cfg.execution.micro_batch_size)
                 record.update({f"validation_{k}": v for k, v in scored.items()})
@@ -392,12 +398,17 @@ def benchmark(cfg: DictConfig, hooks: PluginHooks, timed_steps: int = 5, profile
         durations.append(time.perf_counter() - start)
     duration = sum(durations) / len(durations)
     samples = cfg.training.global_batch_size
+    flops = step_flops(cfg, engine.parts, device=engine.device)
+    peak = run_matmul_peak(cfg, engine.device)
     out = {"duration_s": duration, "samples_per_s": samples / duration,
            "tokens_per_s": samples * cfg.model.sequence_length / duration, "loss": result.loss,
            "h2d_bytes": result.h2d_bytes, "d2h_bytes": result.d2h_bytes,
-           "device_peak_bytes": result.device_peak_bytes, "device": str(engine.device)}
+           "device_peak_bytes": result.device_peak_bytes, "device": str(engine.device),
+           "model_flops_per_step": flops.model, "recompute_flops_per_step": flops.recompute,
+           **utilisation(flops, duration, peak["flops_per_s"]), "matmul_peak": peak}
     if profile:
         out["profile"] = profile_steps(engine, batch, lr, timed_steps)
+        out["profile"]["phase_flops"] = phase_rates(flops, out["profile"]["phases"], peak["flops_per_s"])
     if trace is not None:
         trace_step(engine, batch, lr, trace)
     return out

@@ -10,8 +10,9 @@ from hf_reference import hf_gptj, hf_state
 from ipuft.data import SampleData
 from ipuft.engine import PhasedEngine
 from ipuft.errors import ConfigError
+from ipuft.measure import unit_cost
 from ipuft.model import build_model
-from ipuft.plan import estimate, working_bytes
+from ipuft.plan import estimate
 from ipuft.schedule import learning_rate
 
 STEPS = 5
@@ -313,7 +314,7 @@ def test_device_peak_is_bounded_and_independent_of_depth(hooks, make_config):
         parts = engine.parts
         size = {role: sum(v.nbytes for v in parts.variables[role]) for role in parts.variables}
         optim = {role: 2 * size[role] for role in size}  # adamw: m and v
-        bound = (2 * 2 * size["decoder"] + working_bytes(parts, "decoder", cfg)
+        bound = (2 * 2 * size["decoder"] + unit_cost(parts, "decoder", cfg).saved_bytes
                  + size["embeddings"] * 2 + optim["embeddings"] + size["head"] * 2 + optim["head"])
         assert result.device_peak_bytes <= bound
     assert peaks[2] == peaks[16]

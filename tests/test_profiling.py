@@ -29,6 +29,8 @@ def check_breakdown(p, steps):
     assert sum(p["share"].values()) + p["other_share"] == pytest.approx(1.0)
     for category, seconds in p["seconds"].items():
         assert p["share"][category] == pytest.approx(seconds / p["step_s"])
+    # Whole phases, their sections in: within the step, and most of it.
+    assert 0.75 * p["step_s"] <= sum(p["phases"].values()) <= p["step_s"]
 
 
 def test_bench_profile_breaks_a_step_down(capsys):
@@ -48,9 +50,17 @@ def test_bench_profile_prints_a_table(capsys):
     assert code == 0, err
     lines = out.splitlines()
     assert lines[0].startswith("Duration: ")
-    assert lines[1] == "where a step's time goes (mean of 5 profiled steps):"
-    assert [line.split("  ")[1].strip() for line in lines[2:]] == [*CATEGORIES.values(), OTHER, "step"]
-    assert lines[-1].endswith("100.0%")
+    assert lines[1].startswith("Model FLOPs: ") and "matmul's" in lines[1]
+    assert lines[2] == "where a step's time goes (mean of 5 profiled steps):"
+    categories = len(CATEGORIES) + 2
+    assert [line.split("  ")[1].strip() for line in lines[3 : 3 + categories]] == [*CATEGORIES.values(), OTHER, "step"]
+    assert lines[2 + categories].endswith("100.0%")
+    assert lines[3 + categories].startswith("by phase")
+    by_phase = {line.split()[0]: line for line in lines[4 + categories :]}
+    assert list(by_phase) == ["embeddings:forward", "decoder:forward", "head:loss_backward", "decoder:backward",
+                              "embeddings:backward", "decoder:optimizer", "head:optimizer"]
+    assert "GFLOP/s" in by_phase["decoder:backward"] and "of the matmul peak" in by_phase["decoder:backward"]
+    assert "GFLOP/s" not in by_phase["decoder:optimizer"]  # elementwise work is not counted
 
 
 def test_collectives_are_timed_under_data_parallelism(tmp_path):

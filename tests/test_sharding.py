@@ -63,3 +63,40 @@ def test_answer_must_cover_every_variable():
         resolve_shard_specs("head 'x'", variables, {"w": ShardSpec(), "b": ShardSpec(tp_dim=1)}, 2)
     with pytest.raises(ConfigError, match="does not split"):
         resolve_shard_specs("head 'x'", [VariableSpec("w", (5, 4))], {"w": ShardSpec(tp_dim=0)}, 2)
+
+
+@pytest.mark.parametrize("spec", [ShardSpec(), ShardSpec(tp_dim=0), ShardSpec(tp_dim=1), ShardSpec(tp_dim=0, pad_multiple=16)],
+                         ids=["replicated", "rows", "columns", "padded-vocab"])
+def test_each_layout_names_every_element_of_the_full_variable_once(spec):
+    """Stochastic rounding keys each element on its index in the full variable (Placement.full_indices), or,
+    where a stored range is consecutive there, on its first index alone (Placement.counters): over every rank of
+    each DP × TP layout, with RTS, the indices inside the variable are each element's own, exactly once, and
+    the two forms agree for every range."""
+    from ipuft.parallel import Layout
+    from ipuft.placement import Placement
+
+    variable = VariableSpec("w", (100, 12))
+    full = torch.arange(100 * 12).reshape(100, 12)
+    for dp, tp in ((1, 1), (1, 4), (3, 1), (3, 2), (2, 4)):
+        if spec.tp_dim is not None and spec.pad_multiple is None and 100 % tp:
+            continue
+        seen = []
+        for rank in range(dp * tp):
+            placed = Placement(variable, spec, Layout(dp, tp, rank), rts=True)
+            stored = placed.to_stored(full.float()).long().view(-1)  # each stored element's value: its full index
+            n = stored.numel()
+            indices = placed.full_indices(0, n)
+            inside = indices < full.numel()
+            assert torch.equal(indices[inside], stored[inside])  # padding (zeros in `stored`) maps past the end
+            if spec.tp_dim is not None or placed.layout.tp_rank == 0:  # a TP-replicated variable: each TP rank has all
+                seen.append(indices[inside])
+            for start, count in ((0, n), (5, 17), (n - 3, 3), (n // 2, n - n // 2), (1, 1)):
+                counters = placed.counters(start, count)
+                expected = placed.full_indices(start, count)
+                if isinstance(counters, int):
+                    assert torch.equal(torch.arange(counters, counters + count), expected)
+                else:
+                    assert torch.equal(counters, expected)
+            if spec.tp_dim != 1 and spec.pad_multiple is None:  # consecutive in the full variable: no tensor made
+                assert isinstance(placed.counters(0, n), int)
+        assert torch.equal(torch.cat(seen).sort().values, torch.arange(full.numel()))

@@ -1,0 +1,128 @@
+"""Model FLOPs: what one optimizer step computes, counted from the real shapes on the meta device, and the
+matmul rate it is measured against (``ipuft plan``, ``ipuft bench``, ``metrics.jsonl``).
+
+Each unit's forward, backward and recompute are counted once on the meta device (:mod:`ipuft.measure`)
+by ``torch.utils.flop_counter.FlopCounterMode``, which counts the matmuls (and attention, which on the meta
+device runs as its matmuls: dense ``T × T`` scores, as MFU is usually counted, without the causal half a
+kernel may skip). The step program then says how often each runs: every micro-batch's forward and
+backward are the *model* FLOPs, what any implementation of the step must compute; the forward a backward
+recomputes (``execution.recompute``) is counted apart, as *recompute* FLOPs. Elementwise work (norms,
+activations, the optimizer) is not counted, as usual.
+
+Model FLOPs utilisation (MFU) is model FLOP/s over a matmul rate: ``ipuft bench`` measures one itself, a
+``[tokens, hidden] × [hidden, intermediate / TP]`` matmul (the shape of a decoder's widest projection at the
+run's micro-batch) in the run's dtype on the run's device, so that it is the peak this machine reaches at
+this width, not a datasheet's. Counting the recompute too gives the hardware FLOPs utilisation (HFU).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from omegaconf import DictConfig
+
+from ipuft.measure import UnitCost, unit_cost
+from ipuft.model import ModelParts
+from ipuft.precision import compute_dtype
+from ipuft.program import Op
+
+
+@dataclass
+class StepFlops:
+    """One optimizer step's FLOPs on one rank: ``model`` (every forward and backward), ``recompute`` (the
+    forwards the backwards recompute), and both by role and phase kind (``forward``, ``loss_backward``,
+    ``backward``), as ``{role: {kind: (model, recompute)}}``."""
+
+    model: int = 0
+    recompute: int = 0
+    by_phase: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
+
+    def add(self, role: str, kind: str, model: int, again: int) -> None:
+        done = self.by_phase.setdefault(role, {}).get(kind, (0, 0))
+        self.by_phase[role][kind] = (done[0] + model, done[1] + again)
+        self.model += model
+        self.recompute += again
+
+    def as_dict(self) -> dict:
+        return {"model": self.model, "recompute": self.recompute,
+                "by_phase": {role: {kind: {"model": m, "recompute": r} for kind, (m, r) in kinds.items()}
+                             for role, kinds in self.by_phase.items()}}
+
+
+def step_flops(cfg: DictConfig, parts: ModelParts, costs: dict[str, UnitCost] | None = None,
+               device: torch.device | str = "cpu") -> StepFlops:
+    """Every FLOP of one optimizer step on this rank, by the step program: each phase's ops over the
+    gradient-accumulation micro-batches (``costs``: each role's :func:`ipuft.measure.unit_cost`, measured here
+    on ``device`` unless given)."""
+    per_unit = costs or {role: unit_cost(parts, role, cfg, device) for role in parts.modules}
+    ga = cfg.gradient_accumulation
+    total = StepFlops()
+    for phase in parts.program:
+        unit = per_unit[phase.role]
+        for op in phase.ops:
+            if op is Op.FORWARD:
+                total.add(phase.role, "forward", ga * unit.forward, 0)
+            elif op is Op.LOSS_BACKWARD:
+                total.add(phase.role, "loss_backward", ga * (unit.forward + unit.backward), 0)
+            elif op is Op.BACKWARD:
+                again = unit.recompute if cfg.execution.recompute else 0
+                total.add(phase.role, "backward", ga * unit.backward, ga * again)
+    return total
+
+
+def matmul_peak(dtype: torch.dtype, device: torch.device | str, m: int, k: int, n: int,
+                seconds: float = 1.0) -> float:
+    """The FLOP/s of an ``[m, k] × [k, n]`` matmul in ``dtype`` on ``device``: the best of repeated runs
+    (at least three, for about ``seconds`` in all) after one warm-up."""
+    device = torch.device(device)
+    a = torch.randn(m, k, device=device).to(dtype)
+    b = torch.randn(k, n, device=device).to(dtype)
+
+    def run() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        torch.mm(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    run()
+    best, spent, runs = float("inf"), 0.0, 0
+    while runs < 3 or spent < seconds:
+        elapsed = run()
+        best, spent, runs = min(best, elapsed), spent + elapsed, runs + 1
+    return 2.0 * m * k * n / best
+
+
+def run_matmul_peak(cfg: DictConfig, device: torch.device | str, seconds: float = 1.0) -> dict:
+    """:func:`matmul_peak` at the run's width: ``{"flops_per_s", "shape", "dtype"}``."""
+    tokens = cfg.execution.micro_batch_size * cfg.model.sequence_length
+    shape = (tokens, cfg.model.hidden_size, cfg.model.intermediate_size // cfg.execution.tensor_parallel)
+    dtype = compute_dtype(cfg)
+    rate = matmul_peak(dtype, device, *shape, seconds=seconds)
+    return {"flops_per_s": rate, "shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
+
+
+def phase_rates(flops: StepFlops, seconds: dict[str, float], peak: float | None = None) -> dict[str, dict]:
+    """Each profiled phase's FLOP/s, counting its recompute (``seconds``: a profile's ``phases``, per step, by
+    ``role:kind``), and their share of the matmul ``peak``."""
+    rates = {}
+    for key, spent in seconds.items():
+        role, _, kind = key.partition(":")
+        model, again = flops.by_phase.get(role, {}).get(kind, (0, 0))
+        rate = (model + again) / spent if spent > 0 else 0.0
+        rates[key] = {"flops_per_s": rate, "of_peak": rate / peak if peak else None}
+    return rates
+
+
+def utilisation(flops: StepFlops, step_seconds: float, peak: float | None = None) -> dict:
+    """One step's FLOP/s: ``model_flops_per_s`` and ``recompute_flops_per_s``, and with a matmul ``peak`` the
+    model FLOPs utilisation (``mfu``) and, counting the recompute, the hardware FLOPs utilisation (``hfu``)."""
+    model, again = flops.model / step_seconds, flops.recompute / step_seconds
+    out = {"model_flops_per_s": model, "recompute_flops_per_s": again}
+    if peak:
+        out.update(mfu=model / peak, hfu=(model + again) / peak)
+    return out

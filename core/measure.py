@@ -1,0 +1,169 @@
+"""What one micro-batch through one unit computes and holds, measured from the real shapes without
+allocating: its FLOPs, the bytes autograd saves for its backward, and the bytes live at its busiest moment.
+
+The unit's module runs with fake tensors (``torch._subclasses.FakeTensorMode``: tensors of the run's device
+and dtype that hold no memory) bound in place of its weights (``functional_call``, on a copy of the module,
+so that nothing it caches outlives the measurement), under ``FlopCounterMode`` for the FLOPs, a
+saved-tensors hook for the saved bytes, and a dispatch mode that follows every tensor an op makes until it
+is freed for the live bytes. Fake tensors report the run's device, so a component takes the path it takes
+there (GPT-J's block computes 16-bit attention in float32 on the CPU) and attention runs the device's
+kernel. This is what ``ipuft plan`` builds its compute and memory figures from, so that they follow whatever
+a component plugin does (a recompute that skips work, a gradient autograd makes in the weight's layout), not
+a formula of one model family.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from omegaconf import DictConfig
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.func import functional_call
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import (
+    FlopCounterMode,
+    flop_registry,
+    register_flop_formula,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+)
+
+from ipuft.components import recompute
+from ipuft.model import ModelParts
+from ipuft.precision import compute_dtype
+
+# glibc serves blocks up to this size from its heap (execution.retain_host_memory: ipuft.hostmem), larger ones
+# with mmap; freed heap memory stays in the process.
+HEAP_BLOCK_LIMIT = 32 * 1024 * 1024
+
+
+def _register_cpu_attention_flops() -> None:
+    """The CPU's flash-attention ops have no FLOP formula in ``FlopCounterMode``: theirs are the other SDPA
+    kernels' (dense ``T × T`` scores, forward and backward)."""
+    ops = torch.ops.aten
+    if ops._scaled_dot_product_flash_attention_for_cpu not in flop_registry:
+        @register_flop_formula(ops._scaled_dot_product_flash_attention_for_cpu)
+        def _forward(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+            return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+    if ops._scaled_dot_product_flash_attention_for_cpu_backward not in flop_registry:
+        @register_flop_formula(ops._scaled_dot_product_flash_attention_for_cpu_backward)
+        def _backward(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+            return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+_register_cpu_attention_flops()
+
+
+def fake_unit(parts: ModelParts, role: str, cfg: DictConfig, device: torch.device, mode: FakeTensorMode):
+    """One micro-batch's call of a unit of ``role`` with fake tensors on ``device``: ``(module, params, args)``,
+    a copy of the unit's module, the trainable weights and the layer input requiring gradients, as the
+    engine's backward has them."""
+    mbs, seq, hidden = cfg.execution.micro_batch_size, cfg.model.sequence_length, cfg.model.hidden_size
+    trainable = {v.name for v in parts.variables[role] if v.trainable}
+    dtypes = {v.name: v.dtype for v in parts.variables[role]}  # the run's precision; the module's shapes (its TP)
+    with mode:
+        params = {v.name: torch.empty(v.shape, dtype=dtypes[v.name], device=device, requires_grad=v.name in trainable)
+                  for v in parts.modules[role].variable_specs()}
+        ids = torch.zeros(mbs, seq, dtype=torch.int64, device=device)
+        x = torch.empty(mbs, seq, hidden, dtype=compute_dtype(cfg), device=device, requires_grad=True)
+    args = {"embeddings": (ids,), "decoder": (x,), "head": (x, ids)}[role]
+    return copy.deepcopy(parts.modules[role]), params, args
+
+
+class LiveBytes(TorchDispatchMode):
+    """Follows every tensor an op makes inside the block until it is freed, by its storage: the peak of the
+    bytes alive at once (``peak``), and of those in blocks under :data:`HEAP_BLOCK_LIMIT` (``heap_peak``).
+    The storages of ``existing`` tensors (weights, inputs), and views of them, are not counted."""
+
+    def __init__(self, existing: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._existing = {StorageWeakRef(t.untyped_storage()).cdata for t in existing}
+        self._alive: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = self.heap_peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = StorageWeakRef(t.untyped_storage())
+                if storage.cdata not in self._existing:
+                    self._alive.setdefault(storage.cdata, (storage, t.untyped_storage().nbytes()))
+        total = heap = 0
+        for key, (storage, size) in list(self._alive.items()):
+            if storage.expired():
+                del self._alive[key]
+                continue
+            total += size
+            heap += size if size < HEAP_BLOCK_LIMIT else 0
+        self.peak, self.heap_peak = max(self.peak, total), max(self.heap_peak, heap)
+        return out
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    """One micro-batch through one unit.
+
+    - ``forward``, ``backward``, ``recompute``: FLOPs of its forward, its backward, and the forward its
+      backward recomputes (less than the forward when a component skips what only the output's value needs);
+    - ``saved_bytes``: what autograd saves for the backward (a graph ``execution.recompute=false`` keeps);
+    - ``forward_peak_bytes``: the most bytes alive at once in a forward without autograd (the output too);
+    - ``backward_peak_bytes``: the same for a recompute and its backward, the fresh gradients included;
+    - ``heap_peak_bytes``: the most of those alive at once in blocks glibc's heap serves (and keeps).
+    """
+
+    forward: int
+    backward: int
+    recompute: int
+    saved_bytes: int
+    forward_peak_bytes: int
+    backward_peak_bytes: int
+    heap_peak_bytes: int
+
+
+def _saved_bytes(module, params, args) -> int:
+    """Bytes autograd saves for one forward with gradient, counted by storage, as the engine's ledger counts
+    real tensors: a view (a transposed weight, a head's slice) costs nothing beyond its base, and the weights
+    and the layer input are counted elsewhere."""
+    excluded = {id(t) for t in (*params.values(), *args) if t.is_floating_point()}  # token ids are saved
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        root = t._base if t._base is not None else t
+        if id(root) not in excluded:
+            excluded.add(id(root))
+            total += root.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        functional_call(module, params, args)
+    return total
+
+
+def unit_cost(parts: ModelParts, role: str, cfg: DictConfig, device: torch.device | str = "cpu") -> UnitCost:
+    """Measure one micro-batch through a unit of ``role`` computing on ``device`` (see :class:`UnitCost`)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)  # a module's cached real tensors (a rotary table) are read
+    module, params, args = fake_unit(parts, role, cfg, torch.device(device), mode)
+    existing = [*params.values(), *args]
+    leaves = [t for t in existing if t.requires_grad]
+    with mode:
+        with torch.no_grad(), LiveBytes(existing) as forward_live, FlopCounterMode(display=False) as counted:
+            functional_call(module, params, args)
+        forward = counted.get_total_flops()
+        if not leaves:  # a frozen first unit: its backward does nothing
+            return UnitCost(forward, 0, 0, 0, forward_live.peak, 0, forward_live.heap_peak)
+        with LiveBytes(existing) as live:
+            with recompute(), FlopCounterMode(display=False) as counted:
+                out = functional_call(module, params, args)
+            again = counted.get_total_flops()
+            with FlopCounterMode(display=False) as counted:
+                torch.autograd.backward(out, torch.ones_like(out), inputs=leaves)
+            backward = counted.get_total_flops()
+        saved = _saved_bytes(module, params, args)
+    return UnitCost(forward, backward, again, saved, forward_live.peak, live.peak,
+                    max(forward_live.heap_peak, live.heap_peak))
