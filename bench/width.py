@@ -1,10 +1,10 @@
 """Training at GPT-J-6B's width (hidden 4096, 16 heads, rotary 64, vocabulary 50400), one and two layers, on
 this machine's CPU: what toy widths hide.
 
-    python bench/width.py [--layers 1 2] [--seq 128 256] [--steps 2] [--precision float32 bfloat16 ...]
+    python bench/width.py [--layers 1 2] [--seq 256 128] [--micro-batch 1 4] [--steps 2] [--precision ...]
 
-Each configuration runs as ``ipuft bench --profile`` in a process of its own (its peak RSS and page faults
-are that process's), after ``ipuft plan`` of the same config, and prints:
+Each configuration (gradient accumulation 2) runs as ``ipuft bench --profile`` in a process of its own (its
+peak RSS and page faults are that process's), after ``ipuft plan`` of the same config, and prints:
 
 - the step time, and model FLOP/s against the matmul peak measured in the same run (a ``[tokens, 4096] ×
   [4096, 16384]`` matmul in the run's dtype): MFU, and with the recompute HFU;
@@ -33,8 +33,7 @@ import torch
 from ipuft import kernels
 
 WIDTH = ["--config", "tiny", "model.hidden_size=4096", "model.attention.heads=16", "model.attention.rotary_dim=64",
-         "model.embedding.vocab_size=50400", "training.global_batch_size=2", "execution.micro_batch_size=1",
-         "execution.device=cpu", "checkpoint.save=null"]
+         "model.embedding.vocab_size=50400", "execution.device=cpu", "checkpoint.save=null"]
 SIXTEEN_BIT = {"bfloat16": ["training.stochastic_rounding=true"],
                "float16": ["training.stochastic_rounding=true", "execution.loss_scaling=dynamic"]}
 
@@ -62,8 +61,10 @@ def ipuft(args: list[str], env: dict) -> tuple[dict, dict]:
                     "major_faults": usage.ru_majflt, "seconds": time.perf_counter() - began}
 
 
-def run(layers: int, seq: int, precision: str, steps: int, env: dict) -> dict:
+def run(layers: int, seq: int, micro_batch: int, precision: str, steps: int, env: dict) -> dict:
+    """One configuration: gradient accumulation 2 of ``micro_batch`` rows of ``seq`` tokens."""
     config = [*WIDTH, f"model.layers={layers}", f"model.sequence_length={seq}", f"model.precision={precision}",
+              f"execution.micro_batch_size={micro_batch}", f"training.global_batch_size={2 * micro_batch}",
               *SIXTEEN_BIT.get(precision, [])]
     plan, _ = ipuft(["plan", *config], env)
     bench, usage = ipuft(["bench", *config, "--profile", "--steps", str(steps)], env)
@@ -71,7 +72,8 @@ def run(layers: int, seq: int, precision: str, steps: int, env: dict) -> dict:
     decoder = {kind: plan["flops_per_step"]["by_phase"]["decoder"][kind] for kind in ("forward", "backward")}
     layer_flops = sum(f["model"] + f["recompute"] for f in decoder.values())
     layer_seconds = profile["phases"]["decoder:forward"] + profile["phases"]["decoder:backward"]
-    return {"layers": layers, "seq": seq, "precision": precision, "step_s": bench["duration_s"],
+    return {"layers": layers, "seq": seq, "micro_batch": micro_batch, "precision": precision,
+            "step_s": bench["duration_s"],
             "tokens_per_s": bench["tokens_per_s"], "model_flops_per_s": bench["model_flops_per_s"],
             "mfu": bench["mfu"], "hfu": bench["hfu"], "peak_flops_per_s": peak, "matmul": bench["matmul_peak"],
             "layer_flops_per_s": layer_flops / layer_seconds, "layer_of_peak": layer_flops / layer_seconds / peak,
@@ -83,8 +85,8 @@ def run(layers: int, seq: int, precision: str, steps: int, env: dict) -> dict:
 def report(r: dict) -> str:
     gib, giga = 2**30, 1e9
     lines = [
-        f"== {r['layers']} layer{'s' * (r['layers'] > 1)}, seq {r['seq']}, {r['precision']}: {r['parameters']:,} "
-        f"parameters",
+        f"== {r['layers']} layer{'s' * (r['layers'] > 1)}, seq {r['seq']}, micro-batch {r['micro_batch']} (GA 2), "
+        f"{r['precision']}: {r['parameters']:,} parameters",
         f"   step {r['step_s']:.2f} s ({r['tokens_per_s']:.1f} tokens/s); model {r['model_flops_per_s'] / giga:,.1f} "
         f"GFLOP/s: MFU {r['mfu']:.1%}, HFU {r['hfu']:.1%} of the {' × '.join(map(str, r['matmul']['shape']))} "
         f"matmul's {r['peak_flops_per_s'] / giga:,.1f} GFLOP/s",
@@ -103,6 +105,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--seq", type=int, nargs="+", default=[256, 128])
+    parser.add_argument("--micro-batch", type=int, nargs="+", default=[1], help="rows per micro-batch (GA is 2)")
     parser.add_argument("--steps", type=int, default=2, help="timed (and profiled) steps of each run")
     parser.add_argument("--precision", nargs="+", default=None, help="default: float32 and the fast 16-bit dtypes")
     parser.add_argument("--no-huge-pages", action="store_true", help="THP_MEM_ALLOC_ENABLE=0 (ipuft.hostmem)")
@@ -118,8 +121,9 @@ def main() -> None:
     for precision in precisions:
         for layers in args.layers:
             for seq in args.seq:
-                results.append(run(layers, seq, precision, args.steps, env))
-                print(json.dumps(results[-1]) if args.json else report(results[-1]), flush=True)
+                for micro_batch in args.micro_batch:
+                    results.append(run(layers, seq, micro_batch, precision, args.steps, env))
+                    print(json.dumps(results[-1]) if args.json else report(results[-1]), flush=True)
 
 
 if __name__ == "__main__":

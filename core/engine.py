@@ -134,13 +134,14 @@ def optimizer_state_specs(variables: list[VariableSpec], optimizer: Optimizer,
     return specs
 
 
-def gradient_working_bytes(size: int, wide: bool, micro_batches: int) -> int:
-    """The most bytes a unit's backward holds for its gradients, whose weights take ``size`` bytes: with 16-bit
-    weights (``wide``) autograd's 16-bit gradient of a micro-batch beside the float32 sums; otherwise autograd's
-    accumulated gradients and, from the second micro-batch on, the new micro-batch's beside them until it is
-    added in."""
+def gradient_working_bytes(size: int, wide: bool, micro_batches: int, data_parallel: int) -> int:
+    """The most bytes a unit's backward holds for its gradients, whose weights take ``size`` bytes. With 16-bit
+    weights (``wide``): autograd's 16-bit gradient of a micro-batch beside the float32 sums (twice ``size``),
+    except where no float32 reduction over DP follows and two micro-batches at most are summed, which needs
+    only their 16-bit gradients (:meth:`PhasedEngine._sum_16bit`). Otherwise autograd's accumulated gradients
+    and, from the second micro-batch on, the new micro-batch's beside them until it is added in."""
     if wide:
-        return 3 * size
+        return micro_batches * size if data_parallel == 1 and micro_batches <= 2 else 3 * size
     return 2 * size if micro_batches > 1 else size
 
 
@@ -164,6 +165,22 @@ def add_widened_(total: torch.Tensor, part: torch.Tensor, chunk: int) -> None:
     for start in range(0, flat_total.numel(), chunk):
         piece = flat_part[start : start + chunk]
         flat_total[start : start + piece.numel()].add_(scratch[: piece.numel()].copy_(piece))
+
+
+def add_rounded_(part: torch.Tensor, total: torch.Tensor, chunk: int) -> None:
+    """``part = round(total + part)``: the float32 sum of a 16-bit ``part`` and ``total`` (float32, or 16-bit
+    like ``part``), rounded to nearest into ``part``, ``chunk`` elements at a time through float32 scratch (the
+    same values as adding in float32 and rounding the whole sum: float32 addition is commutative)."""
+    flat_part, flat_total = part.view(-1), total.view(-1)
+    size = min(chunk, flat_part.numel())
+    widened = torch.empty(size, dtype=torch.float32, device=part.device)
+    other = torch.empty(size, dtype=torch.float32, device=part.device) if total.dtype != torch.float32 else None
+    for start in range(0, flat_part.numel(), chunk):
+        piece = flat_part[start : start + chunk]
+        summed = widened[: piece.numel()].copy_(piece)
+        below = flat_total[start : start + piece.numel()]
+        summed.add_(below if other is None else other[: piece.numel()].copy_(below))
+        piece.copy_(summed)
 
 
 def update_groups(sizes: list[tuple[str, int]], chunk: int | None) -> Iterator[list[tuple[str, int, int]]]:
@@ -503,13 +520,14 @@ class PhasedEngine:
 
     def _gradients(self, phase: Phase, module, weights: Tensors, st: _StepState) -> Tensors:
         """The gradient of the unit's trainable variables over every micro-batch, reduced over DP, in its
-        stored form and its weights' dtype (16-bit weights: accumulated in float32, rounded once at the end)."""
+        stored form and its weights' dtype (16-bit weights: summed in float32, rounded once at the end)."""
         size = nbytes(w for n, w in weights.items() if n in self.trainable[phase.role])
         wide = self.dtype != torch.float32
-        self.store.ledger.acquire(gradient_working_bytes(size, wide, st.batch.micro_batches))
+        working = gradient_working_bytes(size, wide, st.batch.micro_batches, self.layout.data_parallel)
+        self.store.ledger.acquire(working)
         local = self._backward(phase, module, weights, st, wide)
-        # Left: the sums (autograd's 16-bit gradients are gone), or autograd's accumulated gradients.
-        self.store.ledger.release(gradient_working_bytes(size, wide, st.batch.micro_batches) - nbytes(local.values()))
+        # Left: the sums (float32, or already rounded), or autograd's accumulated gradients.
+        self.store.ledger.release(working - nbytes(local.values()))
         placed = self.placed[phase.role]
         grads = {n: placed[n].reduce_gradient(g).to(weights[n].dtype) for n, g in local.items()}
         self.store.ledger.release(nbytes(local.values()) - nbytes(grads.values()))
@@ -532,12 +550,25 @@ class PhasedEngine:
                     self._backward_kept_graph(phase, graphs, mb, list(leaves.values()))
                 if wide:
                     for n, p in leaves.items():
-                        if n in sums:
-                            add_widened_(sums[n], p.grad, update_chunk(self.device))
-                        else:
-                            sums[n] = p.grad.float()
+                        sums[n] = self._sum_16bit(sums.get(n), p.grad, mb, st.batch.micro_batches)
                         p.grad = None
         return sums if wide else {n: p.grad for n, p in leaves.items()}
+
+    def _sum_16bit(self, summed: torch.Tensor | None, grad: torch.Tensor, mb: int, micro_batches: int) -> torch.Tensor:
+        """Add micro-batch ``mb``'s 16-bit gradient to the sum so far (``None`` before the first): in float32,
+        rounded once to 16 bits at the end. Where no float32 reduction over DP follows, the last addition is
+        rounded as it is made, into the last gradient itself, and two micro-batches need no float32 sums at all:
+        the same values with fewer passes over the gradients and less memory (see
+        :func:`gradient_working_bytes`)."""
+        chunk = update_chunk(self.device)
+        rounded_here = self.layout.data_parallel == 1
+        if summed is None:  # the first micro-batch: kept as it is where one addition at most follows
+            return grad if rounded_here and micro_batches <= 2 else grad.float()
+        if mb == micro_batches - 1 and rounded_here:
+            add_rounded_(grad, summed, chunk)
+            return grad
+        add_widened_(summed, grad, chunk)
+        return summed
 
     def _backward_micro_batch(self, phase: Phase, module, params: list[torch.Tensor], mb: int, st: _StepState):
         """Run micro-batch ``mb``'s forward with gradient (the head's loss, or a recompute seeded by
@@ -580,11 +611,12 @@ class PhasedEngine:
             self.buffers.write("dx", x_in, mb, inputs[0].grad)
 
     def _add_to_norm(self, placed: dict[str, Placement], grads: Tensors, st: _StepState) -> None:
-        """Add the squared norm of the unscaled, reduced gradient; each element counts once in the world."""
-        counted = [g.float() for name, g in grads.items() if placed[name].norm_weight()]
+        """Add the squared norm of the unscaled, reduced gradient; each element counts once in the world. A
+        16-bit gradient's norm is accumulated in float32 as it is read, without a float32 copy of it."""
+        counted = [g for name, g in grads.items() if placed[name].norm_weight()]
         if counted:
             with torch.no_grad():
-                norms = torch.stack(torch._foreach_norm(counted))
+                norms = torch.stack(torch._foreach_norm(counted, 2, dtype=torch.float32))
                 st.norm_sq += norms.square().sum() / st.loss_scale**2
 
     def _optimizer_step(self, phase: Phase, weights: Tensors, optim: Tensors, grads: Tensors, st: _StepState):

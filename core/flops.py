@@ -97,12 +97,17 @@ def matmul_peak(dtype: torch.dtype, device: torch.device | str, m: int, k: int, 
     return 2.0 * m * k * n / best
 
 
-def run_matmul_peak(cfg: DictConfig, device: torch.device | str, seconds: float = 1.0) -> dict:
-    """:func:`matmul_peak` at the run's width: ``{"flops_per_s", "shape", "dtype"}``."""
+def run_matmul_peak(cfg: DictConfig, device: torch.device | str, seconds: float = 1.0,
+                    before: dict | None = None) -> dict:
+    """:func:`matmul_peak` at the run's width: ``{"flops_per_s", "shape", "dtype"}``; with ``before`` (this
+    function's result earlier in the run), the better of the two: a machine shared with other work runs at
+    different speeds from one minute to the next, and a peak is the best it reaches."""
     tokens = cfg.execution.micro_batch_size * cfg.model.sequence_length
     shape = (tokens, cfg.model.hidden_size, cfg.model.intermediate_size // cfg.execution.tensor_parallel)
     dtype = compute_dtype(cfg)
     rate = matmul_peak(dtype, device, *shape, seconds=seconds)
+    if before is not None:
+        rate = max(rate, before["flops_per_s"])
     return {"flops_per_s": rate, "shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
 
 

@@ -1,4 +1,5 @@
-"""Host memory that a step frees stays in the process for the next one (``execution.retain_host_memory``).
+"""Host memory that a step frees stays in the process for the next one (``execution.retain_host_memory``), and
+large tensors come in huge pages.
 
 PyTorch's CPU tensors have no caching allocator (CUDA's has one): each is ``malloc``'d and ``free``'d, and
 glibc gives memory back to the kernel eagerly. It serves a block above ``M_MMAP_THRESHOLD`` with a fresh
@@ -8,21 +9,23 @@ per 4 KiB touched. A layer-major step allocates and frees the same large tensors
 and every step (a layer's activations and autograd's saved tensors, the logits, the gradients), and the
 graphs kept by ``execution.recompute=false`` grow the heap and shrink it again each step, so with glibc's
 defaults a ``recompute=false`` step of the bench's model took 0.2–16 thousand page faults in a process of its
-own (30–530 with this), each a kernel entry and a zeroed page.
+own (30–530 with this).
 
-:func:`retain_freed_memory` sets both thresholds once per process with ``mallopt``: blocks up to 32 MiB
-come from the heap, and freed heap memory is kept for reuse, as a caching allocator would. The process's
-resident memory then stays at its peak instead of falling between steps, which is what a step needs
-again anyway. Larger blocks (the variable store's big tensors, allocated once) are still mapped. It is
-process-wide, like the allocator it tunes; elsewhere than glibc it does nothing.
+:func:`retain_freed_memory` sets both thresholds once per process with ``mallopt``: blocks up to the
+threshold come from the heap, and freed heap memory is kept for reuse, as a caching allocator would. The
+process's resident memory then stays at its peak instead of falling between steps, which is what a step
+needs again anyway. It is process-wide, like the allocator it tunes; elsewhere than glibc it does nothing.
 
-Tensors of 2 MiB and more are mapped afresh each time, and at GPT-J-6B's width a step makes and frees
-many of hundreds of MB (an embedding's gradient is 0.8 GB): faulted in 4 KiB at a time, a 1-layer float32
-step took 2.8 million page faults. :func:`huge_pages_for_torch` asks torch's CPU allocator to back them with
-transparent huge pages (``THP_MEM_ALLOC_ENABLE=1``, which torch reads at its first allocation: the ``ipuft``
-console script sets it at start unless it is set): 35 thousand faults, and that step 10-15% faster (11.9
-against 9.6-10.2 s, and 0.096 against 0.119 s for a ``small-cpu`` step); resident memory is the same. The
-kernel must allow it (``/sys/kernel/mm/transparent_hugepage/enabled``: ``madvise`` or ``always``).
+At GPT-J-6B's width a step also makes and frees many tensors of hundreds of MB (an embedding's gradient is
+0.8 GB), always mapped afresh: faulted in 4 KiB at a time, a 1-layer step took 8.9 million page faults.
+:func:`huge_pages_for_torch` asks torch's CPU allocator to back tensors of 2 MiB and more with transparent
+huge pages (``THP_MEM_ALLOC_ENABLE=1``, which torch reads at its first allocation: the ``ipuft`` console
+script sets it at start unless it is set), one fault per 2 MiB: about 0.2 million faults. With huge pages
+the heap keeps only blocks under 2 MiB (:func:`heap_block_limit`): blocks of 2-32 MiB kept in the heap
+fragment it, and at micro-batch 4 it held 0.5 GiB more than the step's tensors at its peak, while mapped
+afresh in huge pages they cost little. The kernel must allow huge pages
+(``/sys/kernel/mm/transparent_hugepage/enabled``: ``madvise`` or ``always``); without them the heap keeps
+blocks up to 32 MiB, as before.
 """
 
 from __future__ import annotations
@@ -30,13 +33,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from pathlib import Path
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_MAX = 32 * 1024 * 1024  # glibc's largest accepted M_MMAP_THRESHOLD on 64-bit
+HUGE_PAGE = 2 * 1024 * 1024  # torch backs tensors from this size with transparent huge pages
 TRIM_NEVER = 2**31 - 1  # an int's largest value: free heap memory is returned to the kernel only beyond 2 GiB
-
-
 HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"
 
 
@@ -46,10 +49,28 @@ def huge_pages_for_torch() -> None:
     os.environ.setdefault(HUGE_PAGES_ENV, "1")
 
 
+@functools.cache
+def huge_pages() -> bool:
+    """Whether torch's large CPU tensors get transparent huge pages in this process: asked for, and allowed by
+    the kernel."""
+    if os.environ.get(HUGE_PAGES_ENV) != "1":
+        return False
+    try:
+        return "[never]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+
+
+def heap_block_limit() -> int:
+    """The largest block the heap serves (and keeps, with :func:`retain_freed_memory`): under 2 MiB with huge
+    pages, else up to 32 MiB."""
+    return HUGE_PAGE if huge_pages() else MMAP_THRESHOLD_MAX
+
+
 @functools.cache  # once per process
 def retain_freed_memory() -> bool:
     """Keep freed host memory in the process for reuse; True once glibc has taken both settings."""
-    return _mallopt({M_MMAP_THRESHOLD: MMAP_THRESHOLD_MAX, M_TRIM_THRESHOLD: TRIM_NEVER})
+    return _mallopt({M_MMAP_THRESHOLD: heap_block_limit(), M_TRIM_THRESHOLD: TRIM_NEVER})
 
 
 def _mallopt(settings: dict[int, int]) -> bool:

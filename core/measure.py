@@ -33,12 +33,9 @@ from torch.utils.flop_counter import (
 )
 
 from ipuft.components import recompute
+from ipuft.hostmem import heap_block_limit
 from ipuft.model import ModelParts
 from ipuft.precision import compute_dtype
-
-# glibc serves blocks up to this size from its heap (execution.retain_host_memory: ipuft.hostmem), larger ones
-# with mmap; freed heap memory stays in the process.
-HEAP_BLOCK_LIMIT = 32 * 1024 * 1024
 
 
 def _register_cpu_attention_flops() -> None:
@@ -77,11 +74,13 @@ def fake_unit(parts: ModelParts, role: str, cfg: DictConfig, device: torch.devic
 
 class LiveBytes(TorchDispatchMode):
     """Follows every tensor an op makes inside the block until it is freed, by its storage: the peak of the
-    bytes alive at once (``peak``), and of those in blocks under :data:`HEAP_BLOCK_LIMIT` (``heap_peak``).
-    The storages of ``existing`` tensors (weights, inputs), and views of them, are not counted."""
+    bytes alive at once (``peak``), and of those in blocks glibc's heap serves (``heap_peak``: under
+    :func:`ipuft.hostmem.heap_block_limit`; the heap keeps them, ``execution.retain_host_memory``). The
+    storages of ``existing`` tensors (weights, inputs), and views of them, are not counted."""
 
     def __init__(self, existing: list[torch.Tensor]) -> None:
         super().__init__()
+        self._heap_limit = heap_block_limit()
         self._existing = {StorageWeakRef(t.untyped_storage()).cdata for t in existing}
         self._alive: dict[int, tuple[StorageWeakRef, int]] = {}
         self.peak = self.heap_peak = 0
@@ -99,7 +98,7 @@ class LiveBytes(TorchDispatchMode):
                 del self._alive[key]
                 continue
             total += size
-            heap += size if size < HEAP_BLOCK_LIMIT else 0
+            heap += size if size < self._heap_limit else 0
         self.peak, self.heap_peak = max(self.peak, total), max(self.heap_peak, heap)
         return out
 

@@ -211,7 +211,7 @@ def device_peak_estimate(cfg: DictConfig, parts: ModelParts, optimizer: Optimize
         grads = unit["trainable"] if phase.computes_gradient else 0
         micro_batch = [cost.forward_peak_bytes] if Op.FORWARD in phase.ops else []
         if phase.computes_gradient:
-            summed = gradient_working_bytes(grads, wide, cfg.gradient_accumulation) - grads
+            summed = gradient_working_bytes(grads, wide, cfg.gradient_accumulation, cfg.execution.data_parallel) - grads
             micro_batch.append(summed + max(cost.backward_peak_bytes, grads + cost.saved_bytes))
         compute = acts + max(micro_batch) if phase.computes else 0
         # The update holds only the finished (16-bit) gradients. An update in host memory holds nothing on the
@@ -234,10 +234,11 @@ def init_host_bytes(cfg: DictConfig, parts: ModelParts) -> int:
 
 # What a process computing on the CPU keeps besides the tensors the plan counts and what it held at start: the
 # math libraries' buffers (MKL's memory manager held 80 MiB at GPT-J-6B width), the engine's own objects, and
-# the blocks glibc's heap keeps once the busiest micro-batch has freed them (execution.retain_host_memory).
-# Measured at 0.19-0.27 GiB at that width (one layer, sequences of 128 and 256) on the 2-core CI CPU, where
-# bench/width.py prints peak RSS against the plan; this allowance is about twice that. The heap's share that
-# grows with the model, one micro-batch's blocks under 32 MiB, is added from its measurement (UnitCost).
+# the blocks glibc's heap keeps once the busiest micro-batch has freed them (execution.retain_host_memory;
+# ipuft.hostmem). At that width (one layer, sequence 256, micro-batches of 1 and 4, float32 and bfloat16) on
+# the 2-core CI CPU, where bench/width.py prints peak RSS against the plan, peak RSS stayed 0.4-0.5 GiB under
+# the plan with this allowance (94-96% of it). The heap's share that grows with the model, one micro-batch's
+# blocks under its limit, is added from its measurement (UnitCost.heap_peak_bytes).
 CPU_RUNTIME_BYTES = 512 * 2**20
 
 GENERATE_NEW_TOKENS = 64  # the inference view: prompts that fill the sequence but for this many new tokens

@@ -346,3 +346,30 @@ def test_dropout_masks_match_between_forward_and_recompute(hooks, make_config):
     assert result.grad_norm == pytest.approx(norm, rel=1e-5)
     without = make_engine(make_config("training.global_batch_size=4"), hooks).step(batch, 0.0)
     assert abs(without.loss - result.loss) > 1e-3  # dropout really was on
+
+
+@pytest.mark.parametrize("recipe", [(), ("model.precision=bfloat16", "training.stochastic_rounding=true"),
+                                    ("model.precision=bfloat16", "training.master_weights=true")],
+                         ids=["float32", "bf16-sr", "bf16-master"])
+def test_updates_in_pieces_equal_updates_of_whole_variables(hooks, make_config, monkeypatch, recipe):
+    """The optimizer updates a unit in pieces of at most update_chunk elements, grouped across variables: with
+    pieces of 1000 elements (every variable of the tiny model cut, small ones grouped) the weights and Adam's
+    state after three steps are those of one call over whole variables, bit for bit."""
+    import ipuft.engine
+
+    cfg = make_config("training.global_batch_size=4", *recipe)
+    states = {}
+    whole = 1 << 40  # one call over every whole variable of a unit
+    for chunk in (1000, whole):
+        monkeypatch.setattr(ipuft.engine, "update_chunk", lambda device, c=chunk: c)
+        engine = make_engine(cfg, hooks)
+        for batch in batches(cfg)[:3]:
+            engine.step(batch, 1e-2)
+        states[chunk] = (engine.weights(), engine.store.state("optim"))
+    for group in range(2):
+        for unit, tensors in states[whole][group].items():
+            for name, t in tensors.items():
+                assert torch.equal(states[1000][group][unit][name], t), (unit, name)
+    groups = list(ipuft.engine.update_groups([("a", 2500), ("b", 300), ("c", 1200)], 1000))
+    assert groups == [[("a", 0, 1000)], [("a", 1000, 2000)], [("a", 2000, 2500), ("b", 0, 300), ("c", 0, 200)],
+                      [("c", 200, 1200)]]

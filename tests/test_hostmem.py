@@ -41,8 +41,9 @@ print(retained, mapped, faults() - start)
 """
 
 
-def probe(mode: str) -> tuple[str, int, int]:
+def probe(mode: str, huge_pages: bool = False) -> tuple[str, int, int]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}  # glibc's own defaults
+    env["THP_MEM_ALLOC_ENABLE"] = "1" if huge_pages else "0"
     out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, env=env, check=True)
     retained, mapped, faults = out.stdout.split()
     return retained, int(mapped), int(faults)
@@ -53,6 +54,25 @@ def test_retained_memory_comes_from_the_heap_and_is_reused_without_page_faults()
     retained, mapped, faults = probe("retain")
     assert (retained, mapped) == ("True", 0)
     assert faults <= 0.02 * 5 * 64 * 256  # of 5 rounds' 64 MiB, in 4 KiB pages: nothing faults in again
+
+
+def test_with_huge_pages_the_heap_keeps_only_blocks_under_2_mib(monkeypatch):
+    """torch backs its tensors of 2 MiB and more with transparent huge pages: those are mapped afresh (the 16 MiB
+    block), where a fault costs little, and the heap keeps the smaller ones (the 1 MiB tensors do not fault
+    again), so that blocks of 2-32 MiB do not fragment it."""
+    from ipuft.hostmem import HUGE_PAGE, heap_block_limit, huge_pages
+
+    if "[never]" in open("/sys/kernel/mm/transparent_hugepage/enabled").read():  # noqa: SIM115
+        pytest.skip("this kernel allows no transparent huge pages")
+    retained, mapped, faults = probe("retain", huge_pages=True)
+    assert (retained, mapped) == ("True", 16)
+    assert faults <= 0.02 * 5 * 64 * 256
+    huge_pages.cache_clear()
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")
+    try:
+        assert heap_block_limit() == HUGE_PAGE
+    finally:
+        huge_pages.cache_clear()
 
 
 def test_the_engine_retains_host_memory_unless_told_not_to(hooks, make_config, monkeypatch):
