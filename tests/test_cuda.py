@@ -74,3 +74,28 @@ def test_cuda_stochastic_rounding_equals_the_cpus(dtype):
     assert torch.equal(random_bits(77, index.cuda()).cpu(), bits)
     ours = round_stochastically(value.cuda(), dtype, bits.cuda()).cpu()
     assert torch.equal(ours.view(torch.int16), round_stochastically(value, dtype, bits).view(torch.int16))
+
+
+def test_unit_costs_on_the_gpu_count_what_the_cpu_counts(hooks, make_config):
+    """Fake tensors on the CUDA device take its attention kernel, whose FLOP formula is the CPU kernel's; the
+    matmuls are the same."""
+    from ipuft.measure import unit_cost
+    from ipuft.model import build_model
+
+    cfg = make_config("model.hidden_size=128", "model.sequence_length=16")
+    parts = build_model(cfg, hooks)
+    for role in ("embeddings", "decoder", "head"):
+        cpu, gpu = unit_cost(parts, role, cfg, "cpu"), unit_cost(parts, role, cfg, "cuda")
+        assert (gpu.forward, gpu.backward, gpu.recompute) == (cpu.forward, cpu.backward, cpu.recompute), role
+
+
+def test_this_gpu_takes_bfloat16_as_its_capability_says(make_config):
+    from ipuft.errors import ConfigError
+    from ipuft.kernels import require_precision_support
+
+    cfg = make_config("model.precision=bfloat16", "training.stochastic_rounding=true")
+    if torch.cuda.get_device_capability()[0] >= 8:
+        require_precision_support(cfg, torch.device("cuda"))
+    else:
+        with pytest.raises(ConfigError, match="has no bfloat16 arithmetic"):
+            require_precision_support(cfg, torch.device("cuda"))
