@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from ipuft.config import load_config
-from ipuft.datasets import data_source
+from ipuft.data.tokens import data_source
 from ipuft.plugins import create_plugin_manager
 
 WORDS = ["the", "a", "cat", "dog", "man", "woman", "child", "runs", "sleeps", "eats", "reads", "sits", "stands",

@@ -20,8 +20,8 @@ from importlib import resources
 from pathlib import Path
 
 from ipuft.config import load_config
-from ipuft.evaluate import evaluate_mnli
 from ipuft.plugins import create_plugin_manager
+from ipuft.run.evaluate import evaluate_mnli
 
 DEFAULTS = ["data.path=mnli-sample", "data.tokenizer=sample", "model.sequence_length=128", "execution.offload=true",
             "execution.device=cpu"]

@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from ipuft.config import load_config
-from ipuft.data import SampleData
+from ipuft.data.synthetic import SampleData
 from ipuft.plugins import create_plugin_manager
-from ipuft.runtime import build_engine
+from ipuft.run.runtime import build_engine
 
 # A CPU-sized GPT-J: big enough that compute, not Python, dominates.
 DEFAULTS = ["model.layers=4", "model.hidden_size=256", "model.attention.heads=8", "model.attention.rotary_dim=16",

@@ -13,7 +13,7 @@ peak RSS and page faults are that process's), after ``ipuft plan`` of the same c
 - peak RSS against the plan's ``host_needed_bytes`` (it must stay under, and above 80% of it);
 - the per-phase breakdown.
 
-Besides float32, it runs the 16-bit dtypes this CPU multiplies fast (``ipuft.kernels``' probe: at least half
+Besides float32, it runs the 16-bit dtypes this CPU multiplies fast (``ipuft.engine.kernels``' probe: at least half
 the float32 rate), with stochastic rounding, the reference's recipe; ``--precision`` picks them instead.
 Not a test: the machines are noisy, so read the ratios, which come from one run each.
 """
@@ -71,7 +71,7 @@ def run(layers: int, seq: int, micro_batch: int, precision: str, steps: int, env
     profile, peak = bench["profile"], bench["matmul_peak"]["flops_per_s"]
     decoder = {kind: plan["flops_per_step"]["by_phase"]["decoder"][kind] for kind in ("forward", "backward")}
     layer_flops = sum(f["model"] + f["recompute"] for f in decoder.values())
-    layer_seconds = profile["phases"]["decoder:forward"] + profile["phases"]["decoder:backward"]
+    layer_seconds = profile["phases"]["decoder"]["forward"] + profile["phases"]["decoder"]["backward"]
     return {"layers": layers, "seq": seq, "micro_batch": micro_batch, "precision": precision,
             "step_s": bench["duration_s"],
             "tokens_per_s": bench["tokens_per_s"], "model_flops_per_s": bench["model_flops_per_s"],
@@ -95,9 +95,10 @@ def report(r: dict) -> str:
         f"   peak RSS {r['max_rss_bytes'] / gib:.2f} GiB = {r['rss_of_plan']:.1%} of the plan's "
         f"{r['host_needed_bytes'] / gib:.2f} GiB; page faults {r['minor_faults']:,} minor, {r['major_faults']:,} major",
     ]
-    for key, seconds in r["profile"]["phases"].items():
-        rate = r["profile"]["phase_flops"][key]["flops_per_s"]
-        lines.append(f"     {key:<22} {seconds:8.3f} s" + (f"  {rate / giga:9,.1f} GFLOP/s" if rate else ""))
+    for role, kind in r["profile"]["phase_order"]:
+        rate = r["profile"]["phase_flops"][role][kind]["flops_per_s"]
+        rate_text = f"  {rate / giga:9,.1f} GFLOP/s" if rate else ""
+        lines.append(f"     {role + ':' + kind:<22} {r['profile']['phases'][role][kind]:8.3f} s{rate_text}")
     return "\n".join(lines)
 
 
@@ -108,13 +109,13 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, nargs="+", default=[1], help="rows per micro-batch (GA is 2)")
     parser.add_argument("--steps", type=int, default=2, help="timed (and profiled) steps of each run")
     parser.add_argument("--precision", nargs="+", default=None, help="default: float32 and the fast 16-bit dtypes")
-    parser.add_argument("--no-huge-pages", action="store_true", help="THP_MEM_ALLOC_ENABLE=0 (ipuft.hostmem)")
+    parser.add_argument("--no-huge-pages", action="store_true", help="THP_MEM_ALLOC_ENABLE=0 (ipuft.engine.hostmem)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     env = dict(os.environ, **({"THP_MEM_ALLOC_ENABLE": "0"} if args.no_huge_pages else {}))
     precisions = args.precision or fast_dtypes()
     print(f"{time.strftime('%Y-%m-%d')}: CPU capability {torch.backends.cpu.get_cpu_capability()}, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}; 16-bit rates from ipuft.kernels: "
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}; 16-bit rates from ipuft.engine.kernels: "
           + ", ".join(f"{d} {r / 1e9:,.0f} GFLOP/s" for d, r in
                       kernels.measured_rates((torch.float32, torch.bfloat16, torch.float16)).items()), flush=True)
     results = []

@@ -18,8 +18,9 @@ from click.core import ParameterSource
 
 from ipuft.cli.main import fail
 from ipuft.config import load_config, preset_names, to_yaml
+from ipuft.config.rules import check_plugins
 from ipuft.errors import IpuftError
-from ipuft.hf import DEFAULT_SHARD_BYTES
+from ipuft.io.hf_names import DEFAULT_SHARD_BYTES
 from ipuft.plugins import DEBUG_ENV, PluginHooks, create_plugin_manager, debugging
 
 DEFAULT_PRESET = "small-cpu"
@@ -45,12 +46,12 @@ def config_arguments(command: Callable) -> Callable:
             if chosen:
                 raise click.UsageError(f"--config {preset} and --checkpoint {checkpoint}: a checkpoint's config is "
                                        f"the preset; give one of the two (and KEY=VALUE overrides)")
-            from ipuft.checkpoint import checkpoint_config
+            from ipuft.io.checkpoint import checkpoint_config
 
             cfg = checkpoint_config(checkpoint, sections, overrides)
         else:
             cfg = load_config(preset, overrides, sections, default_preset=not chosen)
-        hooks.registrations.check(cfg)
+        check_plugins(cfg, hooks.registrations)
         return command(hooks, cfg, **kwargs)
 
     return wrapper
@@ -59,9 +60,9 @@ def config_arguments(command: Callable) -> Callable:
 def warn(cfg, training: bool = True) -> None:
     """The warnings of a command that computes, on rank 0: 16-bit updates that vanish (a command that trains),
     and 16-bit compute on a CPU without fast 16-bit kernels."""
-    from ipuft.kernels import slow_precision_warning
-    from ipuft.plan import compute_device
-    from ipuft.precision import vanishing_updates_warning
+    from ipuft.engine.kernels import slow_precision_warning
+    from ipuft.engine.plan import compute_device
+    from ipuft.engine.precision import vanishing_updates_warning
 
     if os.environ.get("RANK", "0") != "0":
         return
@@ -95,7 +96,7 @@ def train(hooks: PluginHooks, cfg) -> None:
     training.optimizer.learning_rate.maximum, model.precision, data.path, output_dir, checkpoint.load
     (ipuft config show lists them all).
     """
-    from ipuft.train import train as run_training
+    from ipuft.run.train import train as run_training
 
     warn(cfg)
     run_training(cfg, hooks)
@@ -115,12 +116,12 @@ def plan(hooks: PluginHooks, cfg, as_json: bool, batch_size: int) -> None:
       ipuft plan --config gptj-6b
       ipuft plan --config gptj-6b execution.data_parallel=8 --json
     """
-    from ipuft.kernels import require_precision_support
-    from ipuft.model import build_model
-    from ipuft.plan import compute_device, estimate, fit, format_fit, format_plan
+    from ipuft.engine.kernels import require_precision_support
+    from ipuft.engine.model import build_model
+    from ipuft.engine.plan import compute_device, estimate, fit, format_fit, format_plan
 
     require_precision_support(cfg, compute_device(cfg))
-    parts = build_model(cfg, hooks)
+    parts = build_model(cfg, hooks, hooks.registrations.build_optimizer(cfg))
     result = estimate(cfg, parts, hooks, batch_size)
     result["machine"] = fit(cfg, hooks, result)
     if as_json:
@@ -149,8 +150,8 @@ def bench(hooks: PluginHooks, cfg, as_json: bool, profile: bool, steps: int, tra
       ipuft bench --profile                              # the small-cpu preset, and where its time goes
       ipuft bench --config tiny --trace step.json --json
     """
-    from ipuft.profiling import format_profile
-    from ipuft.train import benchmark
+    from ipuft.engine.profiling import format_profile
+    from ipuft.run.bench import benchmark
 
     if trace is not None and not Path(trace).resolve().parent.is_dir():
         raise click.UsageError(f"--trace {trace}: its directory does not exist")
@@ -184,7 +185,7 @@ def bench(hooks: PluginHooks, cfg, as_json: bool, profile: bool, steps: int, tra
 @click.pass_obj
 def export(hooks: PluginHooks, checkpoint: str, out: str, max_shard_size: int, dtype: str | None) -> None:
     """Write a checkpoint as a Hugging Face GPT-J directory (config.json + safetensors)."""
-    from ipuft.export import export_hf
+    from ipuft.io.hf_export import export_hf
 
     click.echo(f"wrote {export_hf(checkpoint, out, hooks, max_shard_size, dtype)}")
 
@@ -210,7 +211,7 @@ def eval_command(hooks: PluginHooks, cfg, as_json: bool, task: str, mode: str, b
       ipuft eval --checkpoint runs/a data.path=val.jsonl --task mnli --mode generate --batch-size 32
       ipuft eval --checkpoint runs/a                                  # its run's data.validation_path
     """
-    from ipuft.evaluate import evaluate_loss, evaluate_mnli
+    from ipuft.run.evaluate import evaluate_loss, evaluate_mnli
 
     typed = {item.partition("=")[0] for item in click.get_current_context().meta.get("ipuft.overrides", ())}
     validation = None
@@ -218,7 +219,7 @@ def eval_command(hooks: PluginHooks, cfg, as_json: bool, task: str, mode: str, b
         if cfg.data.validation_path is None and not cfg.data.validation_fraction:
             raise click.UsageError("eval: give data.path=FILE, the data to evaluate on (a checkpoint's own data.path "
                                    "is the data it was trained on, and its run set no validation rows)")
-        from ipuft.datasets import validation_source
+        from ipuft.data.tokens import validation_source
 
         validation = validation_source(cfg)  # the run's validation split
     if cfg.checkpoint.load is None and cfg.model.hf_checkpoint is None:
@@ -263,7 +264,7 @@ def generate(hooks: PluginHooks, path: str, prompts_file: str | None, batch_size
       ipuft generate --checkpoint runs/a --prompts prompts.txt --batch-size 16 --json
       ipuft generate --checkpoint /models/gpt-j-6b --temperature 0.8 --top-p 0.9 "Once upon" data.tokenizer=DIR
     """
-    from ipuft.evaluate import generate_texts, inference_config
+    from ipuft.run.generate import generate_texts, inference_config
 
     if prompts_file is None:
         if not args:

@@ -13,7 +13,7 @@ import signal
 import sys
 import threading
 
-from ipuft.hostmem import huge_pages_for_torch
+from ipuft.engine.hostmem import huge_pages_for_torch
 
 
 def fail(message: str, code: int = 2, at_once: bool = False) -> None:

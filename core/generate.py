@@ -2,7 +2,7 @@
 
 Decoding runs a batch of prompts together (:func:`generate`): the prompts are left-padded to one length
 and prefilled in one pass, then every step decodes one token for every row that has not finished. Each
-pass goes unit by unit through :class:`ipuft.inference.LayerMajor`, so a unit's weights come to the
+pass goes unit by unit through :class:`ipuft.engine.inference.LayerMajor`, so a unit's weights come to the
 device once per step for the whole batch, not once per row.
 
 A decoder that supports caching takes ``forward(hidden, cache=LayerKVCache)``: it rotates the new tokens
@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ipuft.store import host_copy
+from ipuft.engine.store import host_copy
 
 if TYPE_CHECKING:
-    from ipuft.inference import LayerMajor
+    from ipuft.engine.inference import LayerMajor
 
 
 class LayerKVCache:

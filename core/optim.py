@@ -10,7 +10,7 @@ norm of the unscaled gradient, C ``training.optimizer.gradient_clipping``), as t
 An optimizer only ever sees float32: ``state_specs`` is asked about a variable's float32 view, and ``step``
 gets float32 ``weight`` and ``grad`` tensors and writes its float32 result into ``weight``. For 16-bit
 weights that ``weight`` is the float32 master copy or a float32 copy of the weight, which the engine then
-rounds into it (see :mod:`ipuft.precision`).
+rounds into it (see :mod:`ipuft.engine.precision`).
 
 An optimizer is *elementwise* (the default) when each element's update depends only on that element's
 gradient and state, as Adam's and SGD's do: it may then see any slice of a variable, in particular the

@@ -24,10 +24,10 @@ import pluggy
 from omegaconf import DictConfig
 
 from ipuft import __version__, hookspecs
-from ipuft.components import ROLES, ComponentRegistry, VariableSpec
+from ipuft.components import ComponentRegistry, VariableSpec
 from ipuft.config.sections import ConfigSectionRegistry
-from ipuft.errors import ConfigError, IpuftError, PluginError, described
-from ipuft.loggers import JSONL, LoggerRegistry
+from ipuft.errors import IpuftError, PluginError, described
+from ipuft.loggers import LoggerRegistry
 from ipuft.optim import Optimizer, OptimizerRegistry
 from ipuft.registry import PLAIN, TRYFIRST, TRYLAST, Origin
 from ipuft.sharding import ShardSpec
@@ -147,20 +147,6 @@ class Registrations:
     optimizers: OptimizerRegistry = field(default_factory=OptimizerRegistry)
     loggers: LoggerRegistry = field(default_factory=LoggerRegistry)
     config_sections: ConfigSectionRegistry = field(default_factory=ConfigSectionRegistry)
-
-    def check(self, cfg: DictConfig) -> None:
-        """Check that the components, the optimizer and the logging backends ``cfg`` names are registered."""
-        for role in ROLES:
-            self.components.get(role, cfg.model[role])
-        name = cfg.training.optimizer.name
-        self.optimizers.get(name)
-        if cfg.execution.rts and not self.optimizers.elementwise(name):
-            raise ConfigError(f"training.optimizer.name: {name} is not elementwise (it needs whole tensors), but "
-                              f"execution.rts shards each variable over the data-parallel ranks; set "
-                              f"execution.rts=false")
-        for name in cfg.logging.backends:
-            if name != JSONL:
-                self.loggers.get(name)
 
     def build_optimizer(self, cfg: DictConfig) -> Optimizer:
         """The optimizer ``training.optimizer.name`` names, built from ``cfg``."""

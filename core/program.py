@@ -1,11 +1,13 @@
-"""The step program: the fixed sequence of phases that makes one optimizer step.
+"""The step program: the fixed sequence of phases that makes one optimizer step, and what each phase moves.
 
 Core emits each role's standard phases (:func:`emit_standard_phases`, the reference's); a plugin that needs
 others emits them through the ``ipuft_emit_phases`` hook instead. A phase brings one unit
 (the embeddings, one decoder layer, or the head) to the compute device, runs its ops over every
 gradient-accumulation micro-batch (layer-major batch serialisation), and stores back what it changed.
-The engine interprets the ops; the program only says what runs, in which order, and so what each phase
-loads and stores.
+The engine interprets the ops; the program says what runs, in which order, and what each phase moves:
+:meth:`StepProgram.moves` is the one place that decides which variable groups a phase loads and stores and
+which activation entries each of its ops reads and writes. The engine executes it, and ``ipuft plan`` sums
+it, so the engine's counters equal the plan by construction.
 
 Phases are emitted into :class:`Stage` slots, so the reference's order holds whatever order the plugins'
 hooks are called in. :meth:`StepProgram.validate` checks the dataflow: every activation a phase reads
@@ -34,6 +36,26 @@ class Stage(IntEnum):
     HEAD_OPTIMIZER = 7
 
 
+class Unit(str):
+    """A unit of the model, what a phase brings to the device: ``embeddings``, ``decoder.<n>`` or ``head``.
+
+    Its ``role`` and ``layer`` are attributes, never parsed back from the name; and it *is* its name (a
+    ``str``) wherever a name is used: variable-store keys, checkpoint tensor names (``<unit>.<variable>``),
+    the keys of derived seeds.
+    """
+
+    role: str
+    layer: int | None
+
+    def __new__(cls, role: str, layer: int | None = None) -> Unit:
+        unit = super().__new__(cls, role if layer is None else f"{role}.{layer}")
+        unit.role, unit.layer = role, layer
+        return unit
+
+    def __reduce__(self):
+        return Unit, (self.role, self.layer)
+
+
 class Op(str, Enum):
     """What a phase does with its unit, for every micro-batch where it computes."""
 
@@ -59,9 +81,9 @@ class Phase:
     ops: tuple[Op, ...]
 
     @property
-    def unit(self) -> str:
-        """The variable-store key of the unit: ``embeddings``, ``decoder.3`` or ``head``."""
-        return self.role if self.layer is None else f"{self.role}.{self.layer}"
+    def unit(self) -> Unit:
+        """The phase's unit: ``embeddings``, ``decoder.3`` or ``head``."""
+        return Unit(self.role, self.layer)
 
     @property
     def name(self) -> str:
@@ -95,15 +117,78 @@ class Phase:
             return ("grad",)
         return ()
 
-    def device_io(self, host_update: bool = False) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """The groups the phase brings to the device and writes back from it: :attr:`loads` and
-        :attr:`stores`, unless its update runs in host memory (``host_update``,
-        ``execution.optimizer_placement=host``). Then the host updates the stored weights and optimizer state
-        in place from the stored gradient: an update-only phase moves nothing, and one that computes the
-        gradient it updates with (the embeddings') loads only its weights and stores that gradient."""
-        if not host_update or Op.OPTIMIZER_STEP not in self.ops:
-            return self.loads, self.stores
-        return ("fwd",) if self.computes else (), ("grad",) if self.computes_gradient else ()
+    @property
+    def updates(self) -> bool:
+        """Runs an optimizer step on its unit."""
+        return Op.OPTIMIZER_STEP in self.ops
+
+
+GROUPS = ("fwd", "optim", "grad")  # a unit's variables: weights, optimizer state, gradients
+
+
+@dataclass(frozen=True)
+class Move:
+    """One group of a unit's variables crossing between host memory and the device: all of them, or with
+    ``trainable_only`` only the trainable ones (an update's weights: frozen ones neither come nor go)."""
+
+    group: str
+    trainable_only: bool = False
+
+    def select(self, names: Iterator[str] | dict, trainable: set[str] | frozenset[str]) -> list[str]:
+        """Which of ``names`` (a group's variables, in order) move."""
+        return [n for n in names if not self.trainable_only or n in trainable]
+
+
+Entry = tuple[str, int]  # an activation buffer entry: ("x" or "dx", row)
+
+
+@dataclass(frozen=True)
+class OpActivations:
+    """The activation entries one op reads and writes, for each micro-batch."""
+
+    reads: tuple[Entry, ...]
+    writes: tuple[Entry, ...]
+
+    def read(self, kind: str) -> Entry | None:
+        """The entry of ``kind`` (``x`` or ``dx``) the op reads, if any."""
+        return next((e for e in self.reads if e[0] == kind), None)
+
+    def written(self, kind: str) -> Entry | None:
+        """The entry of ``kind`` the op writes, if any."""
+        return next((e for e in self.writes if e[0] == kind), None)
+
+
+@dataclass(frozen=True)
+class PhaseMoves:
+    """What one phase moves: the variable groups it loads and stores, and each op's activation entries."""
+
+    loads: tuple[Move, ...]
+    stores: tuple[Move, ...]
+    activations: dict[Op, OpActivations]
+
+    @property
+    def activation_reads(self) -> int:
+        """Entries read per micro-batch, over the phase's ops."""
+        return sum(len(a.reads) for a in self.activations.values())
+
+    @property
+    def activation_writes(self) -> int:
+        return sum(len(a.writes) for a in self.activations.values())
+
+
+def op_activations(op: Op, x_in: int | None, x_out: int | None) -> OpActivations:
+    """The entries an op of a unit with activation rows ``(x_in, x_out)`` reads and writes: a forward reads its
+    input (none for the first unit) and writes its output; the head's loss-backward reads its input and
+    writes its gradient; a backward reads its input (for the recompute; none for the first unit) and its
+    output's gradient, and writes its input's gradient (none for the first unit)."""
+    before = (("x", x_in),) if x_in is not None else ()
+    if op is Op.FORWARD:
+        return OpActivations(before, (("x", x_out),))
+    if op is Op.LOSS_BACKWARD:
+        return OpActivations(before, (("dx", x_in),))
+    if op is Op.BACKWARD:
+        return OpActivations((*before, ("dx", x_out)), (("dx", x_in),) if x_in is not None else ())
+    return OpActivations((), ())
 
 
 class StepProgram:
@@ -132,14 +217,38 @@ class StepProgram:
     def stage_of(self, phase: Phase) -> Stage:
         return next(s for s, _, p in self._emitted if p is phase)
 
-    def units(self) -> list[str]:
+    def units(self) -> list[Unit]:
         """Every unit of the model: the embeddings, each decoder layer, the head."""
-        return ["embeddings", *(f"decoder.{n}" for n in range(self.layers)), "head"]
+        return [Unit("embeddings"), *(Unit("decoder", n) for n in range(self.layers)), Unit("head")]
 
-    def grad_units(self, host_update: bool = False) -> set[str]:
+    def moves(self, phase: Phase, trainable: bool, host_update: bool = False) -> PhaseMoves | None:
+        """What ``phase`` moves (``trainable``: whether its unit has trainable variables), or ``None`` for a
+        phase that does nothing (an update of a unit with nothing trainable).
+
+        Loads and stores are the phase's :attr:`~Phase.loads` and :attr:`~Phase.stores`: a phase that only
+        updates loads only the trainable weights, and only updated (trainable) weights are stored back. With
+        ``host_update`` (``execution.optimizer_placement=host``) the host updates the stored weights and
+        optimizer state in place from the stored gradient: an update-only phase moves nothing, and one that
+        computes the gradient it updates with (the embeddings') loads only its weights and stores that
+        gradient.
+        """
+        if not phase.computes and not trainable:
+            return None
+        loads, stores = phase.loads, phase.stores
+        if host_update and phase.updates:
+            loads, stores = ("fwd",) if phase.computes else (), ("grad",) if phase.computes_gradient else ()
+        rows = self.activation_rows(phase)
+        return PhaseMoves(
+            loads=tuple(Move(g, trainable_only=g == "fwd" and not phase.computes) for g in loads),
+            stores=tuple(Move(g, trainable_only=g == "fwd") for g in stores),
+            activations={op: op_activations(op, *rows) for op in phase.ops},
+        )
+
+    def grad_units(self, host_update: bool = False) -> set[Unit]:
         """The units whose gradients are stored between their backward and their optimizer step (with
-        ``host_update``, every unit whose gradient is computed: see :meth:`Phase.device_io`)."""
-        return {p.unit for p in self.phases if p.computes_gradient and "grad" in p.device_io(host_update)[1]}
+        ``host_update``, every unit whose gradient is computed: see :meth:`moves`)."""
+        return {p.unit for p in self.phases if p.computes_gradient
+                and any(m.group == "grad" for m in self.moves(p, True, host_update).stores)}
 
     def activation_rows(self, phase: Phase) -> tuple[int | None, int | None]:
         """The rows of ``x``/``dx`` a phase's unit reads and writes: (input row, output row).

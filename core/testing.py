@@ -147,12 +147,11 @@ def reference_names(modules: Mapping[str, Any], layers: int, variables: Mapping[
                     ) -> dict[tuple[str, str], str]:
     """``(unit, local name) -> name`` an update sees: the Hugging Face name where the component maps the
     variable, else ``<unit>.<local name>``."""
-    from ipuft.engine import unit_role
-    from ipuft.hf import unit_mappings
+    from ipuft.io.hf_names import unit_mappings
 
     names = {}
     for unit, mapping in unit_mappings(modules, layers).items():
-        for v in variables[unit_role(unit)]:
+        for v in variables[unit.role]:
             names[(unit, v.name)] = mapping.get(v.name) or f"{unit}.{v.name}"
     return names
 
@@ -180,11 +179,11 @@ def assert_parity(hooks: PluginHooks, overrides: Sequence[str], update: Update, 
     import torch
 
     from ipuft.config import load_config
-    from ipuft.datasets import data_source
-    from ipuft.model import build_model
-    from ipuft.runtime import build_engine
-    from ipuft.scaling import LossScale
-    from ipuft.schedule import learning_rate
+    from ipuft.data.tokens import data_source
+    from ipuft.engine.model import build_model
+    from ipuft.engine.scaling import LossScale
+    from ipuft.run.runtime import build_engine
+    from ipuft.run.schedule import learning_rate
 
     cfg = load_config(preset, [*overrides, f"training.steps={steps}"], hooks.registrations.config_sections)
     if cfg.execution.data_parallel != 1 or cfg.execution.tensor_parallel != 1:

@@ -103,7 +103,7 @@ def trained(tmp_path_factory):
     """A finished tiny run with a checkpoint (``run/``), and a tiny Hugging Face directory (``hf/``)."""
     from hf_reference import hf_gptj
 
-    from ipuft.train import train
+    from ipuft.run.train import train
 
     root = tmp_path_factory.mktemp("corpus")
     hooks = create_plugin_manager()

@@ -7,17 +7,29 @@ from pathlib import Path
 import torch
 
 
+def plain(value):
+    """``value`` with every ``str`` subclass (a :class:`~ipuft.program.Unit`, an optimizer ``StateName``) made a
+    plain ``str``, so that ``torch.load`` with ``weights_only`` reads it back."""
+    if isinstance(value, str):
+        return str(value)
+    if isinstance(value, dict):
+        return {plain(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(plain(v) for v in value)
+    return value
+
+
 def train_configs(rank: int, configs: dict[str, list[str]], steps: int, out: str) -> None:
     """Train each config for ``steps`` steps; rank 0 saves losses, norms, gathered weights and optimizer state,
     and counters."""
     from ipuft.config import load_config
-    from ipuft.datasets import data_source
-    from ipuft.placement import Placement
-    from ipuft.plan import estimate
+    from ipuft.data.tokens import data_source
+    from ipuft.engine.placement import Placement
+    from ipuft.engine.plan import estimate
     from ipuft.plugins import create_plugin_manager
-    from ipuft.runtime import build_engine
-    from ipuft.schedule import learning_rate
-    from ipuft.train import replica_batch
+    from ipuft.run.runtime import build_engine
+    from ipuft.run.schedule import learning_rate
+    from ipuft.run.train import replica_batch
 
     reductions = 0
     reduce_gradient = Placement.reduce_gradient
@@ -47,7 +59,7 @@ def train_configs(rank: int, configs: dict[str, list[str]], steps: int, out: str
                   "reductions_per_step": per_step,
                   "variables": sum(len(v) for v in engine.weights().values())}
         optim = engine.full_weights("optim")  # every rank takes part in the gathers
-        torch.save({"weights": weights, "optim": optim, **record} if rank == 0 else record,
+        torch.save(plain({"weights": weights, "optim": optim, **record} if rank == 0 else record),
                    Path(out) / f"{name}.rank{rank}.pt")
 
 
@@ -57,8 +69,8 @@ def tp_logits(rank: int, overrides: list[str], hf_state: dict, ids: torch.Tensor
     from torch.func import functional_call
 
     from ipuft.config import load_config
-    from ipuft.engine import placements
-    from ipuft.model import build_model
+    from ipuft.engine.model import build_model
+    from ipuft.engine.phased import placements
     from ipuft.parallel import init_layout
     from ipuft.plugins import create_plugin_manager
 
@@ -68,7 +80,7 @@ def tp_logits(rank: int, overrides: list[str], hf_state: dict, ids: torch.Tensor
     parts = build_model(cfg, hooks)
     placed = placements(parts, layout, rts=False)
     full = hf_units(parts.modules, cfg.model.layers, hf_state)
-    local = {unit: {n: placed[unit.split(".")[0]][n].to_stored(t) for n, t in w.items()} for unit, w in full.items()}
+    local = {unit: {n: placed[unit.role][n].to_stored(t) for n, t in w.items()} for unit, w in full.items()}
     with torch.no_grad():
         h = functional_call(parts.modules["embeddings"], local["embeddings"], (ids,))
         for n in range(cfg.model.layers):
@@ -109,14 +121,14 @@ def collectives(rank: int, out: str) -> None:
     (y * torch.arange(4.0)).sum().backward()  # this rank's slice of [0, 1, 2, 3]
     results["gather"] = (y.detach(), x.grad.clone())
     results["max"] = max_over_tensor_parallel(torch.tensor([r, 3.0 - r]))
-    torch.save(results, Path(out) / f"collectives.rank{rank}.pt")
+    torch.save(plain(results), Path(out) / f"collectives.rank{rank}.pt")
 
 
 def train_run(rank: int, overrides: list[str]) -> None:
     """``ipuft train`` on every rank, in process."""
     from ipuft.config import load_config
     from ipuft.plugins import create_plugin_manager
-    from ipuft.train import train
+    from ipuft.run.train import train
 
     hooks = create_plugin_manager()
     train(load_config("tiny", overrides, hooks.registrations.config_sections), hooks, progress=False)
@@ -126,13 +138,13 @@ def hf_load(rank: int, overrides: list[str], out: str) -> None:
     """Load a Hugging Face directory into this rank's shards; rank 0 saves the gathered weights."""
     from ipuft.config import load_config
     from ipuft.plugins import create_plugin_manager
-    from ipuft.runtime import build_engine
+    from ipuft.run.runtime import build_engine
 
     hooks = create_plugin_manager()
     engine = build_engine(load_config(None, overrides, hooks.registrations.config_sections), hooks)
     stored = sum(t.numel() for w in engine.weights().values() for t in w.values())
     full = engine.full_weights()
-    torch.save({"stored": stored, "weights": full if rank == 0 else None}, Path(out) / f"hf.rank{rank}.pt")
+    torch.save(plain({"stored": stored, "weights": full if rank == 0 else None}), Path(out) / f"hf.rank{rank}.pt")
 
 
 def _status_bytes(key: str) -> int:
@@ -150,12 +162,12 @@ def save_memory(rank: int, overrides: list[str], out: str) -> None:
     import gc
     import json
 
-    import ipuft.checkpoint  # noqa: F401 (imported now, not during the measured save)
+    import ipuft.io.checkpoint  # noqa: F401 (imported now, not during the measured save)
     from ipuft.config import load_config
-    from ipuft.engine import optimizer_state_specs, unit_role
+    from ipuft.engine.precision import Recipe
+    from ipuft.engine.variables import optimizer_state_specs
     from ipuft.plugins import create_plugin_manager
-    from ipuft.precision import Recipe
-    from ipuft.train import build_engine, save
+    from ipuft.run.train import build_engine, save
 
     hooks = create_plugin_manager()
     cfg = load_config("tiny", overrides, hooks.registrations.config_sections)
@@ -163,7 +175,7 @@ def save_memory(rank: int, overrides: list[str], out: str) -> None:
     units = engine.program.units()
 
     def unit_bytes(unit: str) -> int:
-        variables = engine.parts.variables[unit_role(unit)]
+        variables = engine.parts.variables[unit.role]
         state = optimizer_state_specs(variables, engine.optimizer, engine.recipe is Recipe.master)
         return sum(v.nbytes for v in variables) + sum(s.nbytes for s in state)
 
@@ -185,7 +197,7 @@ def bench_profile(rank: int, overrides: list[str], out: str) -> None:
 
     from ipuft.config import load_config
     from ipuft.plugins import create_plugin_manager
-    from ipuft.train import benchmark
+    from ipuft.run.bench import benchmark
 
     hooks = create_plugin_manager()
     result = benchmark(load_config("tiny", overrides, hooks.registrations.config_sections), hooks, timed_steps=2,

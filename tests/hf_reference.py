@@ -30,7 +30,7 @@ def hf_gptj(cfg: DictConfig, seed: int = 0):
 def hf_units(modules, layers: int, hf_state) -> dict:
     """A Hugging Face state dict split into ipuft's units (``embeddings``, ``decoder.N``, ``head``) by each
     component's own ``hf_mapping``."""
-    from ipuft.hf import unit_mappings
+    from ipuft.io.hf_names import unit_mappings
 
     return {unit: {local: hf_state[hf] for local, hf in mapping.items()}
             for unit, mapping in unit_mappings(modules, layers).items()}
@@ -38,18 +38,18 @@ def hf_units(modules, layers: int, hf_state) -> dict:
 
 def hf_state(modules, layers: int, units) -> dict:
     """ipuft's per-unit tensors under their Hugging Face names (the inverse of :func:`hf_units`)."""
-    from ipuft.hf import unit_mappings
+    from ipuft.io.hf_names import unit_mappings
 
     return {hf: units[unit][local] for unit, mapping in unit_mappings(modules, layers).items()
             for local, hf in mapping.items()}
 
 
 def hf_runner(cfg: DictConfig, hooks, state):
-    """A layer-major inference runner (:class:`ipuft.inference.LayerMajor`) over an inference engine whose
+    """A layer-major inference runner (:class:`ipuft.engine.inference.LayerMajor`) over an inference engine whose
     store holds the Hugging Face state dict ``state``'s weights."""
-    from ipuft.engine import PhasedEngine
-    from ipuft.inference import LayerMajor
-    from ipuft.model import build_model
+    from ipuft.engine.inference import LayerMajor
+    from ipuft.engine.model import build_model
+    from ipuft.engine.phased import PhasedEngine
 
     parts = build_model(cfg, hooks)
     units = hf_units(parts.modules, cfg.model.layers, state)

@@ -91,7 +91,13 @@ CASES = [
     ("checkpoint-no-manifest", lambda t, r: ["train", "--config", "tiny",
                                              f"checkpoint.load={_damaged(t, r, 'manifest.json', Path.unlink)}"],
      "has no manifest.json"),
+    ("data-lone-surrogate", lambda t, r: ["train", "--config", "tiny", *SAMPLE, f"data.path={_lone_surrogate(t)}"],
+     "surrogate.jsonl line 1: field 'premise' holds a lone UTF-16 surrogate ('\\ud800' at character 0)"),
     ("hf-no-config", lambda t, r: ["train", f"model.hf_checkpoint={_mkdir(t / 'hf')}"], "has no config.json"),
+    ("hf-index-weight-map-list", lambda t, r: ["train", "data.path=null", f"model.hf_checkpoint={_hf_index(t, r, ['a.safetensors'])}"],
+     "model.safetensors.index.json: weight_map must be a JSON object of tensor names to file names, found list"),
+    ("hf-index-escapes", lambda t, r: ["train", "data.path=null", f"model.hf_checkpoint={_hf_index(t, r, {'x': '../model.safetensors'})}"],
+     "weight_map['x'] must name a file in the checkpoint's directory, got '../model.safetensors'"),
     ("hf-other-model", lambda t, r: ["train", f"model.hf_checkpoint={_hf_other(t)}"], "model_type 'llama'"),
     ("hf-shape-mismatch", lambda t, r: ["train", "model.layers=4", f"model.hf_checkpoint={r / 'hf'}"],
      "model.layers=4 but the checkpoint has n_layer=2"),
@@ -305,6 +311,19 @@ def _unlisted_corruption(tmp, trained, name: str) -> Path:
     manifest = json.loads((checkpoint / "manifest.json").read_text())
     del manifest[name]
     return _reseal(checkpoint, manifest)
+
+
+def _lone_surrogate(tmp) -> Path:
+    """A JSONL row whose text is JSON's escape of half a UTF-16 surrogate pair: valid JSON, not Unicode text."""
+    return _write(tmp / "surrogate.jsonl", '{"premise": "\\ud800", "hypothesis": "x", "label": 0}\n')
+
+
+def _hf_index(tmp, trained, weight_map) -> Path:
+    """A copy of the Hugging Face directory with a sharded checkpoint's index beside its weights."""
+    hf = tmp / "hf-indexed"
+    shutil.copytree(trained / "hf", hf)
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return hf
 
 
 def _hf_config(tmp, trained, **changes) -> Path:

@@ -18,13 +18,13 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from test_bad_input import _checkpoint, _flip, _truncate
 
-from ipuft.checkpoint import OPTIM, WEIGHTS, open_tensors, read_manifest, verify
 from ipuft.components import VariableSpec
 from ipuft.config import load_config
-from ipuft.datasets import data_source
+from ipuft.data.tokens import data_source
 from ipuft.errors import CheckpointError
-from ipuft.safetensors_io import SafetensorsReader, SafetensorsWriter
-from ipuft.train import build_engine, replica_batch, save
+from ipuft.io.checkpoint import OPTIM, WEIGHTS, open_tensors, read_manifest, verify
+from ipuft.io.safetensors import SafetensorsReader, SafetensorsWriter
+from ipuft.run.train import build_engine, replica_batch, save
 
 TESTS = Path(__file__).parent
 
@@ -162,8 +162,8 @@ def test_export_reads_only_the_weights_and_resume_refuses_damaged_optimizer_stat
                                                                                    monkeypatch, hooks):
     """optim.safetensors damaged: export (and a new run from the weights) go on, with the right weights;
     resuming, which reads it, stops with one line naming it."""
-    from ipuft.hf import unit_mappings
-    from ipuft.model import build_model
+    from ipuft.engine.model import build_model
+    from ipuft.io.hf_names import unit_mappings
 
     monkeypatch.chdir(tmp_path)
     checkpoint = _checkpoint(tmp_path, trained)

@@ -6,13 +6,14 @@ import pytest
 from omegaconf.errors import ReadonlyConfigError
 
 from ipuft.config import load_config, preset_names
+from ipuft.config.rules import check_plugins
 from ipuft.errors import ConfigError
 
 
 @pytest.mark.parametrize("preset", preset_names())
 def test_every_preset_validates(hooks, preset):
     cfg = load_config(preset, [], hooks.registrations.config_sections)
-    hooks.registrations.check(cfg)
+    check_plugins(cfg, hooks.registrations)
     assert cfg.gradient_accumulation * cfg.execution.data_parallel * cfg.execution.micro_batch_size == \
         cfg.training.global_batch_size
 
@@ -117,7 +118,7 @@ def test_a_checkpoint_saved_with_retired_or_moved_keys_still_loads(hooks, traine
     import json
     import shutil
 
-    from ipuft.checkpoint import checkpoint_config, find_checkpoint
+    from ipuft.io.checkpoint import checkpoint_config, find_checkpoint
 
     old = tmp_path / "old"
     shutil.copytree(find_checkpoint(trained / "run"), old)
@@ -148,7 +149,7 @@ def test_a_checkpoint_config_whose_plugins_node_is_not_a_mapping_is_one_line(hoo
 
     import yaml
 
-    from ipuft.checkpoint import checkpoint_config, find_checkpoint
+    from ipuft.io.checkpoint import checkpoint_config, find_checkpoint
 
     forged = tmp_path / "forged"
     shutil.copytree(find_checkpoint(trained / "run"), forged)

@@ -11,16 +11,12 @@ from omegaconf import OmegaConf
 
 from ipuft.components import IGNORE_INDEX
 from ipuft.config import load_config
-from ipuft.data import SampleData
-from ipuft.datasets import (
-    TokenDataset,
-    data_source,
-    load_tokenizer,
-    read_rows,
-    resolve_data_path,
-)
+from ipuft.data.files import read_rows, resolve_data_path
+from ipuft.data.synthetic import SampleData
+from ipuft.data.templates import TEMPLATES, Template, resolve_template
+from ipuft.data.tokenizer import load_tokenizer
+from ipuft.data.tokens import TokenDataset, data_source
 from ipuft.errors import DataError
-from ipuft.templates import TEMPLATES, Template, resolve_template
 
 tokenizers = pytest.importorskip("tokenizers")
 
@@ -322,7 +318,7 @@ def test_packaged_sample_loads_with_the_packaged_tokenizer():
 
 
 def test_tokenized_data_is_cached_and_a_second_run_reads_it_without_tokenizing(hooks, tmp_path, monkeypatch):
-    import ipuft.datasets as datasets
+    import ipuft.data.tokens as datasets
     from ipuft.config import load_config
 
     monkeypatch.setenv("IPUFT_CACHE_DIR", str(tmp_path / "cache"))
@@ -362,7 +358,7 @@ def test_tokenized_data_is_cached_and_a_second_run_reads_it_without_tokenizing(h
 
 
 def test_a_csv_with_a_byte_order_mark_reads_its_first_column(tmp_path):
-    from ipuft.datasets import read_rows
+    from ipuft.data.files import read_rows
 
     path = tmp_path / "rows.csv"
     path.write_bytes(b"\xef\xbb\xbfpremise,hypothesis,label\na cat,a pet,0\n")

@@ -15,10 +15,10 @@ from hf_reference import hf_gptj
 from test_engine import max_rel
 
 from ipuft.config import load_config
-from ipuft.datasets import data_source
-from ipuft.runtime import build_engine
-from ipuft.schedule import learning_rate
-from ipuft.train import replica_batch
+from ipuft.data.tokens import data_source
+from ipuft.run.runtime import build_engine
+from ipuft.run.schedule import learning_rate
+from ipuft.run.train import replica_batch
 
 STEPS = 5
 COMMON = ["model.embedding.vocab_size=100", "execution.micro_batch_size=1", "plugins.adamw.weight_decay=0.1",
@@ -139,8 +139,8 @@ def test_tp2_logits_equal_transformers(tmp_path):
 
 
 def test_dropout_seeds_agree_within_tp_and_differ_across_dp(hooks):
-    from ipuft.engine import PhasedEngine
-    from ipuft.model import build_model
+    from ipuft.engine.model import build_model
+    from ipuft.engine.phased import PhasedEngine
     from ipuft.parallel import Layout
 
     cfg = load_config("tiny", ["model.dropout_prob=0.1", "execution.data_parallel=2", "execution.tensor_parallel=2",
@@ -160,7 +160,7 @@ def test_dropout_seeds_agree_within_tp_and_differ_across_dp(hooks):
 def test_hf_checkpoint_streams_into_each_ranks_shards(hooks, tmp_path):
     from hf_reference import hf_state
 
-    from ipuft.model import build_model
+    from ipuft.engine.model import build_model
 
     cfg = load_config("tiny", ["model.embedding.vocab_size=100"])
     model = hf_gptj(cfg, seed=7)

@@ -7,13 +7,13 @@ import torch
 import torch.nn.functional as F
 from hf_reference import hf_gptj, hf_state
 
-from ipuft.data import SampleData
-from ipuft.engine import PhasedEngine
+from ipuft.data.synthetic import SampleData
+from ipuft.engine.measure import unit_cost
+from ipuft.engine.model import build_model
+from ipuft.engine.phased import PhasedEngine
+from ipuft.engine.plan import estimate
 from ipuft.errors import ConfigError
-from ipuft.measure import unit_cost
-from ipuft.model import build_model
-from ipuft.plan import estimate
-from ipuft.schedule import learning_rate
+from ipuft.run.schedule import learning_rate
 
 STEPS = 5
 # GA=4, clipping active (the gradient norm is well above 0.05), weight decay on, a loss scale to remove.
@@ -189,7 +189,7 @@ def test_a_cpu_device_lends_offloaded_variables_and_counts_them_as_copies():
     themselves, a save of a tensor changed in place copies nothing, and a fresh gradient becomes the stored
     one; the counters and the ledger count exactly what a copy would have moved and held."""
     from ipuft.components import Init, VariableSpec
-    from ipuft.store import VariableStore
+    from ipuft.engine.store import VariableStore
 
     store = VariableStore(torch.device("cpu"), offload=True)
     specs = [VariableSpec("w", (4, 8), torch.float32, Init("normal", 1.0)), VariableSpec("b", (8,), torch.float32,
@@ -355,13 +355,13 @@ def test_updates_in_pieces_equal_updates_of_whole_variables(hooks, make_config, 
     """The optimizer updates a unit in pieces of at most update_chunk elements, grouped across variables: with
     pieces of 1000 elements (every variable of the tiny model cut, small ones grouped) the weights and Adam's
     state after three steps are those of one call over whole variables, bit for bit."""
-    import ipuft.engine
+    import ipuft.engine.phased
 
     cfg = make_config("training.global_batch_size=4", *recipe)
     states = {}
     whole = 1 << 40  # one call over every whole variable of a unit
     for chunk in (1000, whole):
-        monkeypatch.setattr(ipuft.engine, "update_chunk", lambda device, c=chunk: c)
+        monkeypatch.setattr(ipuft.engine.phased, "update_chunk", lambda device, c=chunk: c)
         engine = make_engine(cfg, hooks)
         for batch in batches(cfg)[:3]:
             engine.step(batch, 1e-2)
@@ -370,6 +370,6 @@ def test_updates_in_pieces_equal_updates_of_whole_variables(hooks, make_config, 
         for unit, tensors in states[whole][group].items():
             for name, t in tensors.items():
                 assert torch.equal(states[1000][group][unit][name], t), (unit, name)
-    groups = list(ipuft.engine.update_groups([("a", 2500), ("b", 300), ("c", 1200)], 1000))
+    groups = list(ipuft.engine.phased.update_groups([("a", 2500), ("b", 300), ("c", 1200)], 1000))
     assert groups == [[("a", 0, 1000)], [("a", 1000, 2000)], [("a", 2000, 2500), ("b", 0, 300), ("c", 0, 200)],
                       [("c", 200, 1200)]]

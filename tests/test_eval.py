@@ -48,7 +48,7 @@ def test_eval_loss_equals_transformers_on_a_tokens_file(capsys, tmp_path, hf_dir
 
 def test_generate_cli_equals_transformers_greedy(capsys, hf_dir):
     model, src = hf_dir
-    from ipuft.datasets import load_tokenizer
+    from ipuft.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(str(src))
     prompt = "mnli hypothesis: the dog runs premise: a dog is running target:"
@@ -97,8 +97,8 @@ def test_mnli_accuracy_matches_transformers_generation(capsys, tmp_path):
     assert code == 0, err
     from transformers import GPTJForCausalLM
 
-    from ipuft.datasets import load_tokenizer
-    from ipuft.templates import resolve_template
+    from ipuft.data.templates import resolve_template
+    from ipuft.data.tokenizer import load_tokenizer
 
     model = GPTJForCausalLM.from_pretrained(tmp_path / "hf").eval()
     tokenizer = load_tokenizer(str(tmp_path / "hf"))
@@ -120,9 +120,9 @@ def test_mnli_score_mode_equals_transformers_log_likelihoods(capsys, make_config
     computes them on the same weights; the label with the highest one is the prediction."""
     from hf_reference import hf_runner
 
-    from ipuft.datasets import load_tokenizer
-    from ipuft.evaluate import label_log_likelihoods
-    from ipuft.templates import resolve_template
+    from ipuft.data.templates import resolve_template
+    from ipuft.data.tokenizer import load_tokenizer
+    from ipuft.run.evaluate import label_log_likelihoods
 
     cfg = make_config("model.embedding.vocab_size=512", "model.sequence_length=64")
     model = hf_gptj(cfg, seed=5)

@@ -26,7 +26,7 @@ def run_cli(argv, capsys):
 
 def test_a_disk_without_room_for_a_checkpoint_is_refused_before_training(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("ipuft.train.shutil.disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+    monkeypatch.setattr("ipuft.run.train.shutil.disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
     code, err = run_cli(["train", "--config", "tiny", f"output_dir={tmp_path}/run"], capsys)
     assert code == 2
     assert err.startswith("ipuft: error: checkpoint.save: ") and "free, but one checkpoint of this model takes" in err
@@ -35,7 +35,7 @@ def test_a_disk_without_room_for_a_checkpoint_is_refused_before_training(tmp_pat
 
 
 def test_an_export_that_fails_midway_leaves_nothing_behind(tmp_path, trained, monkeypatch, capsys):
-    from ipuft.safetensors_io import SafetensorsWriter
+    from ipuft.io.safetensors import SafetensorsWriter
 
     monkeypatch.chdir(tmp_path)
     checkpoint = _checkpoint(tmp_path, trained)
@@ -88,7 +88,7 @@ def test_two_runs_into_one_directory_one_proceeds_the_other_is_refused(tmp_path)
     # The run that proceeded is intact: every step once, in order, and its checkpoints verify.
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 41))
-    from ipuft.checkpoint import checkpoints, verify
+    from ipuft.io.checkpoint import checkpoints, verify
 
     found = checkpoints(out / "checkpoints")
     assert [p.name for p in found] == ["step-00000010", "step-00000020", "step-00000030", "step-00000040"]
@@ -196,7 +196,7 @@ def test_a_run_killed_before_its_first_checkpoint_starts_again_without_hand_clea
 
 
 def test_resuming_an_older_checkpoint_makes_its_own_saves_the_latest(tmp_path, capsys):
-    from ipuft.checkpoint import checkpoints, find_checkpoint, read_meta
+    from ipuft.io.checkpoint import checkpoints, find_checkpoint, read_meta
 
     out = tmp_path / "run"
     common = ["--config", "tiny", "training.global_batch_size=2", "checkpoint.steps=2", "checkpoint.to_keep=2",

@@ -201,7 +201,7 @@ def test_device_holds_one_unit_plus_buffers_however_deep(make_config, hooks, act
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
 def test_plan_inference_view_equals_the_measured_device_peak(make_config, hooks, offload, activation_offload,
                                                               precision):
-    from ipuft.plan import inference_estimate
+    from ipuft.engine.plan import inference_estimate
 
     cfg, _, runner = tiny_model(make_config, hooks, "model.layers=3", f"execution.offload={str(offload).lower()}",
                                 f"execution.activation_offload={str(activation_offload).lower()}",
@@ -219,7 +219,7 @@ def test_eval_loss_and_scoring_do_not_grow_with_depth(make_config, hooks, activa
     """The loss pass and MNLI scoring keep one batch of hidden states between units (no cache), so their
     device peak is the same for 2 and 16 layers, with or without activation offload."""
     from ipuft.components import IGNORE_INDEX
-    from ipuft.evaluate import label_log_likelihoods
+    from ipuft.run.evaluate import label_log_likelihoods
 
     peaks = {}
     for layers in (2, 16):

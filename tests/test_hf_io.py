@@ -7,12 +7,12 @@ import torch
 from hf_reference import hf_gptj
 from safetensors.torch import load_file
 
-from ipuft.checkpoint import find_checkpoint
 from ipuft.config import load_config
 from ipuft.errors import CheckpointError, ConfigError
-from ipuft.export import export_hf
-from ipuft.runtime import build_engine
-from ipuft.train import train
+from ipuft.io.checkpoint import find_checkpoint
+from ipuft.io.hf_export import export_hf
+from ipuft.run.runtime import build_engine
+from ipuft.run.train import train
 
 
 def save_hf(tmp_path, cfg, how="safetensors", name="hf"):
@@ -45,7 +45,7 @@ def test_round_trip_is_bit_exact(hooks, tmp_path, how):
                              f"output_dir={tmp_path}/run"], hooks.registrations.config_sections)
     assert (cfg.model.layers, cfg.model.hidden_size, cfg.model.embedding.vocab_size) == (2, 64, 128)
     engine = build_engine(cfg, hooks)
-    from ipuft.checkpoint import Contents, save_checkpoint
+    from ipuft.io.checkpoint import Contents, save_checkpoint
 
     ckpt = save_checkpoint(Contents.of(engine.full_weights()), cfg, tmp_path / "ckpts", 0)
     out = export_hf(ckpt, tmp_path / "exported", hooks, shard_bytes=50_000)
@@ -67,7 +67,7 @@ def test_a_float16_checkpoint_streams_into_any_precision_and_exports_in_any_dtyp
                       hooks.registrations.config_sections)
     engine = build_engine(cfg, hooks)
     dtype = getattr(torch, precision)
-    from ipuft.checkpoint import Contents, save_checkpoint
+    from ipuft.io.checkpoint import Contents, save_checkpoint
 
     ckpt = save_checkpoint(Contents.of(engine.full_weights()), cfg, tmp_path / "ckpts", 0)
     assert all(t.dtype == dtype for t in load_file(str(ckpt / "model.safetensors")).values())
@@ -172,7 +172,7 @@ def test_a_checkpoint_of_odd_shape_trains_with_no_preset_and_only_typed_keys_con
     from cli_helpers import run_cli
     from omegaconf import OmegaConf
 
-    from ipuft.datasets import tokenizer_path
+    from ipuft.data.tokenizer import tokenizer_path
 
     odd = load_config("tiny", ["model.layers=3", "model.hidden_size=48", "model.attention.heads=3",
                                "model.attention.rotary_dim=8", "model.embedding.vocab_size=520"],

@@ -10,8 +10,7 @@ from distributed import spawn
 from test_engine import EQUIVALENCE, batches, make_engine, run_engine
 from test_precision import BF16_MASTER, BF16_NEAREST, BF16_SR, FP16_SR
 
-from ipuft.engine import unit_role
-from ipuft.plan import estimate
+from ipuft.engine.plan import estimate
 
 # float16 from a loss scale of 2^20: the first three steps overflow and are skipped, the last two update.
 RECIPES = {"float32": (), "bf16-sr": BF16_SR, "bf16-master": BF16_MASTER, "bf16-nearest": BF16_NEAREST,
@@ -52,7 +51,7 @@ def test_host_updates_equal_device_updates_bit_for_bit(hooks, make_config, recip
             for name, t in groups[group].items():
                 assert torch.equal(t, host.store.entries[unit][group][name]), f"{unit} {group} {name}"
         for name, t in groups["fwd"].items():
-            if name in device.trainable[unit_role(unit)]:
+            if name in device.trainable[unit.role]:
                 trainable += 1
                 changed += not torch.equal(t, initial[unit][name])
             else:

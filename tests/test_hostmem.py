@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(
 # defaults, may be trimmed again, like a layer-major step's activations).
 PROBE = """
 import ctypes, resource, sys, torch
-from ipuft.hostmem import retain_freed_memory
+from ipuft.engine.hostmem import retain_freed_memory
 retained = retain_freed_memory() if sys.argv[1] == "retain" else False
 
 class Info(ctypes.Structure):
@@ -60,7 +60,7 @@ def test_with_huge_pages_the_heap_keeps_only_blocks_under_2_mib(monkeypatch):
     """torch backs its tensors of 2 MiB and more with transparent huge pages: those are mapped afresh (the 16 MiB
     block), where a fault costs little, and the heap keeps the smaller ones (the 1 MiB tensors do not fault
     again), so that blocks of 2-32 MiB do not fragment it."""
-    from ipuft.hostmem import HUGE_PAGE, heap_block_limit, huge_pages
+    from ipuft.engine.hostmem import HUGE_PAGE, heap_block_limit, huge_pages
 
     if "[never]" in open("/sys/kernel/mm/transparent_hugepage/enabled").read():  # noqa: SIM115
         pytest.skip("this kernel allows no transparent huge pages")
@@ -76,12 +76,12 @@ def test_with_huge_pages_the_heap_keeps_only_blocks_under_2_mib(monkeypatch):
 
 
 def test_the_engine_retains_host_memory_unless_told_not_to(hooks, make_config, monkeypatch):
-    import ipuft.engine
-    from ipuft.model import build_model
+    import ipuft.engine.phased
+    from ipuft.engine.model import build_model
 
     calls = []
-    monkeypatch.setattr(ipuft.engine, "retain_freed_memory", lambda: calls.append(1))
+    monkeypatch.setattr(ipuft.engine.phased, "retain_freed_memory", lambda: calls.append(1))
     for retain in (True, False):
         cfg = make_config(f"execution.retain_host_memory={retain}")
-        ipuft.engine.PhasedEngine(cfg, build_model(cfg, hooks), None, "cpu")
+        ipuft.engine.phased.PhasedEngine(cfg, build_model(cfg, hooks), None, "cpu")
     assert calls == [1]

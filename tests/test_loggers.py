@@ -8,17 +8,18 @@ import pytest
 
 from ipuft import hookimpl
 from ipuft.config import load_config
+from ipuft.config.rules import check_plugins
 from ipuft.errors import PluginError
 from ipuft.loggers import Logger
 from ipuft.plugins import create_plugin_manager
-from ipuft.train import train
+from ipuft.run.train import train
 
 RUN = ["training.steps=3", "training.global_batch_size=2"]
 
 
 def run(hooks, tmp_path, *overrides):
     cfg = load_config("tiny", [*RUN, f"output_dir={tmp_path}/run", *overrides], hooks.registrations.config_sections)
-    hooks.registrations.check(cfg)
+    check_plugins(cfg, hooks.registrations)
     return train(cfg, hooks, progress=False)
 
 
@@ -99,4 +100,4 @@ def test_an_unknown_backend_is_one_line(hooks):
     cfg = load_config("tiny", ["logging.backends=[jsonl,mlflow]"], hooks.registrations.config_sections)
     with pytest.raises(PluginError, match=r"^logging.backends: unknown logging backend 'mlflow'; available: "
                                           r"tensorboard, wandb$"):
-        hooks.registrations.check(cfg)
+        check_plugins(cfg, hooks.registrations)

@@ -6,7 +6,7 @@ from hf_reference import hf_gptj, hf_state, hf_units
 from torch.func import functional_call
 
 from ipuft.components import IGNORE_INDEX
-from ipuft.model import build_model
+from ipuft.engine.model import build_model
 
 
 def ipuft_forward(parts, units, ids, labels=None):
@@ -51,7 +51,7 @@ def test_every_variable_maps_to_a_distinct_hf_parameter(hooks, make_config):
     parts = build_model(cfg, hooks)
     hf = hf_gptj(cfg)
     mapped = hf_state(parts.modules, cfg.model.layers,
-                   {u: {v.name: v for v in parts.variables[u.split(".")[0]]}
+                   {u: {v.name: v for v in parts.variables[u.role]}
                     for u in parts.program.units()})
     shapes = {name: tuple(p.shape) for name, p in hf.named_parameters()}
     assert {name: spec.shape for name, spec in mapped.items()} == shapes

@@ -7,8 +7,9 @@ import torch
 from torch.func import functional_call
 
 from ipuft import hookspecs
+from ipuft.config.rules import check_plugins
+from ipuft.engine.model import build_model
 from ipuft.errors import PluginError
-from ipuft.model import build_model
 from ipuft.plugins import create_plugin_manager
 
 SHIPPED = {"ipuft-embeddings", "ipuft-decoder", "ipuft-lm-head", "ipuft-optim-adam"}
@@ -39,7 +40,7 @@ def test_custom_head_from_an_entry_point(fake_dist, make_config):
     assert [v.name for v in parts.variables["head"]] == ["norm_scale", "proj"]
     assert type(parts.modules["head"]).__name__ == "TinyLMHead"
 
-    from ipuft.engine import Batch, PhasedEngine
+    from ipuft.engine.phased import Batch, PhasedEngine
 
     engine = PhasedEngine(cfg, parts, hooks.registrations.optimizers.get("adamw").build(cfg), torch.device("cpu"))
     ids = torch.randint(0, 128, (cfg.gradient_accumulation, 1, 9), generator=torch.Generator().manual_seed(0))
@@ -115,7 +116,7 @@ def test_uninstalled_plugin_makes_its_component_unavailable(monkeypatch, make_co
     hooks = create_plugin_manager()
     assert {p["distribution"] for p in hooks.describe()} == SHIPPED - {"ipuft-decoder"} | {"ipuft"}
     with pytest.raises(PluginError, match=r"model.decoder: unknown decoder component 'gptj'; available: \(none installed\)"):
-        hooks.registrations.check(make_config())
+        check_plugins(make_config(), hooks.registrations)
 
 
 def test_disabling_by_name_or_distribution(monkeypatch):

@@ -8,13 +8,13 @@ import torch
 from test_engine import batches, make_engine
 
 from ipuft.config import load_config
-from ipuft.datasets import data_source
-from ipuft.engine import MASTER
-from ipuft.plan import estimate
-from ipuft.precision import _round_by_neighbours, random_bits, round_stochastically, rounding_key
-from ipuft.runtime import build_engine
-from ipuft.schedule import learning_rate
-from ipuft.train import replica_batch
+from ipuft.data.tokens import data_source
+from ipuft.engine.phased import MASTER
+from ipuft.engine.plan import estimate
+from ipuft.engine.precision import _round_by_neighbours, random_bits, round_stochastically, rounding_key
+from ipuft.run.runtime import build_engine
+from ipuft.run.schedule import learning_rate
+from ipuft.run.train import replica_batch
 
 BF16_SR = ("model.precision=bfloat16", "training.stochastic_rounding=true")
 BF16_MASTER = ("model.precision=bfloat16", "training.master_weights=true")

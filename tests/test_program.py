@@ -2,8 +2,8 @@
 
 import pytest
 
+from ipuft.engine.model import build_model
 from ipuft.errors import PluginError
-from ipuft.model import build_model
 from ipuft.program import Op, Phase, Stage, StepProgram
 
 

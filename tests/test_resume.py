@@ -14,17 +14,17 @@ import pytest
 import torch
 from distributed import spawn
 
-from ipuft.checkpoint import (
+from ipuft.config import load_config
+from ipuft.errors import CheckpointError, TrainingError
+from ipuft.io.checkpoint import (
     checkpoint_initializer,
     checkpoints,
     find_checkpoint,
     read_meta,
     verify,
 )
-from ipuft.config import load_config
-from ipuft.errors import CheckpointError, TrainingError
-from ipuft.runtime import build_engine
-from ipuft.train import train
+from ipuft.run.runtime import build_engine
+from ipuft.run.train import train
 
 MNLI = ["data.path=mnli-sample", "data.tokenizer=sample", "model.embedding.vocab_size=512",
         "model.sequence_length=32", "training.global_batch_size=4", "training.optimizer.learning_rate.maximum=1e-3",
@@ -112,7 +112,7 @@ def test_dynamic_loss_scaling_skips_and_rescales(hooks):
                                "execution.loss_scaling_growth_interval=2", "training.global_batch_size=2"],
                       hooks.registrations.config_sections)
     engine = build_engine(cfg, hooks)
-    from ipuft.datasets import data_source
+    from ipuft.data.tokens import data_source
 
     data = data_source(cfg)
     batches = [data.batch(s, 2, 1) for s in range(5)]
@@ -144,7 +144,7 @@ def test_dynamic_loss_scaling_skips_and_rescales(hooks):
 
 
 def test_consecutive_skips_stop_the_run(hooks, tmp_path, monkeypatch):
-    from ipuft import engine as engine_module
+    from ipuft.engine import phased as engine_module
 
     def always_overflow(self, placed, grads, st):
         st.norm_sq += float("nan")
@@ -249,7 +249,6 @@ def test_a_new_run_starts_from_a_checkpoints_weights_and_nothing_else(hooks, tmp
     fresh Adam state and data position. ``checkpoint.load`` resumes instead."""
     from omegaconf import OmegaConf
 
-    from ipuft.engine import unit_role
 
     first = run(hooks, "training.steps=3", "model.layers=3", f"output_dir={tmp_path}/a")
     assert [r["step"] for r in first] == [1, 2, 3]
@@ -265,7 +264,7 @@ def test_a_new_run_starts_from_a_checkpoints_weights_and_nothing_else(hooks, tmp
             assert torch.equal(t, weights[f"{unit}.{name}"]), (unit, name)
         for name, t in engine.store.entries[unit]["optim"].items():
             assert not t.any(), (unit, name)  # fresh optimizer state
-        assert unit_role(unit) in ("embeddings", "decoder", "head")
+        assert unit.role in ("embeddings", "decoder", "head")
     second = train(cfg, hooks, progress=False)
     assert [r["step"] for r in second] == [1, 2]
     assert read_meta(find_checkpoint(tmp_path / "b"))["step"] == 2

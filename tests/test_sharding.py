@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from ipuft.components import VariableSpec
+from ipuft.engine.model import build_model
 from ipuft.errors import ConfigError, PluginError
-from ipuft.model import build_model
 from ipuft.sharding import ShardSpec, resolve_shard_specs
 
 
@@ -72,8 +72,8 @@ def test_each_layout_names_every_element_of_the_full_variable_once(spec):
     where a stored range is consecutive there, on its first index alone (Placement.counters): over every rank of
     each DP × TP layout, with RTS, the indices inside the variable are each element's own, exactly once, and
     the two forms agree for every range."""
+    from ipuft.engine.placement import Placement
     from ipuft.parallel import Layout
-    from ipuft.placement import Placement
 
     variable = VariableSpec("w", (100, 12))
     full = torch.arange(100 * 12).reshape(100, 12)

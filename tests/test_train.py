@@ -9,10 +9,10 @@ import yaml
 from cli_helpers import run_cli as cli
 from omegaconf import OmegaConf
 
-from ipuft.checkpoint import checkpoint_config
-from ipuft.data import SampleData
+from ipuft.data.synthetic import SampleData
+from ipuft.io.checkpoint import checkpoint_config
 from ipuft.plugins import create_plugin_manager
-from ipuft.schedule import learning_rate
+from ipuft.run.schedule import learning_rate
 
 METRIC_KEYS = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "h2d_bytes", "d2h_bytes", "device_peak_bytes"}
 
@@ -154,7 +154,7 @@ def test_eval_steps_needs_validation_rows(tmp_path, capsys):
 
 def test_a_validation_fraction_is_held_out_of_training_and_scored(tmp_path, capsys, hooks):
     from ipuft.config import load_config
-    from ipuft.datasets import data_source, validation_source
+    from ipuft.data.tokens import data_source, validation_source
 
     overrides = ["data.validation_fraction=0.2", "training.steps=3", "training.eval_steps=3"]
     cfg = load_config("small-cpu", overrides, hooks.registrations.config_sections)

@@ -15,9 +15,9 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from ipuft.config.rules import derive_and_validate, derived_gradient_accumulation
 from ipuft.config.schema import Config
 from ipuft.config.sections import ConfigSectionRegistry
-from ipuft.config.validate import derive_and_validate, derived_gradient_accumulation
 from ipuft.errors import ConfigError, choices
 
 
@@ -183,16 +183,16 @@ def load_config(
     except OmegaConfBaseException as exc:
         raise _explain(exc, schema, "config") from None
     if cfg.checkpoint.load == "latest":
-        from ipuft.checkpoint import latest_of_run
+        from ipuft.io.checkpoint import latest_of_run
 
         cfg.checkpoint.load = str(latest_of_run(cfg))
     if cfg.model.hf_checkpoint is not None:
-        from ipuft.hf_checkpoint import apply_hf_shapes, resolve_hf_directory
+        from ipuft.io.hf_import import apply_hf_shapes, resolve_hf_directory
 
         cfg.model.hf_checkpoint = str(resolve_hf_directory(cfg.model.hf_checkpoint))
         apply_hf_shapes(cfg, typed)
     if cfg.model.init_checkpoint is not None:
-        from ipuft.checkpoint import apply_checkpoint_shapes
+        from ipuft.io.checkpoint import apply_checkpoint_shapes
 
         apply_checkpoint_shapes(cfg, typed)
     if default_preset and "data.tokenizer" not in typed and (cfg.model.hf_checkpoint or cfg.model.init_checkpoint):

@@ -147,7 +147,7 @@ class ExecutionConfig:
     # How long a collective waits for a peer rank before the run stops with one line (a dead or stopped rank).
     collective_timeout_s: float = 300.0
     # Keep host memory a step frees for the next step's tensors (glibc's mallopt, process-wide), instead of
-    # returning it to the kernel and page-faulting it back 4 KiB at a time (see ipuft.hostmem).
+    # returning it to the kernel and page-faulting it back 4 KiB at a time (see ipuft.engine.hostmem).
     retain_host_memory: bool = True
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from ipuft.templates import TEMPLATES
+from ipuft.data.templates import TEMPLATES
 
 HERE = Path(__file__).parent
 ROWS = 300

@@ -51,7 +51,7 @@ def test_five_steps_equal_lion_written_out_by_hand(hooks):
 
 
 def test_decay_skips_norms_and_biases_and_the_state_is_one_float32_tensor(hooks):
-    from ipuft.runtime import build_engine
+    from ipuft.run.runtime import build_engine
 
     cfg = load_config("tiny", ["training.optimizer.name=lion", "plugins.lion.weight_decay=0.1"],
                       hooks.registrations.config_sections)
@@ -117,7 +117,7 @@ def test_bad_values_are_one_line_from_the_command_line(hooks, capsys, override, 
 
 def test_bfloat16_trains(hooks, tmp_path):
     """bfloat16 weights with stochastic rounding: the optimizer sees float32, its state stays float32."""
-    from ipuft.train import train
+    from ipuft.run.train import train
 
     cfg = load_config("tiny", ["training.optimizer.name=lion", "model.precision=bfloat16",
                                "training.stochastic_rounding=true", "training.steps=12",

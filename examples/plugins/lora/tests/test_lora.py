@@ -7,17 +7,17 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from ipuft.checkpoint import find_checkpoint
 from ipuft.config import load_config
+from ipuft.engine.inference import LayerMajor
+from ipuft.engine.model import build_model
+from ipuft.engine.plan import estimate
 from ipuft.errors import ConfigError
-from ipuft.evaluate import inference_config
-from ipuft.export import export_hf
-from ipuft.inference import LayerMajor
-from ipuft.model import build_model
-from ipuft.plan import estimate
+from ipuft.io.checkpoint import find_checkpoint
+from ipuft.io.hf_export import export_hf
 from ipuft.plugins import create_plugin_manager
-from ipuft.runtime import inference_engine
-from ipuft.train import train
+from ipuft.run.generate import inference_config
+from ipuft.run.runtime import inference_engine
+from ipuft.run.train import train
 
 SHAPE = ["model.layers=2", "model.hidden_size=64", "model.attention.heads=4", "model.attention.rotary_dim=8",
          "model.embedding.vocab_size=128", "model.sequence_length=16"]

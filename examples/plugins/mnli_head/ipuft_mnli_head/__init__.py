@@ -55,8 +55,8 @@ def label_token_ids(cfg: DictConfig) -> tuple[int, ...]:
             raise ConfigError(f"{key}: must be {CLASSES} distinct token ids in [0, {vocab}) (entailment, neutral, "
                               f"contradiction), got {list(ids)}")
         return ids
-    from ipuft.datasets import load_tokenizer, tokenizer_source
-    from ipuft.templates import TEMPLATES
+    from ipuft.data.templates import TEMPLATES
+    from ipuft.data.tokenizer import load_tokenizer, tokenizer_source
 
     source = tokenizer_source(cfg)
     if source is None or cfg.data.template != TEMPLATE:

@@ -126,10 +126,10 @@ def test_five_steps_through_the_engine_equal_a_plain_reference(hooks):
 
 
 def test_training_through_the_command_line_improves_accuracy_on_the_sample(hooks, tmp_path, capsys):
-    from ipuft.checkpoint import checkpoint_config
     from ipuft.cli.main import main
-    from ipuft.datasets import data_source
-    from ipuft.runtime import inference_engine
+    from ipuft.data.tokens import data_source
+    from ipuft.io.checkpoint import checkpoint_config
+    from ipuft.run.runtime import inference_engine
     from ipuft_mnli_head.module import accuracy
 
     run = tmp_path / "run"
@@ -176,7 +176,7 @@ def test_tensor_parallel_training_equals_one_process(hooks, tmp_path):
     process, so its input gradient reaches the vocabulary- and head-sharded units whole."""
     from safetensors.torch import load_file
 
-    from ipuft.train import train
+    from ipuft.run.train import train
 
     # Adam divides by √v + eps, so near eps it amplifies float32 rounding in tiny gradients (the summation
     # order differs across layouts); eps=1e-4 keeps the comparison about the layout.
@@ -205,9 +205,9 @@ def test_plan_measures_the_head_on_the_meta_device_and_equals_the_counters(hooks
     """``ipuft plan`` runs every component on the meta device (no values): the head's checks must not need
     them, and the planned traffic and device peak bound are what a step then moves."""
     from ipuft.cli.main import main
-    from ipuft.datasets import data_source
-    from ipuft.plan import estimate
-    from ipuft.runtime import build_engine
+    from ipuft.data.tokens import data_source
+    from ipuft.engine.plan import estimate
+    from ipuft.run.runtime import build_engine
 
     with pytest.raises(SystemExit) as info:
         main(["plan", "--config", "tiny", *MNLI, "--json"])

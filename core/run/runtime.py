@@ -2,7 +2,7 @@
 the tests share.
 
 The config arrives resolved and validated (:func:`ipuft.config.load_config`, or a checkpoint's through
-:func:`ipuft.checkpoint.checkpoint_config`); nothing here changes it. It picks the device, joins the
+:func:`ipuft.io.checkpoint.checkpoint_config`); nothing here changes it. It picks the device, joins the
 process layout, builds the components and, for training, the optimizer, and fills the variable store
 from ``checkpoint.load``, ``model.init_checkpoint``, ``model.hf_checkpoint`` or the seeded random init.
 """
@@ -14,19 +14,19 @@ import os
 import torch
 from omegaconf import DictConfig
 
-from ipuft.checkpoint import checkpoint_initializer, find_checkpoint
-from ipuft.engine import Initializer, PhasedEngine, initial_values
+from ipuft.engine.kernels import require_precision_support
+from ipuft.engine.model import ModelParts, build_model
+from ipuft.engine.phased import Initializer, PhasedEngine, initial_values
 from ipuft.errors import ConfigError
-from ipuft.hf_checkpoint import hf_initializer
-from ipuft.kernels import require_precision_support
-from ipuft.model import ModelParts, build_model
+from ipuft.io.checkpoint import checkpoint_initializer, find_checkpoint
+from ipuft.io.hf_import import hf_initializer
 from ipuft.parallel import init_layout
 from ipuft.plugins import PluginHooks
 
 
 def select_device(cfg: DictConfig) -> torch.device:
     """``execution.device``: ``auto`` takes CUDA when available; under torchrun, the local rank's GPU. A GPU
-    that cannot compute in ``model.precision`` is refused (:func:`ipuft.kernels.require_precision_support`)."""
+    that cannot compute in ``model.precision`` is refused (:func:`ipuft.engine.kernels.require_precision_support`)."""
     choice = cfg.execution.device.value
     if choice == "cuda" and not torch.cuda.is_available():
         raise ConfigError("execution.device: cuda was asked for but no CUDA device is available; use auto or cpu")
@@ -57,15 +57,15 @@ def build_engine(cfg: DictConfig, hooks: PluginHooks, parts: ModelParts | None =
     """Join the process layout, then build the components (unless given), the optimizer and the engine."""
     device = select_device(cfg)
     layout = init_layout(cfg, device)
-    parts = parts or build_model(cfg, hooks)
     optimizer = hooks.registrations.build_optimizer(cfg)
+    parts = parts or build_model(cfg, hooks, optimizer)
     torch.manual_seed(cfg.model.seed)
     return PhasedEngine(cfg, parts, optimizer, device, layout, initializer(cfg, parts))
 
 
 def inference_engine(cfg: DictConfig, hooks: PluginHooks) -> PhasedEngine:
     """An engine holding the model's weights only (no optimizer state, no gradients), for ``eval`` and
-    ``generate`` through :class:`ipuft.inference.LayerMajor`."""
+    ``generate`` through :class:`ipuft.engine.inference.LayerMajor`."""
     device = select_device(cfg)
     layout = init_layout(cfg, device)
     parts = build_model(cfg, hooks)

@@ -1,13 +1,35 @@
-"""Derived values (as the reference derives them) and the checks that no single key's type can express."""
+"""Every rule a run's config must satisfy beyond each key's type, in one place.
+
+- :func:`derive_and_validate`: the derived values (as the reference derives them) and the cross-key checks.
+  :func:`ipuft.config.load_config` runs it, so every config goes through it: presets, overrides, a
+  checkpoint's config, a Hugging Face directory's shapes.
+- :func:`check_plugins`: what the installed plugins make of the config: the components, the optimizer and the
+  logging backends it names are registered, and an optimizer that needs whole tensors is not sharded by RTS.
+- :func:`check_model`: what the built components make of it: something is trainable, and (for training) each
+  optimizer-state variable can follow its variable's tensor-parallel layout.
+
+:func:`ipuft.engine.model.build_model` runs the last two (the optimizer rule with the optimizer, when a run
+trains or plans training), so every command goes through all of them whether it comes from the CLI or from
+Python: train, bench, plan, eval, generate, export. The CLI runs :func:`check_plugins` for ``config show`` too,
+which builds no model. Each failure is one :class:`~ipuft.errors.ConfigError` (or
+:class:`~ipuft.errors.PluginError`) line naming the key.
+"""
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
 from ipuft.config.schema import OptimizerPlacement, Precision
-from ipuft.errors import ConfigError
+from ipuft.errors import ConfigError, PluginError
+
+if TYPE_CHECKING:
+    from ipuft.engine.model import ModelParts
+    from ipuft.optim import Optimizer
+    from ipuft.plugins import Registrations
 
 _POSITIVE = (
     "model.layers", "model.hidden_size", "model.sequence_length", "model.embedding.vocab_size",
@@ -146,3 +168,42 @@ def derive_and_validate(cfg: DictConfig) -> None:
             _require(not execution[key], "execution.recompute",
                      f"false keeps every layer's autograd graph, and the weights it references, on the device; "
                      f"set execution.{key}=false with it (or recompute=true)")
+
+
+def check_plugins(cfg: DictConfig, registrations: Registrations) -> None:
+    """The components, the optimizer and the logging backends ``cfg`` names are registered, and an optimizer
+    that needs whole tensors is not given RTS shards."""
+    from ipuft.components import ROLES
+    from ipuft.loggers import JSONL
+
+    for role in ROLES:
+        registrations.components.get(role, cfg.model[role])
+    name = cfg.training.optimizer.name
+    registrations.optimizers.get(name)
+    if cfg.execution.rts and not registrations.optimizers.elementwise(name):
+        raise ConfigError(f"training.optimizer.name: {name} is not elementwise (it needs whole tensors), but "
+                          f"execution.rts shards each variable over the data-parallel ranks; set execution.rts=false")
+    for backend in cfg.logging.backends:
+        if backend != JSONL:
+            registrations.loggers.get(backend)
+
+
+def check_model(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer | None = None) -> None:
+    """Something of the built model is trainable; with the run's ``optimizer``, under tensor parallelism each
+    optimizer-state variable has its variable's shape: state is placed (and gathered for checkpoints) like its
+    variable, so an optimizer with other state runs at ``tensor_parallel=1``."""
+    if not any(v.trainable for specs in parts.variables.values() for v in specs):
+        raise ConfigError("model.freeze: every variable of the model is frozen, so there is nothing to train")
+    tp = cfg.execution.tensor_parallel
+    if optimizer is None or tp == 1:
+        return
+    from ipuft.engine.variables import optimizer_state_specs
+
+    for role, variables in parts.variables.items():
+        local = [replace(v, shape=parts.shard_specs[role][v.name].local_shape(v.shape, tp)) for v in variables]
+        shapes = {v.name: v.shape for v in local}
+        for state in optimizer_state_specs(local, optimizer):
+            if state.shape != shapes[state.name.variable]:
+                raise PluginError(f"optimizer state {state.name} of {role} has shape {state.shape}, not its variable's "
+                                  f"{shapes[state.name.variable]}: such state cannot follow the variable's "
+                                  f"tensor-parallel layout; set execution.tensor_parallel=1")

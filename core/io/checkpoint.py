@@ -14,7 +14,7 @@ Saving streams, tensor by tensor, so that it fits in the memory training needs. 
 gathering one variable at a time over DP and TP, in the same order (units in program order; each unit's
 weights, then its optimizer state); rank 0 writes each full tensor into its file as it arrives and drops it,
 so no rank holds more than about one full tensor beyond its store. The two safetensors files are written in
-the same pass by :class:`~ipuft.safetensors_io.SafetensorsWriter`, whose header is computed up front from
+the same pass by :class:`~ipuft.io.safetensors.SafetensorsWriter`, whose header is computed up front from
 the variables' full shapes and stored dtypes. Gathering to full tensors, rather than writing each rank's
 shards, keeps the checkpoint layout-free: it resumes under any DP × TP layout, and exports without one.
 
@@ -45,7 +45,7 @@ from omegaconf import DictConfig, OmegaConf
 from ipuft import __version__
 from ipuft.components import VariableSpec
 from ipuft.errors import CheckpointError, ConfigError
-from ipuft.safetensors_io import SafetensorsReader, SafetensorsWriter
+from ipuft.io.safetensors import SafetensorsReader, SafetensorsWriter
 
 FORMAT = "ipuft-checkpoint"
 DEFAULT_SAVE = "<output_dir>/checkpoints"
@@ -443,7 +443,7 @@ def read_verified(checkpoint: Path, name: str, limit: int) -> bytes:
 
 def open_tensors(checkpoint: Path, file: str, manifest: dict[str, str] | None = None) -> SafetensorsReader:
     """A reader of tensor file ``file`` of ``checkpoint``, its header checked now and its bytes verified
-    against the manifest as they are read (:class:`~ipuft.safetensors_io.SafetensorsReader`)."""
+    against the manifest as they are read (:class:`~ipuft.io.safetensors.SafetensorsReader`)."""
     manifest = manifest if manifest is not None else read_manifest(checkpoint)
     if file not in manifest:
         raise CheckpointError(f"checkpoint {checkpoint} has no {file}")

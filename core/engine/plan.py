@@ -3,7 +3,7 @@ computed from the real variable shapes without allocating anything (components a
 
 Traffic per optimizer step is exact: the engine's counters must equal it. The device peak is an estimate:
 it adds the largest phase's variables, gradients, resident activations, and the busiest moment of one
-micro-batch through its unit (measured by running the unit on the meta device, :mod:`ipuft.measure`).
+micro-batch through its unit (measured by running the unit on the meta device, :mod:`ipuft.engine.measure`).
 """
 
 from __future__ import annotations
@@ -17,24 +17,17 @@ import torch
 from omegaconf import DictConfig
 
 from ipuft.components import VariableSpec
-from ipuft.engine import (
-    gradient_working_bytes,
-    group_transient_bytes,
-    optimizer_state_specs,
-    placements,
-    unit_role,
-    update_chunk,
-    update_groups,
-    updates_on_host,
-)
-from ipuft.flops import step_flops
-from ipuft.measure import UnitCost, unit_cost
-from ipuft.model import ModelParts
+from ipuft.engine.flops import step_flops
+from ipuft.engine.measure import UnitCost, unit_cost
+from ipuft.engine.model import ModelParts
+from ipuft.engine.phased import updates_on_host
+from ipuft.engine.precision import Recipe, compute_dtype, gradient_working_bytes, recipe
+from ipuft.engine.update import group_transient_bytes, update_chunk, update_groups
+from ipuft.engine.variables import placements, unit_groups
 from ipuft.optim import Optimizer
 from ipuft.parallel import Layout
 from ipuft.plugins import PluginHooks
-from ipuft.precision import Recipe, compute_dtype, recipe
-from ipuft.program import Op
+from ipuft.program import GROUPS, Move, Op, Phase, PhaseMoves
 
 TOKEN_BYTES = torch.empty((), dtype=torch.int64).element_size()
 
@@ -64,20 +57,18 @@ def rank_layout(cfg: DictConfig) -> Layout:
 
 
 def group_bytes(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer) -> dict[str, dict[str, int]]:
-    """Bytes one rank stores of each variable group of each unit (``grad`` only where the program stores
-    gradients, and only for trainable variables): its TP shard, and with RTS its 1/DP slice of that.
-    ``trainable`` is the part of ``fwd`` that is trained (what an update-only phase moves)."""
+    """Bytes one rank stores of each variable group of each unit, as the engine allocates them
+    (:func:`~ipuft.engine.variables.unit_groups`: its TP shard, and with RTS its 1/DP slice of that; ``grad``
+    only where the program stores gradients, 0 elsewhere). ``trainable`` is the part of ``fwd`` that is trained
+    (what an update-only phase moves)."""
     stores_grad = parts.program.grad_units(updates_on_host(cfg))
     placed = placements(parts, rank_layout(cfg), bool(cfg.execution.rts))
+    master = recipe(cfg) is Recipe.master
     out = {}
     for unit in parts.program.units():
-        role = unit_role(unit)
-        stored = [p.stored_spec() for p in placed[role].values()]
-        master = recipe(cfg) is Recipe.master
-        trainable = _bytes([s for s in stored if s.trainable])
-        sizes = {"fwd": _bytes(stored), "optim": _bytes(optimizer_state_specs(stored, optimizer, master))}
-        sizes["grad"] = trainable if unit in stores_grad else 0
-        sizes["trainable"] = trainable
+        groups = unit_groups(placed[unit.role], optimizer, master, unit in stores_grad)
+        sizes = dict.fromkeys(GROUPS, 0) | {group: _bytes(specs) for group, specs in groups.items()}
+        sizes["trainable"] = _bytes([s for s in groups["fwd"] if s.trainable])
         out[unit] = sizes
     return out
 
@@ -109,55 +100,42 @@ def graph_bytes(cfg: DictConfig, parts: ModelParts, costs: dict[str, UnitCost]) 
 
 
 def traffic(cfg: DictConfig, parts: ModelParts, sizes: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
-    """Host↔device bytes of one optimizer step, per category, as the engine moves them."""
+    """Host↔device bytes of one optimizer step, per category: what :meth:`~ipuft.program.StepProgram.moves`
+    says each phase moves, summed as the engine's counters count it."""
     h2d: dict[str, int] = defaultdict(int)
     d2h: dict[str, int] = defaultdict(int)
     ga = cfg.gradient_accumulation
     h2d["data"] = 2 * ga * cfg.execution.micro_batch_size * cfg.model.sequence_length * TOKEN_BYTES
     act = stored_activation_bytes(cfg)
     for phase in parts.program:
-        io = phase_io(phase, sizes[phase.unit], updates_on_host(cfg))
-        if io is None:
+        moves = phase_moves(cfg, parts, phase)
+        if moves is None:
             continue
         if cfg.execution.offload:
-            for group, n in io[0].items():
+            loads, stores = phase_io(moves, sizes[phase.unit])
+            for group, n in loads.items():
                 h2d[group] += n
-            for group, n in io[1].items():
+            for group, n in stores.items():
                 d2h[group] += n
         if cfg.execution.activation_offload:
-            reads, writes = _activation_io(parts, phase)
-            h2d["activation"] += reads * ga * act
-            d2h["activation"] += writes * ga * act
+            h2d["activation"] += moves.activation_reads * ga * act
+            d2h["activation"] += moves.activation_writes * ga * act
     return {"h2d": dict(h2d), "d2h": dict(d2h)}
 
 
-def phase_io(phase, unit: dict[str, int], host_update: bool = False) -> tuple[dict[str, int], dict[str, int]] | None:
-    """The bytes a phase loads and stores of each group of its unit (``unit``: :func:`group_bytes`'s), as
-    the engine moves them when offloaded; ``None`` for an update-only phase of a unit with nothing trainable,
-    which does nothing. An update-only phase loads only the trainable weights, and only updated weights are
-    stored back. With ``host_update`` (``execution.optimizer_placement=host``) updates move nothing: see
-    :meth:`ipuft.program.Phase.device_io`."""
-    if not phase.computes and not unit["trainable"]:
-        return None
-    loads, stores = phase.device_io(host_update)
-    return ({g: unit["trainable"] if g == "fwd" and not phase.computes else unit[g] for g in loads},
-            {g: unit["trainable"] if g == "fwd" else unit[g] for g in stores})
+def phase_moves(cfg: DictConfig, parts: ModelParts, phase: Phase) -> PhaseMoves | None:
+    """What ``phase`` moves under ``cfg`` (:meth:`~ipuft.program.StepProgram.moves`, as the engine asks it)."""
+    trainable = any(v.trainable for v in parts.variables[phase.role])
+    return parts.program.moves(phase, trainable, updates_on_host(cfg))
 
 
-def _activation_io(parts: ModelParts, phase) -> tuple[int, int]:
-    """How many activation rows a phase reads and writes (each row is GA micro-batches)."""
-    x_in, _ = parts.program.activation_rows(phase)
-    reads = writes = 0
-    for op in phase.ops:
-        if op is Op.FORWARD:
-            reads += x_in is not None
-            writes += 1
-        elif op is Op.LOSS_BACKWARD:
-            reads, writes = reads + 1, writes + 1
-        elif op is Op.BACKWARD:
-            reads += 1 + (x_in is not None)
-            writes += x_in is not None
-    return reads, writes
+def phase_io(moves: PhaseMoves, unit: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
+    """The bytes a phase loads and stores of each group of its unit (``unit``: :func:`group_bytes`'s), as the
+    engine moves them when offloaded."""
+    def size(move: Move) -> int:
+        return unit["trainable"] if move.trainable_only else unit[move.group]
+
+    return {m.group: size(m) for m in moves.loads}, {m.group: size(m) for m in moves.stores}
 
 
 def compute_device(cfg: DictConfig) -> torch.device:
@@ -170,7 +148,7 @@ def compute_device(cfg: DictConfig) -> torch.device:
 def update_transient_bytes(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer, role: str) -> int:
     """The most bytes one optimizer call on a unit of ``role`` adds on the device (the float32 views and
     gradients of 16-bit weights, the stochastic rounding's workspace): the engine's largest group of pieces
-    (:func:`ipuft.engine.update_groups`) of the unit's stored trainable variables."""
+    (:func:`ipuft.engine.phased.update_groups`) of the unit's stored trainable variables."""
     placed = placements(parts, rank_layout(cfg), bool(cfg.execution.rts))[role]
     sizes = [(name, math.prod(p.stored_shape)) for name, p in placed.items() if p.spec.trainable]
     chunk = update_chunk(compute_device(cfg)) if getattr(optimizer, "elementwise", True) else None
@@ -201,9 +179,10 @@ def device_peak_estimate(cfg: DictConfig, parts: ModelParts, optimizer: Optimize
     peak = 0
     for phase in parts.program:
         unit, cost = sizes[phase.unit], costs[phase.role]
-        io = phase_io(phase, unit, host_update)
-        if io is None:
+        moves = phase_moves(cfg, parts, phase)
+        if moves is None:
             continue
+        io = phase_io(moves, unit)
         loaded = sum(io[0].values()) if cfg.execution.offload and not lent else 0
         # A micro-batch's busiest moment (its fresh gradients included; at least what the engine's ledger counts
         # for it: its gradients and what autograd saved), and beside it the unit's gradient summed so far (the
@@ -216,7 +195,7 @@ def device_peak_estimate(cfg: DictConfig, parts: ModelParts, optimizer: Optimize
         compute = acts + max(micro_batch) if phase.computes else 0
         # The update holds only the finished (16-bit) gradients. An update in host memory holds nothing on the
         # device.
-        device_update = Op.OPTIMIZER_STEP in phase.ops and not host_update
+        device_update = phase.updates and not host_update
         update = grads + transient[phase.role] if device_update else 0
         peak = max(peak, resident_vars + graphs + loaded + max(compute, update))
     return peak
@@ -235,7 +214,7 @@ def init_host_bytes(cfg: DictConfig, parts: ModelParts) -> int:
 # What a process computing on the CPU keeps besides the tensors the plan counts and what it held at start: the
 # math libraries' buffers (MKL's memory manager held 80 MiB at GPT-J-6B width), the engine's own objects, and
 # the blocks glibc's heap keeps once the busiest micro-batch has freed them (execution.retain_host_memory;
-# ipuft.hostmem). At that width (one layer, sequence 256, micro-batches of 1 and 4, float32 and bfloat16) on
+# ipuft.engine.hostmem). At that width (one layer, sequence 256, micro-batches of 1 and 4, float32 and bfloat16) on
 # the 2-core CI CPU, where bench/width.py prints peak RSS against the plan, peak RSS stayed 0.4-0.5 GiB under
 # the plan with this allowance (94-96% of it). The heap's share that grows with the model, one micro-batch's
 # blocks under its limit, is added from its measurement (UnitCost.heap_peak_bytes).
@@ -259,14 +238,14 @@ def estimate(cfg: DictConfig, parts: ModelParts, hooks: PluginHooks, inference_b
     host_update = updates_on_host(cfg)
     program = []
     for phase in parts.program:
-        io = phase_io(phase, sizes[phase.unit], host_update)
-        loads, stores = io or ({}, {})
+        moves = phase_moves(cfg, parts, phase)
+        loads, stores = phase_io(moves, sizes[phase.unit]) if moves is not None else ({}, {})
         program.append({
             "phase": phase.name,
             "stage": parts.program.stage_of(phase).name.lower(),
             "loads": loads if cfg.execution.offload else {},
             "stores": stores if cfg.execution.offload else {},
-            "host_update": io is not None and host_update and Op.OPTIMIZER_STEP in phase.ops,
+            "host_update": moves is not None and host_update and phase.updates,
         })
     counts = {role: sum(v.numel for v in parts.variables[role] if v.trainable) for role in parts.variables}
     totals = {role: sum(v.numel for v in parts.variables[role]) for role in parts.variables}
@@ -315,7 +294,7 @@ def estimate(cfg: DictConfig, parts: ModelParts, hooks: PluginHooks, inference_b
 def inference_estimate(cfg: DictConfig, parts: ModelParts, batch_size: int, prompt_tokens: int,
                        new_tokens: int) -> dict:
     """``generate``'s memory (one process, TP=1): ``batch_size`` prompts of ``prompt_tokens`` tokens continued
-    by ``new_tokens``, through :class:`ipuft.inference.LayerMajor`. The device peak is exact: it follows
+    by ``new_tokens``, through :class:`ipuft.engine.inference.LayerMajor`. The device peak is exact: it follows
     the runner's ledger (the passes' largest moment is the prefill or the last decoding step).
 
     Per unit, the device holds the unit's weights (offloaded) or every weight (not), the batch's hidden
@@ -409,7 +388,7 @@ def fit(cfg: DictConfig, hooks: PluginHooks, result: dict, memory: dict | None =
     a few memory-saving settings, alone or together, would make it fit."""
     from omegaconf import OmegaConf
 
-    from ipuft.model import build_model
+    from ipuft.engine.model import build_model
 
     memory = memory or machine_memory(cfg)
     host, device = _needs(cfg, result, memory)

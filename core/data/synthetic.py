@@ -4,14 +4,14 @@ A fixed lexicon of short "words" (random token strings, drawn once from ``data.s
 sentences. Within a word every token is predictable from the previous ones, so the loss falls visibly
 from ``ln(vocab)`` towards the entropy of word boundaries. Batch ``k`` depends only on ``(seed, k)``, so
 a run's data position is just its step count. It is used when ``data.path`` is null; real datasets
-are read by :mod:`ipuft.datasets`.
+are read by :mod:`ipuft.data.tokens`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ipuft.batch import Batch
+from ipuft.data.batch import Batch
 
 LEXICON_WORDS = 48
 WORD_LENGTHS = (3, 8)

@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from ipuft.engine.precision import compute_dtype
 from ipuft.errors import ConfigError
-from ipuft.precision import compute_dtype
 
 PROBE = 384  # an n × n × n matmul: 113 MFLOP, under a millisecond in float32 on one modern core
 SLOW = 0.5  # a 16-bit rate under this share of the float32 rate gets the warning
@@ -67,7 +67,7 @@ def probe_rate(dtype: torch.dtype, n: int = PROBE) -> float:
 
 
 def _cache_path() -> Path:
-    from ipuft.datasets import cache_root
+    from ipuft.data.cache import cache_root
 
     return cache_root() / CACHE_FILE
 

@@ -18,7 +18,12 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from ipuft.checkpoint import (
+from ipuft.components import VariableSpec
+from ipuft.data.tokenizer import EOS, load_tokenizer
+from ipuft.engine.model import build_model
+from ipuft.engine.precision import DTYPES
+from ipuft.errors import CheckpointError, first_line
+from ipuft.io.checkpoint import (
     WEIGHTS,
     checkpoint_config,
     find_checkpoint,
@@ -27,21 +32,16 @@ from ipuft.checkpoint import (
     read_meta,
     read_verified,
 )
-from ipuft.components import VariableSpec
-from ipuft.datasets import EOS, load_tokenizer
-from ipuft.engine import unit_role
-from ipuft.errors import CheckpointError, first_line
-from ipuft.hf import DEFAULT_SHARD_BYTES, component_hf_config, export_names, unit_mappings
-from ipuft.hf_checkpoint import HF_SHAPES
-from ipuft.model import build_model
+from ipuft.io.hf_import import HF_SHAPES
+from ipuft.io.hf_names import DEFAULT_SHARD_BYTES, component_hf_config, export_names, unit_mappings
 from ipuft.plugins import PluginHooks
-from ipuft.precision import DTYPES
 
 
 def hf_config(cfg: DictConfig, eos_id: int | None, dtype: str = "float32", components: dict | None = None) -> dict:
     """A transformers GPTJConfig, as JSON, for the run's model: the shapes import reads back
-    (:data:`~ipuft.hf_checkpoint.HF_SHAPES`), GPT-J's fixed settings, what the components contribute
-    (:func:`ipuft.hf.component_hf_config`: the decoder's ``activation_function``), and the weights' ``dtype``."""
+    (:data:`~ipuft.io.hf_import.HF_SHAPES`), GPT-J's fixed settings, what the components contribute
+    (:func:`ipuft.io.hf_names.component_hf_config`: the decoder's ``activation_function``), and the weights'
+    ``dtype``."""
     config = {
         "architectures": ["GPTJForCausalLM"], "model_type": "gptj",
         **{hf: OmegaConf.select(cfg, key) for hf, key in HF_SHAPES.items()},
@@ -66,7 +66,7 @@ def export_hf(path: str | Path, out: str | Path, hooks: PluginHooks, shard_bytes
               dtype: str | None = None) -> Path:
     """Write checkpoint ``path`` (or a run directory's latest) as a Hugging Face directory ``out``, its weights
     in ``dtype`` (``float32``, ``bfloat16`` or ``float16``; by default the precision the run trained in)."""
-    from ipuft.safetensors_io import SafetensorsWriter
+    from ipuft.io.safetensors import SafetensorsWriter
 
     checkpoint = find_checkpoint(path)
     manifest = read_manifest(checkpoint)
@@ -82,10 +82,10 @@ def export_hf(path: str | Path, out: str | Path, hooks: PluginHooks, shard_bytes
     names = export_names(parts.modules, parts.variables, cfg.model.layers)
     components = component_hf_config(parts.modules)
     units = list(unit_mappings(parts.modules, cfg.model.layers))
-    merging = {unit for unit in units if hasattr(parts.modules[unit_role(unit)], "hf_merge")}
-    shapes = {f"{unit}.{v.name}": tuple(v.shape) for unit in units for v in parts.variables[unit_role(unit)]}
+    merging = {unit for unit in units if hasattr(parts.modules[unit.role], "hf_merge")}
+    shapes = {f"{unit}.{v.name}": tuple(v.shape) for unit in units for v in parts.variables[unit.role]}
     reader = open_tensors(checkpoint, WEIGHTS, manifest)
-    needed = set(names) | {f"{u}.{v.name}" for u in merging for v in parts.variables[unit_role(u)]}
+    needed = set(names) | {f"{u}.{v.name}" for u in merging for v in parts.variables[u.role]}
     missing = sorted(needed - set(reader.keys()))
     if missing:
         raise CheckpointError(f"checkpoint {checkpoint} lacks {', '.join(missing[:5])}")
@@ -123,7 +123,7 @@ def export_hf(path: str | Path, out: str | Path, hooks: PluginHooks, shard_bytes
             if unit is None:
                 return reader.get(name)
             if name not in merged:
-                role = unit_role(unit)
+                role = unit.role
                 tensors = {v.name: reader.get(f"{unit}.{v.name}") for v in parts.variables[role]}
                 merged.update({f"{unit}.{n}": t for n, t in parts.modules[role].hf_merge(tensors).items()})
             return merged.pop(name)

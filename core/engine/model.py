@@ -18,9 +18,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ipuft.components import ROLES, Component, ComponentBuilder, VariableSpec
-from ipuft.errors import ConfigError, PluginError, described
+from ipuft.config.rules import check_model, check_plugins
+from ipuft.engine.precision import compute_dtype
+from ipuft.errors import PluginError, described
+from ipuft.optim import Optimizer
 from ipuft.plugins import PluginHooks, plugin_errors
-from ipuft.precision import compute_dtype
 from ipuft.program import StepProgram
 from ipuft.sharding import ShardSpec, resolve_shard_specs
 
@@ -60,8 +62,11 @@ def component_variables(builder: ComponentBuilder, module) -> list:
         return module.variable_specs()
 
 
-def build_model(cfg: DictConfig, hooks: PluginHooks) -> ModelParts:
-    """Build every component named by ``model.embeddings``, ``model.decoder`` and ``model.head``."""
+def build_model(cfg: DictConfig, hooks: PluginHooks, optimizer: Optimizer | None = None) -> ModelParts:
+    """Build every component named by ``model.embeddings``, ``model.decoder`` and ``model.head``, after the
+    config's plugin rules and before its model rules (:mod:`ipuft.config.rules`; those of the run's
+    ``optimizer`` with it, for a run that trains)."""
+    check_plugins(cfg, hooks.registrations)
     components = hooks.registrations.components
     builders = {role: components.get(role, cfg.model[role]) for role in ROLES}
     modules = {role: build_component(cfg, b) for role, b in builders.items()}
@@ -78,8 +83,6 @@ def build_model(cfg: DictConfig, hooks: PluginHooks) -> ModelParts:
     # model.freeze: every variable of those roles is frozen.
     variables = {role: [replace(v, trainable=False) if role in cfg.model.freeze else v for v in specs]
                  for role, specs in variables.items()}
-    if not any(v.trainable for specs in variables.values() for v in specs):
-        raise ConfigError("model.freeze: every variable of the model is frozen, so there is nothing to train")
     shard_specs = {}
     for role, b in builders.items():
         who = f"{role} component {b.name!r}"
@@ -97,4 +100,6 @@ def build_model(cfg: DictConfig, hooks: PluginHooks) -> ModelParts:
     for role, b in builders.items():
         hooks.emit_phases(program, role, b.name)
     program.validate()
-    return ModelParts(builders, modules, variables, shard_specs, program)
+    parts = ModelParts(builders, modules, variables, shard_specs, program)
+    check_model(cfg, parts, optimizer)
+    return parts

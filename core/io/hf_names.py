@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from ipuft.program import Unit
+
 if TYPE_CHECKING:
     import torch
 
@@ -15,12 +17,12 @@ if TYPE_CHECKING:
 DEFAULT_SHARD_BYTES = 5 * 2**30
 
 
-def unit_mappings(modules: Mapping[str, torch.nn.Module], layers: int) -> dict[str, dict[str, str]]:
+def unit_mappings(modules: Mapping[str, torch.nn.Module], layers: int) -> dict[Unit, dict[str, str]]:
     """For every unit, its local variable names mapped to Hugging Face names."""
-    out = {"embeddings": modules["embeddings"].hf_mapping(None)}
+    out = {Unit("embeddings"): modules["embeddings"].hf_mapping(None)}
     for n in range(layers):
-        out[f"decoder.{n}"] = modules["decoder"].hf_mapping(n)
-    out["head"] = modules["head"].hf_mapping(None)
+        out[Unit("decoder", n)] = modules["decoder"].hf_mapping(n)
+    out[Unit("head")] = modules["head"].hf_mapping(None)
     return out
 
 
@@ -55,7 +57,7 @@ def export_names(modules: Mapping[str, torch.nn.Module], variables: Mapping[str,
     names: dict[str, str] = {}
     owner: dict[str, str] = {}
     for unit, mapping in unit_mappings(modules, layers).items():
-        role = unit.split(".")[0]
+        role = unit.role
         for spec in variables[role]:
             if spec.name in mapping:
                 continue

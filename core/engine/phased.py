@@ -11,7 +11,7 @@ together (:meth:`ipuft.optim.Optimizer.step_unit`). Frozen variables get no grad
 Gradients are accumulated carrying the loss scale ``S`` and averaged over micro-batches: each
 micro-batch's backward is seeded with ``S / GA``. Under data parallelism each unit's gradient is
 mean-reduced over the DP group once per step, after its micro-batch loop (reduce-scattered with RTS); see
-:mod:`ipuft.placement` for the forms a variable takes.
+:mod:`ipuft.engine.placement` for the forms a variable takes.
 """
 
 from __future__ import annotations
@@ -19,28 +19,48 @@ from __future__ import annotations
 import contextlib
 import math
 import zlib
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from ipuft.activations import ActivationBuffers, working_set
-from ipuft.batch import Batch
-from ipuft.components import Init, VariableSpec, bound, recompute
-from ipuft.errors import PluginError
-from ipuft.hostmem import retain_freed_memory
-from ipuft.model import ModelParts
+from ipuft.components import VariableSpec, bound, recompute
+from ipuft.data.batch import Batch
+from ipuft.engine.activations import ActivationBuffers, working_set
+from ipuft.engine.hostmem import retain_freed_memory
+from ipuft.engine.model import ModelParts
+from ipuft.engine.placement import Placement
+from ipuft.engine.precision import (
+    Recipe,
+    add_rounded_,
+    add_widened_,
+    chunked_norm,
+    compute_dtype,
+    gradient_chunk,
+    gradient_working_bytes,
+    recipe,
+    rounding_key,
+    stochastic_round_,
+)
+from ipuft.engine.profiling import active as active_profile
+from ipuft.engine.profiling import section
+from ipuft.engine.scaling import LossScale
+from ipuft.engine.store import Tensors, VariableStore, nbytes
+from ipuft.engine.update import group_transient_bytes, update_chunk, update_groups
+from ipuft.engine.variables import (
+    MASTER,
+    Initializer,
+    float32,
+    initial_values,
+    optimizer_state_specs,
+    placements,
+    unit_groups,
+)
 from ipuft.optim import Optimizer, StepContext
 from ipuft.parallel import Layout, active
-from ipuft.placement import Placement
-from ipuft.precision import Recipe, compute_dtype, recipe, rounding_key, rounding_workspace, stochastic_round_
-from ipuft.profiling import active as active_profile
-from ipuft.profiling import section
-from ipuft.program import Op, Phase
-from ipuft.scaling import LossScale
-from ipuft.store import Tensors, VariableStore, nbytes
+from ipuft.program import Entry, Move, Op, OpActivations, Phase, Unit
 
 
 @dataclass
@@ -75,7 +95,6 @@ class _StepState:
     skip: bool = False
 
 
-Initializer = Callable[[str, list[VariableSpec]], Tensors]
 
 
 class _Graphs:
@@ -93,157 +112,9 @@ class _Graphs:
         return self._kept.pop(mb)
 
 
-def unit_role(unit: str) -> str:
-    return unit.split(".", 1)[0]
-
-
-def placements(parts: ModelParts, layout: Layout, rts: bool) -> dict[str, dict[str, Placement]]:
-    """Every variable's placement, by role."""
-    return {role: {v.name: Placement(v, parts.shard_specs[role][v.name], layout, rts) for v in specs}
-            for role, specs in parts.variables.items()}
-
-
 def updates_on_host(cfg: DictConfig) -> bool:
     """``execution.optimizer_placement=host``: updates run in host memory, where the variables live."""
     return cfg.execution.optimizer_placement.value == "host"
-
-
-MASTER = "master"  # the optimizer-state name of a variable's float32 master copy (Recipe.master)
-
-
-def float32(spec: VariableSpec) -> VariableSpec:
-    """``spec`` with a float32 dtype: the view an optimizer sees, and what initializers produce."""
-    return replace(spec, dtype=torch.float32) if spec.dtype.is_floating_point else spec
-
-
-def optimizer_state_specs(variables: list[VariableSpec], optimizer: Optimizer,
-                          master: bool = False) -> list[VariableSpec]:
-    """The ``optim`` group of a unit with these variables (stored or full), named ``<variable>.<state>``.
-
-    The optimizer is asked about each trainable variable's float32 view (it never sees 16-bit); with
-    ``master`` each also keeps its float32 master copy, ``<variable>.master``. Frozen variables have none.
-    """
-    specs = []
-    for v in variables:
-        if not v.trainable:
-            continue
-        specs += [VariableSpec(f"{v.name}.{s.name}", s.shape, s.dtype, s.init)
-                  for s in optimizer.state_specs(float32(v))]
-        if master:
-            specs.append(VariableSpec(f"{v.name}.{MASTER}", v.shape, torch.float32, Init("zeros")))
-    return specs
-
-
-def gradient_working_bytes(size: int, wide: bool, micro_batches: int, data_parallel: int) -> int:
-    """The most bytes a unit's backward holds for its gradients, whose weights take ``size`` bytes. With 16-bit
-    weights (``wide``): autograd's 16-bit gradient of a micro-batch beside the float32 sums (twice ``size``),
-    except where no float32 reduction over DP follows and two micro-batches at most are summed, which needs
-    only their 16-bit gradients (:meth:`PhasedEngine._sum_16bit`). Otherwise autograd's accumulated gradients
-    and, from the second micro-batch on, the new micro-batch's beside them until it is added in."""
-    if wide:
-        return micro_batches * size if data_parallel == 1 and micro_batches <= 2 else 3 * size
-    return 2 * size if micro_batches > 1 else size
-
-
-def update_chunk(device: torch.device | str) -> int:
-    """The most elements one optimizer call updates on ``device`` (see :meth:`PhasedEngine._optimizer_step`).
-
-    On the CPU a few hundred thousand: the pieces of weight, gradient, state and temporaries one call touches
-    (a few MB) stay in cache between the update's passes, and 16-bit rounding, about thirty int32 passes, runs
-    fastest there (4.4 ns a weight at 2^18, 6.2 at 2^20, on the 2-core CI CPU). On a GPU, where each pass is a
-    kernel launch, a few million, so that launches stay few."""
-    return 1 << 18 if torch.device(device).type == "cpu" else 1 << 22
-
-
-def add_widened_(total: torch.Tensor, part: torch.Tensor, chunk: int) -> None:
-    """``total += part`` for a float32 ``total`` and a 16-bit ``part`` (both contiguous), ``chunk`` elements at a
-    time through a float32 scratch. ATen's CPU ``add_`` of mixed dtypes first converts the whole of ``part``: a
-    float32 copy of the unit's gradient (0.8 GB for a GPT-J-6B-wide embedding) beside the sums, and slower
-    (0.16 against 0.11 s for 206M elements on the 2-core CI CPU)."""
-    flat_total, flat_part = total.view(-1), part.view(-1)
-    scratch = torch.empty(min(chunk, flat_total.numel()), dtype=total.dtype, device=total.device)
-    for start in range(0, flat_total.numel(), chunk):
-        piece = flat_part[start : start + chunk]
-        flat_total[start : start + piece.numel()].add_(scratch[: piece.numel()].copy_(piece))
-
-
-def add_rounded_(part: torch.Tensor, total: torch.Tensor, chunk: int) -> None:
-    """``part = round(total + part)``: the float32 sum of a 16-bit ``part`` and ``total`` (float32, or 16-bit
-    like ``part``), rounded to nearest into ``part``, ``chunk`` elements at a time through float32 scratch (the
-    same values as adding in float32 and rounding the whole sum: float32 addition is commutative)."""
-    flat_part, flat_total = part.view(-1), total.view(-1)
-    size = min(chunk, flat_part.numel())
-    widened = torch.empty(size, dtype=torch.float32, device=part.device)
-    other = torch.empty(size, dtype=torch.float32, device=part.device) if total.dtype != torch.float32 else None
-    for start in range(0, flat_part.numel(), chunk):
-        piece = flat_part[start : start + chunk]
-        summed = widened[: piece.numel()].copy_(piece)
-        below = flat_total[start : start + piece.numel()]
-        summed.add_(below if other is None else other[: piece.numel()].copy_(below))
-        piece.copy_(summed)
-
-
-def chunked_norm(tensor: torch.Tensor, chunk: int) -> torch.Tensor:
-    """The float32 2-norm of a 16-bit ``tensor``, ``chunk`` elements at a time through a float32 scratch."""
-    flat = tensor.reshape(-1)
-    scratch = torch.empty(min(chunk, flat.numel()), dtype=torch.float32, device=tensor.device)
-    squares = [torch.linalg.vector_norm(scratch[: piece.numel()].copy_(piece)).square()
-               for piece in flat.split(chunk)]
-    return torch.stack(squares).sum().sqrt() if squares else flat.new_zeros((), dtype=torch.float32)
-
-
-def update_groups(sizes: list[tuple[str, int]], chunk: int | None) -> Iterator[list[tuple[str, int, int]]]:
-    """The groups of pieces ``(variable, start, stop)`` that one optimizer call each updates: the flat elements
-    of the variables ``sizes`` (``(name, numel)``, in order) cut into pieces and grouped so that a group holds
-    at most ``chunk`` elements; with ``chunk`` ``None``, each variable whole, one per group."""
-    if chunk is None:
-        yield from ([(name, 0, numel)] for name, numel in sizes if numel)
-        return
-    group: list[tuple[str, int, int]] = []
-    room = chunk
-    for name, numel in sizes:
-        start = 0
-        while start < numel:
-            stop = start + min(room, numel - start)
-            group.append((name, start, stop))
-            room -= stop - start
-            start = stop
-            if not room:
-                yield group
-                group, room = [], chunk
-    if group:
-        yield group
-
-
-def group_transient_bytes(how: Recipe, pieces: list[int]) -> int:
-    """The device bytes one optimizer call over pieces of these sizes adds, besides what the optimizer itself
-    makes: for 16-bit weights the float32 gradients, the float32 views (unless a master copy is the view)
-    and the stochastic rounding's workspace; nothing for float32 weights, updated in place."""
-    if how is Recipe.exact or not pieces:
-        return 0
-    numel = sum(pieces)
-    views = numel * (4 if how is Recipe.master else 8)
-    return views + (rounding_workspace(max(pieces)) if how is Recipe.stochastic else 0)
-
-
-def _check_state_shapes(role: str, variables: list[VariableSpec], state: list[VariableSpec]) -> None:
-    """Under TP, optimizer state is placed (and gathered for checkpoints) like its variable, so it must have
-    the variable's shape; an optimizer with other state runs at tensor_parallel=1."""
-    shapes = {v.name: v.shape for v in variables}
-    for s in state:
-        variable = s.name.rsplit(".", 1)[0]
-        if s.shape != shapes[variable]:
-            raise PluginError(f"optimizer state {s.name} of {role} has shape {s.shape}, not its variable's "
-                              f"{shapes[variable]}: such state cannot follow the variable's tensor-parallel "
-                              f"layout; set execution.tensor_parallel=1")
-
-
-def initial_values(unit: str, specs: list[VariableSpec], seed: int) -> Tensors:
-    """A unit's full initial weights. Random inits draw float32 from a generator seeded by ``seed`` and the
-    unit's name, so they depend neither on the number of units nor on the layout, device or precision
-    (a 16-bit weight starts as its float32 draw, rounded)."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(unit.encode()))
-    return {s.name: s.init.fill_(torch.empty(s.shape, dtype=torch.float32), generator).to(s.dtype) for s in specs}
 
 
 class PhasedEngine:
@@ -253,7 +124,7 @@ class PhasedEngine:
                  layout: Layout | None = None, initializer: Initializer | None = None) -> None:
         """``initializer(unit, specs)`` gives a unit's full initial weights (default: random, seeded).
 
-        Without an ``optimizer`` the engine is for inference (:mod:`ipuft.inference`): it stores the weights
+        Without an ``optimizer`` the engine is for inference (:mod:`ipuft.engine.inference`): it stores the weights
         only, with no optimizer state and no gradients, and cannot :meth:`step`."""
         self.cfg = cfg
         self.parts = parts
@@ -267,6 +138,9 @@ class PhasedEngine:
         self.dtype = compute_dtype(cfg)
         self.recipe = recipe(cfg)
         self.host_update = updates_on_host(cfg) and optimizer is not None
+        # What each phase moves (None: nothing, an update of a unit with nothing trainable): the program decides.
+        self.moves = {phase: self.program.moves(phase, bool(self.trainable[phase.role]), self.host_update)
+                      for phase in self.program}
         self.scale = LossScale.from_config(cfg)
         self.dropout = cfg.model.dropout_prob > 0
         self.recompute = bool(cfg.execution.recompute)
@@ -286,31 +160,26 @@ class PhasedEngine:
     # ---- setup ----
 
     def _allocate(self, initializer: Initializer) -> None:
+        """Fill the store unit by unit with the groups :func:`~ipuft.engine.variables.unit_groups` says it holds:
+        the weights from ``initializer`` (one unit's full float32 weights at a time, so a rank never holds more
+        besides its store; a master copy starts from them; the store keeps the weights' dtype), the optimizer
+        state and the gradients allocated."""
         stores_grad = self.program.grad_units(self.host_update)
         master = self.recipe is Recipe.master
         for unit in self.program.units():
-            role = unit_role(unit)
-            placed = self.placed[role]
-            # One unit at a time: a rank never holds more than one unit's full weights besides its store.
-            # Initializers give float32 (a master copy starts from it); the store keeps the weights' dtype.
-            specs = {v.name: v for v in self.parts.variables[role]}
-            full = initializer(unit, [float32(v) for v in specs.values()])
+            placed = self.placed[unit.role]
+            groups = unit_groups(placed, self.optimizer, master, unit in stores_grad)
+            full = initializer(unit, [float32(v) for v in self.parts.variables[unit.role]])
             wide = {n: placed[n].to_stored(t) for n, t in full.items()}
             del full
-            self.store.put(unit, "fwd", {n: t.to(specs[n].dtype) for n, t in wide.items()})
-            if self.optimizer is None:
-                continue
-            stored = [p.stored_spec() for p in placed.values()]
-            state = optimizer_state_specs(stored, self.optimizer, master)
-            if self.layout.tensor_parallel > 1:
-                _check_state_shapes(role, stored, state)
-            self.store.allocate(unit, "optim", state)
+            self.store.put(unit, "fwd", {s.name: wide[s.name].to(s.dtype) for s in groups["fwd"]})
+            for group in ("optim", "grad"):
+                if group in groups:
+                    self.store.allocate(unit, group, groups[group])
             if master:
-                optim = self.store.entries[unit]["optim"]
-                for n, t in wide.items():
-                    optim[f"{n}.{MASTER}"].copy_(t)
-            if unit in stores_grad:  # written by each step before it is read: zeros, not the weights' draws
-                self.store.allocate(unit, "grad", [replace(s, init=Init("zeros")) for s in stored if s.trainable])
+                for spec in groups["optim"]:
+                    if spec.name.state == MASTER:
+                        self.store.entries[unit]["optim"][spec.name].copy_(wide[spec.name.variable])
 
     # ---- one step ----
 
@@ -321,7 +190,7 @@ class PhasedEngine:
         if batch.micro_batches != self.cfg.gradient_accumulation:
             raise ValueError(f"batch has {batch.micro_batches} micro-batches, "
                              f"expected {self.cfg.gradient_accumulation}")
-        before_h2d, before_d2h = dict(self.store.traffic.h2d), dict(self.store.traffic.d2h)
+        before = self.store.traffic.copy()
         self.store.ledger.reset_peak()
         self.updates += 1
         with section("copies"):
@@ -348,17 +217,14 @@ class PhasedEngine:
             with section("collectives"):
                 dist.all_reduce(loss, group=self.layout.dp_group)
             loss /= self.layout.data_parallel
-        traffic = {
-            "h2d": {k: v - before_h2d.get(k, 0) for k, v in self.store.traffic.h2d.items()},
-            "d2h": {k: v - before_d2h.get(k, 0) for k, v in self.store.traffic.d2h.items()},
-        }
+        traffic = self.store.traffic.since(before)
         return StepResult(
             loss=loss.item(),
             grad_norm=state.grad_norm,
-            h2d_bytes=sum(traffic["h2d"].values()),
-            d2h_bytes=sum(traffic["d2h"].values()),
+            h2d_bytes=traffic.h2d_bytes,
+            d2h_bytes=traffic.d2h_bytes,
             device_peak_bytes=self.store.ledger.peak,
-            traffic=traffic,
+            traffic=traffic.as_dict(),
             skipped=state.skip,
             loss_scale=state.loss_scale,
             activation_bytes=activation_bytes,
@@ -368,19 +234,15 @@ class PhasedEngine:
 
     def _prefetch(self, current: Phase, following: Phase | None) -> None:
         """On CUDA, start copying the next phase's variables while this phase computes."""
-        if following is None or following.unit == current.unit or self._idle(following):
+        moves = self.moves[following] if following is not None else None
+        if moves is None or following.unit == current.unit:
             return
-        for group in following.device_io(self.host_update)[0]:
-            self.store.prefetch(following.unit, group, self._names(following, group))
+        for move in moves.loads:
+            self.store.prefetch(following.unit, move.group, self._moving(following, move))
 
-    def _names(self, phase: Phase, group: str) -> set[str] | None:
-        """Which variables of ``group`` a phase loads: all of them, but for a phase that only updates, the
-        trainable weights (frozen ones do not change, so they neither come nor go)."""
-        return self.trainable[phase.role] if group == "fwd" and not phase.computes else None
-
-    def _idle(self, phase: Phase) -> bool:
-        """An update-only phase of a unit with nothing trainable: it does nothing, and loads nothing."""
-        return not phase.computes and not self.trainable[phase.role]
+    def _moving(self, phase: Phase, move: Move) -> list[str]:
+        """The names of the variables ``move`` moves of ``phase``'s unit."""
+        return move.select(self.store.entries[phase.unit][move.group], self.trainable[phase.role])
 
     def _gather(self, phase: Phase, stored: Tensors) -> tuple[Tensors, int]:
         """The unit's weights in the local form to compute with, and the bytes the gather added."""
@@ -391,11 +253,13 @@ class PhasedEngine:
         return weights, gathered
 
     def _run(self, phase: Phase, st: _StepState) -> None:
+        """Run ``phase``: load what :meth:`~ipuft.program.StepProgram.moves` says it loads, run its ops, store
+        what it says it stores."""
         unit, module, placed = phase.unit, self.modules[phase.role], self.placed[phase.role]
-        if self._idle(phase):
+        moves = self.moves[phase]
+        if moves is None:
             return
-        loads, stores = phase.device_io(self.host_update)
-        loaded = {group: self.store.load(unit, group, self._names(phase, group)) for group in loads}
+        loaded = {m.group: self.store.load(unit, m.group, self._moving(phase, m)) for m in moves.loads}
         grads = loaded.get("grad")
         weights = None
         if phase.computes:
@@ -404,7 +268,7 @@ class PhasedEngine:
             if op is Op.FORWARD:
                 self._forward(phase, module, weights, st.batch)
             elif op in (Op.LOSS_BACKWARD, Op.BACKWARD):
-                grads = self._gradients(phase, module, weights, st)
+                grads = self._gradients(phase, op, module, weights, st)
                 self._add_to_norm(placed, grads, st)
             elif op is Op.GLOBAL_NORM:
                 if self.layout.distributed:
@@ -419,15 +283,12 @@ class PhasedEngine:
                     self._optimizer_step(phase, loaded["fwd"], loaded["optim"], grads, st)
         if weights is not None:
             self.store.ledger.release(gathered)
-        trainable = self.trainable[phase.role]
-        for group in stores:
-            if st.skip and group != "grad":
+        for move in moves.stores:
+            if st.skip and move.group != "grad":
                 continue  # a skipped step leaves weights and optimizer state untouched
-            tensors = grads if group == "grad" else loaded[group]
-            if group == "fwd":  # only the updated weights go back
-                tensors = {n: t for n, t in tensors.items() if n in trainable}
-            self.store.save(unit, group, tensors)
-        if self.host_update and Op.OPTIMIZER_STEP in phase.ops and not st.skip:
+            tensors = grads if move.group == "grad" else loaded[move.group]
+            self.store.save(unit, move.group, {n: tensors[n] for n in move.select(tensors, self.trainable[phase.role])})
+        if self.host_update and phase.updates and not st.skip:
             with section("optimizer"):
                 self._host_step(phase, st)
         for tensors in loaded.values():
@@ -469,30 +330,33 @@ class PhasedEngine:
         return seeded()
 
     def _forward(self, phase: Phase, module: torch.nn.Module, weights: Tensors, batch: Batch) -> None:
+        """Every micro-batch's forward: from the token ids (the first unit) or the entry the op reads, into
+        the entry it writes; no autograd state is kept (with recompute)."""
+        io = self.moves[phase].activations[Op.FORWARD]
         if not self.recompute:
-            return self._forward_keeping_graphs(phase, module, weights, batch)
-        x_in, x_out = self.program.activation_rows(phase)
+            return self._forward_keeping_graphs(phase, module, weights, batch, io)
+        source, (target,) = io.read("x"), io.writes
         with torch.no_grad(), bound(module, weights):
             for mb in range(batch.micro_batches):
-                if x_in is None:
+                if source is None:
                     with self._rng(phase.unit, mb):
                         out = module(batch.input_ids[mb])
                 else:
-                    with self.buffers.read("x", x_in, mb) as x, self._rng(phase.unit, mb):
+                    with self.buffers.read(*source, mb) as x, self._rng(phase.unit, mb):
                         out = module(x)
-                self.buffers.write("x", x_out, mb, out)
+                self.buffers.write(*target, mb, out)
 
-    def _forward_keeping_graphs(self, phase: Phase, module, weights: Tensors, batch: Batch) -> None:
+    def _forward_keeping_graphs(self, phase: Phase, module, weights: Tensors, batch: Batch, io: OpActivations) -> None:
         """recompute=false: run every micro-batch's forward with autograd and keep each graph (its output and
         the input leaf) until the unit's backward, which then needs no recompute. The tensors autograd saves
         stay counted on the device from here to there."""
-        x_in, x_out = self.program.activation_rows(phase)
+        source, (target,) = io.read("x"), io.writes
         params, leaves = self._autograd_weights(phase, weights)
         graphs = _Graphs(leaves)
         with bound(module, params):
             for mb in range(batch.micro_batches):
                 with contextlib.ExitStack() as stack:
-                    inputs, args = self._unit_input(stack, x_in, mb, batch.input_ids, consume=False)
+                    inputs, args = self._unit_input(stack, source, mb, batch.input_ids, consume=False)
                     if not inputs and not leaves:  # a frozen first unit: its backward has nothing to do
                         with torch.no_grad(), self._rng(phase.unit, mb):
                             out = module(*args)
@@ -506,7 +370,7 @@ class PhasedEngine:
                         graphs.append(out, inputs, saved.bytes)
                         self.graph_bytes += saved.bytes
                         self.graph_peak = max(self.graph_peak, self.graph_bytes)
-                self.buffers.write("x", x_out, mb, out.detach())
+                self.buffers.write(*target, mb, out.detach())
         self._graphs[phase.unit] = graphs
 
     def _autograd_weights(self, phase: Phase, weights: Tensors) -> tuple[Tensors, Tensors]:
@@ -517,24 +381,24 @@ class PhasedEngine:
         params = {n: t.detach().requires_grad_() if n in trainable else t for n, t in weights.items()}
         return params, {n: p for n, p in params.items() if n in trainable}
 
-    def _unit_input(self, stack: contextlib.ExitStack, x_in: int | None, mb: int, input_ids: torch.Tensor,
+    def _unit_input(self, stack: contextlib.ExitStack, source: Entry | None, mb: int, input_ids: torch.Tensor,
                     consume: bool) -> tuple[list[torch.Tensor], tuple]:
-        """Micro-batch ``mb``'s input to a unit, for a forward with autograd: the token ids (the first unit),
-        or the buffered activation ``x[x_in][mb]`` as a leaf whose gradient is the ``dx`` upstream needs;
-        returns ``(input leaves, call arguments)``."""
-        if x_in is None:
+        """Micro-batch ``mb``'s input to a unit, for a forward with autograd: the token ids (the first unit, no
+        ``source``), or the buffered activation ``source`` (``("x", row)``) as a leaf whose gradient is the
+        ``dx`` upstream needs; returns ``(input leaves, call arguments)``."""
+        if source is None:
             return [], (input_ids[mb],)
-        x = stack.enter_context(self.buffers.read("x", x_in, mb, consume=consume)).detach().requires_grad_()
+        x = stack.enter_context(self.buffers.read(*source, mb, consume=consume)).detach().requires_grad_()
         return [x], (x,)
 
-    def _gradients(self, phase: Phase, module, weights: Tensors, st: _StepState) -> Tensors:
+    def _gradients(self, phase: Phase, op: Op, module, weights: Tensors, st: _StepState) -> Tensors:
         """The gradient of the unit's trainable variables over every micro-batch, reduced over DP, in its
         stored form and its weights' dtype (16-bit weights: summed in float32, rounded once at the end)."""
         size = nbytes(w for n, w in weights.items() if n in self.trainable[phase.role])
         wide = self.dtype != torch.float32
         working = gradient_working_bytes(size, wide, st.batch.micro_batches, self.layout.data_parallel)
         self.store.ledger.acquire(working)
-        local = self._backward(phase, module, weights, st, wide)
+        local = self._backward(phase, self.moves[phase].activations[op], module, weights, st, wide)
         # Left: the sums (float32, or already rounded), or autograd's accumulated gradients.
         self.store.ledger.release(working - nbytes(local.values()))
         placed = self.placed[phase.role]
@@ -542,7 +406,8 @@ class PhasedEngine:
         self.store.ledger.release(nbytes(local.values()) - nbytes(grads.values()))
         return grads
 
-    def _backward(self, phase: Phase, module, weights: Tensors, st: _StepState, wide: bool) -> Tensors:
+    def _backward(self, phase: Phase, io: OpActivations, module, weights: Tensors, st: _StepState,
+                  wide: bool) -> Tensors:
         """Loss-backward (head) or recompute-backward (decoder, embeddings) of every micro-batch; returns
         the unit's gradients summed over micro-batches: by autograd itself (into the leaves' ``.grad``), or
         with ``wide`` into float32 sums, one micro-batch's 16-bit gradient at a time."""
@@ -554,9 +419,9 @@ class PhasedEngine:
         with bound(module, params):
             for mb in range(st.batch.micro_batches):
                 if graphs is None:
-                    self._backward_micro_batch(phase, module, list(leaves.values()), mb, st)
+                    self._backward_micro_batch(phase, io, module, list(leaves.values()), mb, st)
                 else:
-                    self._backward_kept_graph(phase, graphs, mb, list(leaves.values()))
+                    self._backward_kept_graph(io, graphs, mb, list(leaves.values()))
                 if wide:
                     for n, p in leaves.items():
                         sums[n] = self._sum_16bit(sums.get(n), p.grad, mb, st.batch.micro_batches)
@@ -569,7 +434,7 @@ class PhasedEngine:
         rounded as it is made, into the last gradient itself, and two micro-batches need no float32 sums at all:
         the same values with fewer passes over the gradients and less memory (see
         :func:`gradient_working_bytes`)."""
-        chunk = update_chunk(self.device)
+        chunk = gradient_chunk(self.device)
         rounded_here = self.layout.data_parallel == 1
         if summed is None:  # the first micro-batch: kept as it is where one addition at most follows
             return grad if rounded_here and micro_batches <= 2 else grad.float()
@@ -579,17 +444,19 @@ class PhasedEngine:
         add_widened_(summed, grad, chunk)
         return summed
 
-    def _backward_micro_batch(self, phase: Phase, module, params: list[torch.Tensor], mb: int, st: _StepState):
-        """Run micro-batch ``mb``'s forward with gradient (the head's loss, or a recompute seeded by
-        ``dx``), backpropagate into ``params``, and keep the gradient of the unit's input as ``dx``."""
-        x_in, x_out = self.program.activation_rows(phase)
+    def _backward_micro_batch(self, phase: Phase, io: OpActivations, module, params: list[torch.Tensor], mb: int,
+                              st: _StepState):
+        """Run micro-batch ``mb``'s forward with gradient (the head's loss, or a recompute seeded by the ``dx``
+        entry the op reads), backpropagate into ``params``, and keep the gradient of the unit's input as the
+        ``dx`` entry the op writes."""
         with contextlib.ExitStack() as stack:
-            inputs, args = self._unit_input(stack, x_in, mb, st.batch.input_ids, consume=True)
-            if x_out is None:  # the head: loss, and the gradient that seeds the backward
+            inputs, args = self._unit_input(stack, io.read("x"), mb, st.batch.input_ids, consume=True)
+            upstream = io.read("dx")
+            if upstream is None:  # the head: loss, and the gradient that seeds the backward
                 args = (*args, st.batch.labels[mb])
                 seed = None
             else:
-                seed = stack.enter_context(self.buffers.read("dx", x_out, mb, consume=True))
+                seed = stack.enter_context(self.buffers.read(*upstream, mb, consume=True))
                 stack.enter_context(recompute())  # only the gradient of this forward is used
             stack.enter_context(working_set(self.store, [*params, *inputs, st.batch.input_ids, st.batch.labels]))
             if not inputs and not params:
@@ -601,23 +468,24 @@ class PhasedEngine:
                 out = out * (st.loss_scale / st.batch.micro_batches)
             torch.autograd.backward(out, seed, inputs=inputs + params)
         if inputs:
-            self.buffers.write("dx", x_in, mb, inputs[0].grad)
+            self.buffers.write(*io.written("dx"), mb, inputs[0].grad)
 
-    def _backward_kept_graph(self, phase: Phase, graphs: _Graphs, mb: int, leaves: list[torch.Tensor]) -> None:
-        """recompute=false: backpropagate micro-batch ``mb``'s kept forward graph with its ``dx`` (no
-        recompute), and keep the gradient of the unit's input as ``dx``."""
-        x_in, x_out = self.program.activation_rows(phase)
+    def _backward_kept_graph(self, io: OpActivations, graphs: _Graphs, mb: int, leaves: list[torch.Tensor]) -> None:
+        """recompute=false: backpropagate micro-batch ``mb``'s kept forward graph with the ``dx`` entry the op
+        reads (no recompute; the ``x`` entry it reads is only done with), and keep the gradient of the unit's
+        input as the ``dx`` entry it writes."""
         out, inputs, size = graphs.pop(mb)
         with contextlib.ExitStack() as stack:
-            seed = stack.enter_context(self.buffers.read("dx", x_out, mb, consume=True))
-            if x_in is not None:  # the layer input's entry is done with, as after a recompute
-                stack.enter_context(self.buffers.read("x", x_in, mb, consume=True))
+            for entry in io.reads:  # the seed, and the layer input's entry, done with as after a recompute
+                read = stack.enter_context(self.buffers.read(*entry, mb, consume=True))
+                if entry[0] == "dx":
+                    seed = read
             if out is not None:
                 torch.autograd.backward(out, seed, inputs=inputs + leaves)
         self.store.ledger.release(size)
         self.graph_bytes -= size
         if inputs:
-            self.buffers.write("dx", x_in, mb, inputs[0].grad)
+            self.buffers.write(*io.written("dx"), mb, inputs[0].grad)
 
     def _add_to_norm(self, placed: dict[str, Placement], grads: Tensors, st: _StepState) -> None:
         """Add the squared norm of the unscaled, reduced gradient; each element counts once in the world. A
@@ -630,7 +498,7 @@ class PhasedEngine:
             if self.dtype == torch.float32:
                 norms = torch.stack(torch._foreach_norm(counted))
             else:
-                norms = torch.stack([chunked_norm(g, update_chunk(g.device)) for g in counted])
+                norms = torch.stack([chunked_norm(g, gradient_chunk(g.device)) for g in counted])
             st.norm_sq += norms.square().sum() / st.loss_scale**2
 
     def _optimizer_step(self, phase: Phase, weights: Tensors, optim: Tensors, grads: Tensors, st: _StepState):
@@ -648,8 +516,7 @@ class PhasedEngine:
         ctx = StepContext(lr=st.lr, step=self.updates, global_norm=st.grad_norm, grad_factor=factor)
         states: dict[str, dict[str, torch.Tensor]] = {name: {} for name in weights}
         for key, t in optim.items():
-            name, state = key.rsplit(".", 1)
-            states[name][state] = t
+            states[key.variable][key.state] = t
         sizes = [(name, weights[name].numel()) for name in weights if name in grads]  # frozen: no gradient
         device = next(iter(weights.values())).device if weights else self.device
         chunk = update_chunk(device) if getattr(self.optimizer, "elementwise", True) else None
@@ -660,7 +527,7 @@ class PhasedEngine:
                       states: dict[str, dict[str, torch.Tensor]], ctx: StepContext) -> None:
         """One optimizer call over ``group``'s pieces ``(variable, start, stop)`` of flat elements. The optimizer
         sees float32: a 16-bit weight's view is its master copy or a float32 copy, mapped back into the weight
-        by the run's recipe (see :mod:`ipuft.precision`). Stored gradients are consumed: a float32 one is
+        by the run's recipe (see :mod:`ipuft.engine.precision`). Stored gradients are consumed: a float32 one is
         finished in place."""
         def piece(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
             return t.view(-1)[start:stop]
@@ -702,20 +569,20 @@ class PhasedEngine:
         """Every unit's weights as this rank stores them (host tensors when offloaded)."""
         return self.store.state("fwd")
 
-    def _placement(self, unit: str, group: str, name: str) -> Placement:
-        """The placement of ``name`` in ``group``; optimizer state ``<variable>.<state>`` is placed like its
-        variable."""
-        return self.placed[unit_role(unit)][name.rsplit(".", 1)[0] if group == "optim" else name]
+    def _placement(self, unit: Unit, group: str, name: str) -> Placement:
+        """The placement of ``name`` in ``group``; optimizer state (a :class:`~ipuft.engine.variables.StateName`)
+        is placed like its variable."""
+        return self.placed[unit.role][name.variable if group == "optim" else name]
 
-    def full_specs(self, unit: str, group: str = "fwd") -> list[VariableSpec]:
+    def full_specs(self, unit: Unit, group: str = "fwd") -> list[VariableSpec]:
         """The full (layout-free) specs of ``unit``'s ``group`` (``fwd`` or ``optim``) in their stored dtypes,
         in the order :meth:`full_tensors` gives them (and checkpoints hold them)."""
-        variables = self.parts.variables[unit_role(unit)]
+        variables = self.parts.variables[unit.role]
         if group == "fwd":
             return list(variables)
         return optimizer_state_specs(variables, self.optimizer, self.recipe is Recipe.master)
 
-    def full_tensors(self, groups: Sequence[str] = ("fwd",)) -> Iterator[tuple[str, str, VariableSpec, torch.Tensor]]:
+    def full_tensors(self, groups: Sequence[str] = ("fwd",)) -> Iterator[tuple[Unit, str, VariableSpec, torch.Tensor]]:
         """Every unit's full variables of ``groups`` as ``(unit, group, full spec, tensor)``, one at a time:
         units in program order, each unit's groups in turn, each in :meth:`full_specs` order.
 
@@ -743,7 +610,7 @@ class PhasedEngine:
             out.setdefault(unit, {})[spec.name] = tensor.clone() if tensor is stored else tensor
         return out
 
-    def load_full(self, group: str, units: dict[str, Tensors]) -> None:
+    def load_full(self, group: str, units: dict[Unit, Tensors]) -> None:
         """Replace ``group`` of every unit from full tensors (a checkpoint's), in this rank's stored form."""
         for unit, tensors in units.items():
             stored = self.store.entries[unit][group]
@@ -751,7 +618,7 @@ class PhasedEngine:
                 if t is not stored[n]:  # else read into place already (see full_homes)
                     stored[n].copy_(self._placement(unit, group, n).to_stored(t))
 
-    def full_homes(self, unit: str, group: str) -> Tensors:
+    def full_homes(self, unit: Unit, group: str) -> Tensors:
         """The stored tensors of ``unit``'s ``group`` that are their full variable (no rank shares them) and
         live in host memory: a checkpoint can be read straight into them."""
         return {n: t for n, t in self.store.entries[unit][group].items()

@@ -25,8 +25,18 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from ipuft.batch import Batch
-from ipuft.checkpoint import (
+from ipuft.config import to_yaml
+from ipuft.data.synthetic import SampleData
+from ipuft.data.tokenizer import tokenizer_path, tokenizer_source
+from ipuft.data.tokens import TokenDataset, data_source, validation_source
+from ipuft.engine.flops import StepFlops, step_flops, utilisation
+from ipuft.engine.inference import dataset_loss
+from ipuft.engine.model import ModelParts, build_model
+from ipuft.engine.phased import PhasedEngine, StepResult
+from ipuft.engine.precision import Recipe, recipe
+from ipuft.engine.variables import optimizer_state_specs
+from ipuft.errors import ConfigError, Stopped, TrainingError
+from ipuft.io.checkpoint import (
     OPTIM,
     WEIGHTS,
     Contents,
@@ -39,21 +49,11 @@ from ipuft.checkpoint import (
     resume_differences,
     save_checkpoint,
 )
-from ipuft.config import to_yaml
-from ipuft.data import SampleData
-from ipuft.datasets import TokenDataset, data_source, tokenizer_path, tokenizer_source, validation_source
-from ipuft.engine import PhasedEngine, StepResult, optimizer_state_specs, unit_role
-from ipuft.errors import ConfigError, Stopped, TrainingError
-from ipuft.flops import StepFlops, phase_rates, run_matmul_peak, step_flops, utilisation
-from ipuft.inference import dataset_loss
 from ipuft.loggers import Backends
-from ipuft.model import ModelParts, build_model
 from ipuft.parallel import Layout, collective_errors
 from ipuft.plugins import PluginHooks
-from ipuft.precision import Recipe, recipe
-from ipuft.profiling import PhaseLabels, StepProfile, profiling
-from ipuft.runtime import build_engine
-from ipuft.schedule import learning_rate
+from ipuft.run.runtime import build_engine
+from ipuft.run.schedule import learning_rate
 
 
 def tokenizer_file(cfg: DictConfig) -> Path | None:
@@ -66,7 +66,7 @@ def tokenizer_file(cfg: DictConfig) -> Path | None:
 
 def save(engine: PhasedEngine, cfg: DictConfig, root: Path | None, step: int, data=None) -> Path | None:
     """Every rank takes part in gathering the full weights (and optimizer state), one tensor at a time; rank 0
-    writes each into the checkpoint as it arrives (see :mod:`ipuft.checkpoint`)."""
+    writes each into the checkpoint as it arrives (see :mod:`ipuft.io.checkpoint`)."""
     if root is None:
         return None
     groups = ("fwd", "optim") if cfg.checkpoint.optim_state else ("fwd",)
@@ -94,8 +94,7 @@ def restore(engine: PhasedEngine, cfg: DictConfig, checkpoint: Path, data) -> in
         units = engine.program.units()
         state_of = checkpoint_initializer(checkpoint, OPTIM, units=units)  # verified as it is read
         for unit in units:
-            specs = optimizer_state_specs(engine.parts.variables[unit_role(unit)], engine.optimizer,
-                                          engine.recipe is Recipe.master)
+            specs = engine.full_specs(unit, "optim")
             engine.load_full("optim", {unit: state_of(unit, specs, engine.full_homes(unit, "optim"))})
     engine.updates = int(meta.get("updates", meta["step"]))
     if "loss_scale" in meta:
@@ -172,7 +171,7 @@ def checkpoint_bytes(cfg: DictConfig, parts: ModelParts, hooks: PluginHooks) -> 
     master = recipe(cfg) is Recipe.master
     total = 0
     for unit in parts.program.units():
-        variables = parts.variables[unit_role(unit)]
+        variables = parts.variables[unit.role]
         total += sum(v.nbytes for v in variables)
         if cfg.checkpoint.optim_state:
             total += sum(v.nbytes for v in optimizer_state_specs(variables, optimizer, master))
@@ -192,7 +191,7 @@ def check_run_paths(cfg: DictConfig, parts: ModelParts, hooks: PluginHooks) -> N
     needed = checkpoint_bytes(cfg, parts, hooks)
     free = shutil.disk_usage(_existing_ancestor(root)).free
     if free < needed:
-        from ipuft.plan import format_bytes
+        from ipuft.engine.plan import format_bytes
 
         raise ConfigError(f"checkpoint.save: {root} has {format_bytes(free)} free, but one checkpoint of this model "
                           f"takes {format_bytes(needed)}; free space or save elsewhere")
@@ -233,7 +232,7 @@ def run_directory(cfg: DictConfig) -> Path:
 
 def metrics_record(step: int, result: StepResult, lr: float, tokens: int, seconds: float, flops: StepFlops) -> dict:
     """One step's line of metrics.jsonl: the step's results, its speed, and this rank's FLOP/s (model and
-    recompute apart, :mod:`ipuft.flops`)."""
+    recompute apart, :mod:`ipuft.engine.flops`)."""
     record = {"step": step, "loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
               "tokens_per_s": tokens / seconds if seconds > 0 else 0.0, "step_time_s": seconds,
               **utilisation(flops, seconds if seconds > 0 else math.inf)}
@@ -301,7 +300,7 @@ def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[di
     data = data_source(cfg)
     validation = validation_source(cfg, data) if cfg.training.eval_steps else None
     check_output_dir(cfg)
-    parts = build_model(cfg, hooks)
+    parts = build_model(cfg, hooks, hooks.registrations.build_optimizer(cfg))
     if int(os.environ.get("RANK", "0")) == 0:  # rank 0 alone writes the run directory
         check_run_paths(cfg, parts, hooks)
     engine = build_engine(cfg, hooks, parts)
@@ -377,71 +376,3 @@ def _backends(cfg: DictConfig, out: Path | None, hooks: PluginHooks, main: bool)
         raise
     finally:
         backends.finish(status)
-
-
-def benchmark(cfg: DictConfig, hooks: PluginHooks, timed_steps: int = 5, profile: bool = False,
-              trace: Path | None = None) -> dict:
-    """The reference's ``main()``: one untimed step, then ``timed_steps`` timed steps.
-
-    ``profile``: then as many profiled steps, whose breakdown by category (:mod:`ipuft.profiling`) is
-    ``"profile"``; the throughput figures stay those of the plain steps. ``trace``: then one step recorded
-    by ``torch.profiler``, with a range per phase, written there as a Chrome trace."""
-    data = data_source(cfg)
-    engine = build_engine(cfg, hooks)
-    batch = replica_batch(cfg, data, 0, engine.layout)
-    lr = cfg.training.optimizer.learning_rate.maximum
-    engine.step(batch, lr)
-    peak = run_matmul_peak(cfg, engine.device)  # measured before and after the timed steps: the better of both
-    durations = []
-    for _ in range(timed_steps):
-        start = time.perf_counter()
-        result = engine.step(batch, lr)
-        durations.append(time.perf_counter() - start)
-    duration = sum(durations) / len(durations)
-    samples = cfg.training.global_batch_size
-    flops = step_flops(cfg, engine.parts, device=engine.device)
-    peak = run_matmul_peak(cfg, engine.device, before=peak)
-    out = {"duration_s": duration, "samples_per_s": samples / duration,
-           "tokens_per_s": samples * cfg.model.sequence_length / duration, "loss": result.loss,
-           "h2d_bytes": result.h2d_bytes, "d2h_bytes": result.d2h_bytes,
-           "device_peak_bytes": result.device_peak_bytes, "device": str(engine.device),
-           "model_flops_per_step": flops.model, "recompute_flops_per_step": flops.recompute,
-           **utilisation(flops, duration, peak["flops_per_s"]), "matmul_peak": peak}
-    if profile:
-        out["profile"] = profile_steps(engine, batch, lr, timed_steps)
-        out["profile"]["phase_flops"] = phase_rates(flops, out["profile"]["phases"], peak["flops_per_s"])
-    if trace is not None:
-        trace_step(engine, batch, lr, trace)
-    return out
-
-
-def profile_steps(engine: PhasedEngine, batch: Batch, lr: float, steps: int) -> dict:
-    """Run ``steps`` steps with a profile active; its report (:meth:`ipuft.profiling.StepProfile.report`)
-    against each step's measured time, the device synchronised at both ends."""
-    profile = StepProfile(engine.device)
-    total = 0.0
-    with profiling(profile):
-        for _ in range(steps):
-            start = profile.now()
-            engine.step(batch, lr)
-            total += profile.now() - start
-    return profile.report(total, steps)
-
-
-def trace_step(engine: PhasedEngine, batch: Batch, lr: float, path: Path) -> None:
-    """Record one step with ``torch.profiler`` (CPU, and CUDA when the engine computes there), each phase a
-    ``record_function`` range named like ``decoder.3:backward`` (:class:`ipuft.profiling.PhaseLabels`: no
-    synchronisation, so the trace shows what overlaps), and write it to ``path`` as a Chrome trace; under
-    torchrun each rank writes its own, ``<stem>.rank<N><suffix>``."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    if engine.layout.distributed:
-        path = path.with_name(f"{path.stem}.rank{engine.layout.rank}{path.suffix}")
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
-    with torch_profile(activities=activities) as recorded, profiling(PhaseLabels()):
-        engine.step(batch, lr)
-    try:
-        recorded.export_chrome_trace(str(path))
-    except OSError as exc:
-        raise ConfigError(f"--trace {path}: cannot be written ({exc.strerror or exc})") from None

@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ipuft.checkpoint import checked
 from ipuft.components import VariableSpec
 from ipuft.errors import CheckpointError, ConfigError, PluginError
-from ipuft.hf import unit_mappings
+from ipuft.io.checkpoint import checked
+from ipuft.io.hf_names import unit_mappings
 
 # config.json key → ipuft config key; each must agree with the run's config.
 HF_SHAPES = {
@@ -149,6 +149,30 @@ def apply_hf_shapes(cfg: DictConfig, typed: set[str]) -> None:
                           f"n_positions={positions}")
 
 
+_INDEX_LIMIT = 1 << 26  # bytes; GPT-J-6B's index is about 30 kB
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The ``weight_map`` of a sharded checkpoint's index: tensor name → the file (in the same directory) that
+    holds it. The index is untrusted: anything but a JSON object mapping names to plain file names is one
+    line naming the index."""
+    try:
+        if index.stat().st_size > _INDEX_LIMIT:
+            raise CheckpointError(f"{index} is larger than {_INDEX_LIMIT} bytes; a weight index is a few kB")
+        data = json.loads(index.read_text())
+    except (OSError, ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{index} is not a valid weight index ({type(exc).__name__}: {str(exc)[:200]})") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict):
+        found = type(weight_map).__name__ if isinstance(data, dict) and "weight_map" in data else "none"
+        raise CheckpointError(f"{index}: weight_map must be a JSON object of tensor names to file names, found {found}")
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or not file or Path(file).name != file or file in (".", ".."):
+            raise CheckpointError(f"{index}: weight_map[{name[:80]!r}] must name a file in the checkpoint's directory, "
+                                  f"got {str(file)[:80]!r}")
+    return weight_map
+
+
 class HFWeights:
     """Read a Hugging Face checkpoint's tensors one at a time, by name."""
 
@@ -162,11 +186,7 @@ class HFWeights:
         for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
             index = d / index_name
             if index.exists():
-                try:
-                    weight_map = json.loads(index.read_text())["weight_map"]
-                except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                    raise CheckpointError(f"{index} is not a valid weight index ({exc})") from None
-                return {name: d / file for name, file in weight_map.items()}
+                return {name: d / file for name, file in _weight_map(index).items()}
         for single in ("model.safetensors", "pytorch_model.bin"):
             if (d / single).exists():
                 return {name: d / single for name in self._names(d / single)}
@@ -203,7 +223,7 @@ def hf_initializer(directory: str | Path, modules, layers: int,
     """An engine initializer that fills each unit from the checkpoint, tensor by tensor. A variable the
     component marks ``added`` (an adapter: it has no Hugging Face name) starts from its declared init,
     seeded by ``seed`` as a random start would be; any other variable without a name stops the import."""
-    from ipuft.engine import initial_values
+    from ipuft.engine.phased import initial_values
 
     weights = HFWeights(directory)
     mappings = unit_mappings(modules, layers)

@@ -1,7 +1,7 @@
 """Model FLOPs: what one optimizer step computes, counted from the real shapes on the meta device, and the
 matmul rate it is measured against (``ipuft plan``, ``ipuft bench``, ``metrics.jsonl``).
 
-Each unit's forward, backward and recompute are counted once on the meta device (:mod:`ipuft.measure`)
+Each unit's forward, backward and recompute are counted once on the meta device (:mod:`ipuft.engine.measure`)
 by ``torch.utils.flop_counter.FlopCounterMode``, which counts the matmuls (and attention, which on the meta
 device runs as its matmuls: dense ``T × T`` scores, as MFU is usually counted, without the causal half a
 kernel may skip). The step program then says how often each runs: every micro-batch's forward and
@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 import torch
 from omegaconf import DictConfig
 
-from ipuft.measure import UnitCost, unit_cost
-from ipuft.model import ModelParts
-from ipuft.precision import compute_dtype
+from ipuft.engine.measure import UnitCost, unit_cost
+from ipuft.engine.model import ModelParts
+from ipuft.engine.precision import compute_dtype
 from ipuft.program import Op
 
 
@@ -54,7 +54,7 @@ class StepFlops:
 def step_flops(cfg: DictConfig, parts: ModelParts, costs: dict[str, UnitCost] | None = None,
                device: torch.device | str = "cpu") -> StepFlops:
     """Every FLOP of one optimizer step on this rank, by the step program: each phase's ops over the
-    gradient-accumulation micro-batches (``costs``: each role's :func:`ipuft.measure.unit_cost`, measured here
+    gradient-accumulation micro-batches (``costs``: each role's :func:`ipuft.engine.measure.unit_cost`, measured here
     on ``device`` unless given)."""
     per_unit = costs or {role: unit_cost(parts, role, cfg, device) for role in parts.modules}
     ga = cfg.gradient_accumulation
@@ -111,15 +111,15 @@ def run_matmul_peak(cfg: DictConfig, device: torch.device | str, seconds: float 
     return {"flops_per_s": rate, "shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
 
 
-def phase_rates(flops: StepFlops, seconds: dict[str, float], peak: float | None = None) -> dict[str, dict]:
-    """Each profiled phase's FLOP/s, counting its recompute (``seconds``: a profile's ``phases``, per step, by
-    ``role:kind``), and their share of the matmul ``peak``."""
-    rates = {}
-    for key, spent in seconds.items():
-        role, _, kind = key.partition(":")
-        model, again = flops.by_phase.get(role, {}).get(kind, (0, 0))
-        rate = (model + again) / spent if spent > 0 else 0.0
-        rates[key] = {"flops_per_s": rate, "of_peak": rate / peak if peak else None}
+def phase_rates(flops: StepFlops, seconds: dict[str, dict[str, float]], peak: float | None = None) -> dict:
+    """Each profiled kind of phase's FLOP/s, counting its recompute (``seconds``: a profile's ``phases``, per step,
+    ``{role: {kind: seconds}}``), and their share of the matmul ``peak``, as ``{role: {kind: {...}}}``."""
+    rates: dict[str, dict[str, dict]] = {}
+    for role, kinds in seconds.items():
+        for kind, spent in kinds.items():
+            model, again = flops.by_phase.get(role, {}).get(kind, (0, 0))
+            rate = (model + again) / spent if spent > 0 else 0.0
+            rates.setdefault(role, {})[kind] = {"flops_per_s": rate, "of_peak": rate / peak if peak else None}
     return rates
 
 

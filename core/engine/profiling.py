@@ -65,7 +65,8 @@ class StepProfile:
     def __init__(self, device: torch.device | str) -> None:
         self.cuda = torch.device(device).type == "cuda"
         self.seconds = dict.fromkeys(CATEGORIES, 0.0)
-        self.phases: dict[str, float] = {}  # each phase's whole time (its copies and collectives in), by role:kind
+        self.phases: dict[str, dict[str, float]] = {}  # each phase's whole time (copies, collectives in): role, kind
+        self.order: list[tuple[str, str]] = []  # (role, kind) of each kind of phase, as first run
         self._nested: list[float] = []  # for each open section, the time its nested sections took
 
     def now(self) -> float:
@@ -89,14 +90,16 @@ class StepProfile:
 
     @contextmanager
     def phase(self, phase: Phase) -> Iterator[None]:
-        """Time a phase as its kind (:func:`phase_kind`), and its whole time under ``<role>:<kind>``."""
-        key = f"{phase.role}:{phase_kind(phase)}"
-        start = self.now()
+        """Time a phase as its kind (:func:`phase_kind`), and its whole time under its role and kind."""
+        kind, start = phase_kind(phase), self.now()
         try:
-            with self.section(phase_kind(phase)):
+            with self.section(kind):
                 yield
         finally:
-            self.phases[key] = self.phases.get(key, 0.0) + self.now() - start
+            kinds = self.phases.setdefault(phase.role, {})
+            if kind not in kinds:
+                self.order.append((phase.role, kind))
+            kinds[kind] = kinds.get(kind, 0.0) + self.now() - start
 
     def report(self, total: float, steps: int) -> dict:
         """Per step: the measured ``step_s`` (``total`` over ``steps``), each category's seconds and share of
@@ -109,7 +112,8 @@ class StepProfile:
             "share": {c: s / total for c, s in self.seconds.items()},
             "other_s": (total - covered) / steps,
             "other_share": (total - covered) / total,
-            "phases": {key: s / steps for key, s in self.phases.items()},
+            "phases": {role: {kind: s / steps for kind, s in kinds.items()} for role, kinds in self.phases.items()},
+            "phase_order": [list(key) for key in self.order],  # (role, kind) in the order the step first ran them
         }
 
 
@@ -163,18 +167,19 @@ def timed(category: str) -> Callable[[F], F]:
 def format_profile(report: dict) -> str:
     """The breakdown as a table: seconds per step and share, by category, then the remainder and the step;
     then each kind of phase by role, with its FLOP/s and their share of the matmul peak where the report has
-    them (``ipuft bench``: :func:`ipuft.flops.phase_rates`)."""
+    them (``ipuft bench``: :func:`ipuft.engine.flops.phase_rates`)."""
     rows = [(CATEGORIES[c], report["seconds"][c], report["share"][c]) for c in CATEGORIES]
     rows += [(OTHER, report["other_s"], report["other_share"]), ("step", report["step_s"], 1.0)]
     lines = [f"where a step's time goes (mean of {report['steps']} profiled steps):"]
     lines += [f"  {name:<26} {seconds:9.4f} s  {share:6.1%}" for name, seconds, share in rows]
     rates = report.get("phase_flops", {})
     lines.append("by phase (whole phases, copies and collectives in; FLOP/s counting the recompute):")
-    for key, seconds in report["phases"].items():
-        line = f"  {key:<26} {seconds:9.4f} s"
-        if key in rates and rates[key]["flops_per_s"]:
-            line += f"  {rates[key]['flops_per_s'] / 1e9:10,.1f} GFLOP/s"
-            if rates[key].get("of_peak") is not None:
-                line += f"  {rates[key]['of_peak']:6.1%} of the matmul peak"
+    for role, kind in report["phase_order"]:
+        line = f"  {role + ':' + kind:<26} {report['phases'][role][kind]:9.4f} s"
+        rate = rates.get(role, {}).get(kind)
+        if rate and rate["flops_per_s"]:
+            line += f"  {rate['flops_per_s'] / 1e9:10,.1f} GFLOP/s"
+            if rate.get("of_peak") is not None:
+                line += f"  {rate['of_peak']:6.1%} of the matmul peak"
         lines.append(line)
     return "\n".join(lines)

@@ -32,9 +32,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ipuft.components import VariableSpec
-from ipuft.profiling import section
+from ipuft.engine.profiling import section
 
-GROUPS = ("fwd", "optim", "grad")
 Tensors = dict[str, torch.Tensor]
 
 
@@ -71,9 +70,14 @@ class Traffic:
     def d2h_bytes(self) -> int:
         return sum(self.d2h.values())
 
-    def weight_bytes(self) -> int:
-        """Bytes of variables (every group) moved in either direction."""
-        return sum(self.h2d[g] + self.d2h[g] for g in GROUPS)
+    def copy(self) -> Traffic:
+        """The counts so far, to take :meth:`since` from."""
+        return Traffic(defaultdict(int, self.h2d), defaultdict(int, self.d2h))
+
+    def since(self, before: Traffic) -> Traffic:
+        """The bytes moved since ``before`` (a :meth:`copy`), per category."""
+        return Traffic(defaultdict(int, {k: v - before.h2d.get(k, 0) for k, v in self.h2d.items()}),
+                       defaultdict(int, {k: v - before.d2h.get(k, 0) for k, v in self.d2h.items()}))
 
     def as_dict(self) -> dict[str, dict[str, int]]:
         return {"h2d": dict(self.h2d), "d2h": dict(self.d2h)}

@@ -20,9 +20,9 @@ from contextlib import contextmanager
 
 import torch
 
+from ipuft.engine.profiling import section
+from ipuft.engine.store import VariableStore, host_copy
 from ipuft.parallel import Layout, all_gather_flat
-from ipuft.profiling import section
-from ipuft.store import VariableStore, host_copy
 
 KINDS = ("x", "dx")
 

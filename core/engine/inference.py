@@ -23,14 +23,14 @@ import torch
 import torch.distributed as dist
 
 from ipuft.components import IGNORE_INDEX, bound
+from ipuft.engine.store import host_copy
 from ipuft.errors import ConfigError, DataError
 from ipuft.generate import KVCache, LayerKVCache
 from ipuft.program import Op, Phase
-from ipuft.store import host_copy
 
 if TYPE_CHECKING:
-    from ipuft.datasets import TokenDataset
-    from ipuft.engine import PhasedEngine
+    from ipuft.data.tokens import TokenDataset
+    from ipuft.engine.phased import PhasedEngine
 
 
 @contextlib.contextmanager

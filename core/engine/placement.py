@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from ipuft.components import VariableSpec
+from ipuft.engine.profiling import section
 from ipuft.parallel import Layout, all_gather_flat, reduce_scatter_flat
-from ipuft.profiling import section
 from ipuft.sharding import ShardSpec
 
 

@@ -1,7 +1,8 @@
-"""Real datasets: read rows from a local file, tokenize them, and serve batches as :class:`SampleData` does.
+"""Tokenized datasets: rows read from a local file, tokenized, and served in batches as :class:`SampleData`
+serves its own.
 
-The pipeline is ``read_rows`` (a file → numbered dicts) → :class:`TokenDataset` (dicts → token ids, by
-``data.format``, then packed into fixed chunks or kept one example per row) → ``batch(step, ...)``.
+The pipeline is :func:`~ipuft.data.files.read_rows` (a file → numbered dicts) → :class:`TokenDataset` (dicts →
+token ids, by ``data.format``, then packed into fixed chunks or kept one example per row) → ``batch(step, ...)``.
 Tokenization happens once, up front; the dataset keeps one flat int32 tensor of token ids plus offsets,
 never padded copies, and builds each padded row when a batch asks for it.
 
@@ -12,201 +13,34 @@ calling ``batch(step, ...)`` for the steps it has left. Nothing here touches the
 
 from __future__ import annotations
 
-import csv
-import hashlib
 import json
-import os
-import shutil
-import tempfile
-import warnings
 from array import array
 from collections.abc import Iterator
 from functools import lru_cache
-from importlib import resources
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ipuft.batch import Batch
-from ipuft.checkpoint import sha256_file
 from ipuft.components import IGNORE_INDEX
 from ipuft.config.schema import DataFormat
-from ipuft.data import SampleData
-from ipuft.errors import DataError, first_line
-from ipuft.templates import Template, resolve_template
+from ipuft.data.batch import Batch
+from ipuft.data.cache import TokenCache
+from ipuft.data.files import read_rows, resolve_data_path
+from ipuft.data.synthetic import SampleData
+from ipuft.data.templates import Template, resolve_template
+from ipuft.data.tokenizer import load_tokenizer, tokenizer_source
+from ipuft.errors import DataError
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
     from tokenizers import Tokenizer
 
-SAMPLE_DATASET = "mnli-sample"
-SAMPLE_TOKENIZER = "sample"
-READERS = (".jsonl", ".json", ".csv", ".tsv", ".parquet", ".txt")
 # Padding of unpacked rows: the id never reaches the loss (its labels are IGNORE_INDEX), and 0 is a valid
 # id for every vocabulary, so no tokenizer needs a pad token.
 PAD_ID = 0
 # Rows are tokenized this many at a time: encode_batch parallelises within a chunk, and the chunk bounds
 # the Python strings held at once.
-EOS = "<|endoftext|>"  # GPT-J's end-of-text token
 ENCODE_CHUNK = 1024
-
-
-# -- Files ---------------------------------------------------------------------------------------------
-
-
-def tokenizer_path(spec: str) -> Path:
-    """Where the tokenizer.json named by ``spec`` is: ``"sample"`` (shipped with ipuft), a directory
-    holding it, or the file itself (which may not exist)."""
-    if spec == SAMPLE_TOKENIZER:
-        return Path(str(resources.files("ipuft.sample_data") / "tokenizer.json"))
-    path = Path(spec)
-    return path / "tokenizer.json" if path.is_dir() else path
-
-
-def tokenizer_source(cfg: DictConfig) -> tuple[str, str] | None:
-    """The run's tokenizer: ``(spec, config key)`` of ``data.tokenizer``, else of ``model.hf_checkpoint``
-    (its directory holds tokenizer.json); ``None`` when neither is set."""
-    if cfg.data.tokenizer is not None:
-        return cfg.data.tokenizer, "data.tokenizer"
-    if cfg.model.get("hf_checkpoint") is not None:
-        return cfg.model.hf_checkpoint, "model.hf_checkpoint"
-    if cfg.model.get("init_checkpoint") is not None:
-        from ipuft.checkpoint import find_checkpoint
-
-        return str(find_checkpoint(cfg.model.init_checkpoint)), "model.init_checkpoint"
-    return None
-
-
-def load_tokenizer(spec: str, key: str = "data.tokenizer") -> Tokenizer:
-    """A ``tokenizers.Tokenizer`` from ``"sample"`` (shipped with ipuft), a directory holding
-    ``tokenizer.json``, or the file itself. ``key`` names the config key in error messages."""
-    from tokenizers import Tokenizer
-
-    path = tokenizer_path(spec)
-    if not path.is_file():
-        raise DataError(f"{key}: no tokenizer.json at {path}; give a directory holding tokenizer.json "
-                        f"or the file itself")
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as exc:  # noqa: BLE001 (the Rust side raises plain Exceptions)
-        why = first_line(exc, type(exc).__name__)
-        raise DataError(f"{key}: {path} is not a valid tokenizer.json ({why})") from None
-
-
-def resolve_data_path(path: str) -> Path:
-    """The file behind ``data.path``: ``"mnli-sample"`` is the MNLI-style sample shipped with ipuft."""
-    if path == SAMPLE_DATASET:
-        return Path(str(resources.files("ipuft.sample_data") / "mnli_sample.jsonl"))
-    resolved = Path(path)
-    if not resolved.is_file():
-        raise DataError(f"data.path: {path} does not exist" if not resolved.exists() else
-                        f"data.path: {path} is not a regular file")
-    return resolved
-
-
-def read_rows(path: str | Path, name: str | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
-    """``(row_number, row)`` for each row of a local file, numbered from 1, chosen by the suffix.
-
-    ``.jsonl``/``.json``: one JSON object per line (or one JSON array of objects), numbered by line;
-    ``.csv``/``.tsv``: a header row, then records numbered from 1; ``.parquet``: records numbered from 1;
-    ``.txt``: each non-empty line is a row ``{"text": line}``, numbered by line. ``name`` (default: the
-    path) starts error messages.
-    """
-    path = Path(path)
-    name = name or str(path)
-    suffix = path.suffix.lower()
-    if suffix not in READERS:
-        raise DataError(f"{name}: unsupported file type {suffix or '(no suffix)'!r}; "
-                        f"supported: {', '.join(READERS)}")
-    if not path.is_file():
-        raise DataError(f"data.path: {name} does not exist" if not path.exists() else
-                        f"data.path: {name} is not a regular file")
-    try:
-        yield from _rows(path, name, suffix)
-    except UnicodeDecodeError as exc:
-        raise DataError(f"{name}: not UTF-8 text (byte {exc.object[exc.start:exc.start + 1]!r} at offset "
-                        f"{exc.start} of a read block); save it as UTF-8") from None
-    except RecursionError:
-        raise DataError(f"{name}: a row nests too deeply to be a training example") from None
-    except csv.Error as exc:
-        raise DataError(f"{name}: not a valid {suffix[1:].upper()} file ({exc})") from None
-    except OSError as exc:
-        raise DataError(f"{name} cannot be read ({exc.strerror or exc})") from None
-
-
-# A row longer than this is no training example (GPT-J's context is 2048 tokens): refused, not loaded.
-MAX_ROW_CHARS = 1 << 24
-
-
-def _rows(path: Path, name: str, suffix: str) -> Iterator[tuple[int, dict[str, Any]]]:
-    if suffix in (".jsonl", ".json"):
-        yield from _read_json(path, name)
-    elif suffix in (".csv", ".tsv"):
-        with path.open(newline="", encoding="utf-8-sig") as f:  # a spreadsheet's BOM is not a column name
-            reader = csv.DictReader(f, delimiter="\t" if suffix == ".tsv" else ",")
-            for number, row in enumerate(reader, 1):
-                # A row with more cells than the header gets them under the key None: drop them.
-                row.pop(None, None)  # type: ignore[call-overload]
-                yield number, row
-    elif suffix == ".parquet":
-        yield from _read_parquet(path, name)
-    else:
-        with path.open(encoding="utf-8") as f:
-            for number, raw in enumerate(f, 1):
-                line = raw.rstrip("\r\n")
-                if line.strip():
-                    yield number, {"text": line}
-
-
-def _read_json(path: Path, name: str) -> Iterator[tuple[int, dict[str, Any]]]:
-    with path.open(encoding="utf-8-sig") as f:
-        first = f.read(1)
-        while first.isspace():
-            first = f.read(1)
-        f.seek(0)
-        if first == "[":  # one JSON array, as json.dump writes a list of dicts
-            try:
-                rows = json.load(f)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{name} line {exc.lineno}: not valid JSON ({exc.msg})") from None
-            for number, row in enumerate(rows, 1):
-                yield number, _json_object(row, f"{name} row {number}")
-            return
-        for number, line in enumerate(iter(lambda: f.readline(MAX_ROW_CHARS + 1), ""), 1):
-            if len(line) > MAX_ROW_CHARS:
-                raise DataError(f"{name} line {number}: longer than {MAX_ROW_CHARS:,} characters; a row is one "
-                                f"training example")
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{name} line {number}: not valid JSON ({exc.msg}); expected one JSON "
-                                f"object per line") from None
-            yield number, _json_object(row, f"{name} line {number}")
-
-
-def _json_object(row: Any, where: str) -> dict[str, Any]:
-    if not isinstance(row, dict):
-        raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    return row
-
-
-def _read_parquet(path: Path, name: str) -> Iterator[tuple[int, dict[str, Any]]]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise DataError(f"{name}: reading .parquet files needs pyarrow; pip install ipuft[parquet]") from None
-    try:
-        table = pq.ParquetFile(path)
-    except Exception as exc:  # noqa: BLE001 (pyarrow's ArrowInvalid and friends)
-        raise DataError(f"{name}: not a readable parquet file ({str(exc).splitlines()[0]})") from None
-    number = 0
-    for record_batch in table.iter_batches():
-        for row in record_batch.to_pylist():
-            number += 1
-            yield number, row
 
 
 # -- Sampling ------------------------------------------------------------------------------------------
@@ -260,7 +94,7 @@ class Sampler:
 
 
 class TokenDataset:
-    """Tokenized rows of ``sequence_length + 1`` tokens, served as :class:`~ipuft.engine.Batch` objects.
+    """Tokenized rows of ``sequence_length + 1`` tokens, served as :class:`~ipuft.engine.phased.Batch` objects.
 
     Packed, row ``i`` is chunk ``i`` of the concatenated examples and every token is in the loss.
     Unpacked, row ``i`` is example ``i``, padded with :data:`PAD_ID`; labels are ``IGNORE_INDEX`` where
@@ -397,85 +231,6 @@ class TokenDataset:
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Restore the data position (seed and samples seen) from :meth:`state_dict`."""
         self.sampler.load_state_dict(state)
-
-
-CACHE_VERSION = 1  # bump when tokenization or packing changes what a cache entry holds
-
-
-def cache_root() -> Path:
-    """Where tokenized datasets are cached: ``IPUFT_CACHE_DIR``, else ``$XDG_CACHE_HOME/ipuft``, else
-    ``~/.cache/ipuft``."""
-    if os.environ.get("IPUFT_CACHE_DIR"):
-        return Path(os.environ["IPUFT_CACHE_DIR"]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "ipuft"
-
-
-class TokenCache:
-    """A tokenized dataset kept as ``.npy`` files, memory-mapped when read again: keyed by the data file's
-    SHA-256, the tokenizer's, and every setting that shapes the tokens (format, template, text field,
-    packing, sequence length), so that a second run with the same inputs starts without tokenizing.
-
-    The cache is only an accelerator: an entry that is missing, unreadable or inconsistent is rebuilt,
-    never trusted, and entries are written to a temporary directory and renamed into place.
-    """
-
-    FILES = ("tokens", "offsets", "target_starts")
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-
-    @classmethod
-    def for_config(cls, cfg: DictConfig, path: Path, tokenizer: Tokenizer | None) -> TokenCache:
-        data = cfg.data
-        key = {"version": CACHE_VERSION, "data": sha256_file(path), "format": DataFormat(data.format).value,
-               "template": data.template, "text_field": data.text_field, "packing": bool(data.packing),
-               "sequence_length": cfg.model.sequence_length,
-               "tokenizer": hashlib.sha256(tokenizer.to_str().encode()).hexdigest() if tokenizer else None}
-        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
-        return cls(cache_root() / "tokens" / digest)
-
-    def load(self, name: str, vocab_size: int) -> tuple[torch.Tensor, ...] | None:
-        """The cached ``(tokens, offsets, target_starts)`` (offsets None when packed), or None on a miss."""
-        import numpy as np
-
-        try:
-            arrays = {f: np.load(self.directory / f"{f}.npy", mmap_mode="r", allow_pickle=False)
-                      for f in self.FILES if (self.directory / f"{f}.npy").exists()}
-        except (OSError, ValueError):
-            return None
-        tokens = arrays.get("tokens")
-        if tokens is None or tokens.dtype != np.int32 or tokens.ndim != 1 or not len(tokens):
-            return None
-        if int(tokens.max()) >= vocab_size or int(tokens.min()) < 0:
-            return None
-        offsets, starts = arrays.get("offsets"), arrays.get("target_starts")
-        if (offsets is None) != (starts is None):
-            return None
-        if offsets is not None and not (offsets.dtype == starts.dtype == np.int64 and len(offsets) == len(starts) + 1
-                                        and offsets[0] == 0 and offsets[-1] == len(tokens)):
-            return None
-        with warnings.catch_warnings():  # read-only memory maps: the dataset never writes to them
-            warnings.simplefilter("ignore", UserWarning)
-            return tuple(None if a is None else torch.from_numpy(a) for a in (tokens, offsets, starts))
-
-    def store(self, dataset: TokenDataset) -> None:
-        """Keep ``dataset``'s arrays; a failure to write (a full or read-only disk) only costs the cache."""
-        import numpy as np
-
-        tmp = None
-        try:
-            self.directory.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=self.directory.parent))
-            np.save(tmp / "tokens.npy", dataset.tokens.numpy())
-            if dataset.offsets is not None:
-                np.save(tmp / "offsets.npy", dataset.offsets.numpy())
-                np.save(tmp / "target_starts.npy", dataset.target_starts.numpy())
-            if self.directory.exists():  # an entry load() did not trust
-                shutil.rmtree(self.directory)
-            os.replace(tmp, self.directory)
-        except OSError:
-            if tmp is not None:
-                shutil.rmtree(tmp, ignore_errors=True)
 
 
 class _Builder:

@@ -1,0 +1,103 @@
+"""The token cache: a tokenized dataset kept as memory-mapped ``.npy`` files under ``IPUFT_CACHE_DIR`` (else
+``~/.cache/ipuft``), so that a second run with the same inputs starts at once."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from ipuft.config.schema import DataFormat
+from ipuft.io.checkpoint import sha256_file
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+    from tokenizers import Tokenizer
+
+    from ipuft.data.tokens import TokenDataset
+
+
+CACHE_VERSION = 1  # bump when tokenization or packing changes what a cache entry holds
+
+
+def cache_root() -> Path:
+    """Where tokenized datasets are cached: ``IPUFT_CACHE_DIR``, else ``$XDG_CACHE_HOME/ipuft``, else
+    ``~/.cache/ipuft``."""
+    if os.environ.get("IPUFT_CACHE_DIR"):
+        return Path(os.environ["IPUFT_CACHE_DIR"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "ipuft"
+
+
+class TokenCache:
+    """A tokenized dataset kept as ``.npy`` files, memory-mapped when read again: keyed by the data file's
+    SHA-256, the tokenizer's, and every setting that shapes the tokens (format, template, text field,
+    packing, sequence length), so that a second run with the same inputs starts without tokenizing.
+
+    The cache is only an accelerator: an entry that is missing, unreadable or inconsistent is rebuilt,
+    never trusted, and entries are written to a temporary directory and renamed into place.
+    """
+
+    FILES = ("tokens", "offsets", "target_starts")
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    @classmethod
+    def for_config(cls, cfg: DictConfig, path: Path, tokenizer: Tokenizer | None) -> TokenCache:
+        data = cfg.data
+        key = {"version": CACHE_VERSION, "data": sha256_file(path), "format": DataFormat(data.format).value,
+               "template": data.template, "text_field": data.text_field, "packing": bool(data.packing),
+               "sequence_length": cfg.model.sequence_length,
+               "tokenizer": hashlib.sha256(tokenizer.to_str().encode()).hexdigest() if tokenizer else None}
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+        return cls(cache_root() / "tokens" / digest)
+
+    def load(self, name: str, vocab_size: int) -> tuple[torch.Tensor, ...] | None:
+        """The cached ``(tokens, offsets, target_starts)`` (offsets None when packed), or None on a miss."""
+        import numpy as np
+
+        try:
+            arrays = {f: np.load(self.directory / f"{f}.npy", mmap_mode="r", allow_pickle=False)
+                      for f in self.FILES if (self.directory / f"{f}.npy").exists()}
+        except (OSError, ValueError):
+            return None
+        tokens = arrays.get("tokens")
+        if tokens is None or tokens.dtype != np.int32 or tokens.ndim != 1 or not len(tokens):
+            return None
+        if int(tokens.max()) >= vocab_size or int(tokens.min()) < 0:
+            return None
+        offsets, starts = arrays.get("offsets"), arrays.get("target_starts")
+        if (offsets is None) != (starts is None):
+            return None
+        if offsets is not None and not (offsets.dtype == starts.dtype == np.int64 and len(offsets) == len(starts) + 1
+                                        and offsets[0] == 0 and offsets[-1] == len(tokens)):
+            return None
+        with warnings.catch_warnings():  # read-only memory maps: the dataset never writes to them
+            warnings.simplefilter("ignore", UserWarning)
+            return tuple(None if a is None else torch.from_numpy(a) for a in (tokens, offsets, starts))
+
+    def store(self, dataset: TokenDataset) -> None:
+        """Keep ``dataset``'s arrays; a failure to write (a full or read-only disk) only costs the cache."""
+        import numpy as np
+
+        tmp = None
+        try:
+            self.directory.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=self.directory.parent))
+            np.save(tmp / "tokens.npy", dataset.tokens.numpy())
+            if dataset.offsets is not None:
+                np.save(tmp / "offsets.npy", dataset.offsets.numpy())
+                np.save(tmp / "target_starts.npy", dataset.target_starts.numpy())
+            if self.directory.exists():  # an entry load() did not trust
+                shutil.rmtree(self.directory)
+            os.replace(tmp, self.directory)
+        except OSError:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)

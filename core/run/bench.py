@@ -1,0 +1,89 @@
+"""``ipuft bench``: the reference's ``main()``, one untimed step then timed ones, with the model FLOP/s and MFU
+of :mod:`ipuft.engine.flops`; ``--profile`` (where a step's time goes, :mod:`ipuft.engine.profiling`) and
+``--trace`` (a ``torch.profiler`` Chrome trace).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from ipuft.data.batch import Batch
+from ipuft.data.tokens import data_source
+from ipuft.engine.flops import phase_rates, run_matmul_peak, step_flops, utilisation
+from ipuft.engine.phased import PhasedEngine
+from ipuft.engine.profiling import PhaseLabels, StepProfile, profiling
+from ipuft.errors import ConfigError
+from ipuft.plugins import PluginHooks
+from ipuft.run.runtime import build_engine
+from ipuft.run.train import replica_batch
+
+
+def benchmark(cfg: DictConfig, hooks: PluginHooks, timed_steps: int = 5, profile: bool = False,
+              trace: Path | None = None) -> dict:
+    """The reference's ``main()``: one untimed step, then ``timed_steps`` timed steps.
+
+    ``profile``: then as many profiled steps, whose breakdown by category (:mod:`ipuft.engine.profiling`) is
+    ``"profile"``; the throughput figures stay those of the plain steps. ``trace``: then one step recorded
+    by ``torch.profiler``, with a range per phase, written there as a Chrome trace."""
+    data = data_source(cfg)
+    engine = build_engine(cfg, hooks)
+    batch = replica_batch(cfg, data, 0, engine.layout)
+    lr = cfg.training.optimizer.learning_rate.maximum
+    engine.step(batch, lr)
+    peak = run_matmul_peak(cfg, engine.device)  # measured before and after the timed steps: the better of both
+    durations = []
+    for _ in range(timed_steps):
+        start = time.perf_counter()
+        result = engine.step(batch, lr)
+        durations.append(time.perf_counter() - start)
+    duration = sum(durations) / len(durations)
+    samples = cfg.training.global_batch_size
+    flops = step_flops(cfg, engine.parts, device=engine.device)
+    peak = run_matmul_peak(cfg, engine.device, before=peak)
+    out = {"duration_s": duration, "samples_per_s": samples / duration,
+           "tokens_per_s": samples * cfg.model.sequence_length / duration, "loss": result.loss,
+           "h2d_bytes": result.h2d_bytes, "d2h_bytes": result.d2h_bytes,
+           "device_peak_bytes": result.device_peak_bytes, "device": str(engine.device),
+           "model_flops_per_step": flops.model, "recompute_flops_per_step": flops.recompute,
+           **utilisation(flops, duration, peak["flops_per_s"]), "matmul_peak": peak}
+    if profile:
+        out["profile"] = profile_steps(engine, batch, lr, timed_steps)
+        out["profile"]["phase_flops"] = phase_rates(flops, out["profile"]["phases"], peak["flops_per_s"])
+    if trace is not None:
+        trace_step(engine, batch, lr, trace)
+    return out
+
+
+def profile_steps(engine: PhasedEngine, batch: Batch, lr: float, steps: int) -> dict:
+    """Run ``steps`` steps with a profile active; its report (:meth:`ipuft.engine.profiling.StepProfile.report`)
+    against each step's measured time, the device synchronised at both ends."""
+    profile = StepProfile(engine.device)
+    total = 0.0
+    with profiling(profile):
+        for _ in range(steps):
+            start = profile.now()
+            engine.step(batch, lr)
+            total += profile.now() - start
+    return profile.report(total, steps)
+
+
+def trace_step(engine: PhasedEngine, batch: Batch, lr: float, path: Path) -> None:
+    """Record one step with ``torch.profiler`` (CPU, and CUDA when the engine computes there), each phase a
+    ``record_function`` range named like ``decoder.3:backward`` (:class:`ipuft.engine.profiling.PhaseLabels`: no
+    synchronisation, so the trace shows what overlaps), and write it to ``path`` as a Chrome trace; under
+    torchrun each rank writes its own, ``<stem>.rank<N><suffix>``."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    if engine.layout.distributed:
+        path = path.with_name(f"{path.stem}.rank{engine.layout.rank}{path.suffix}")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    with torch_profile(activities=activities) as recorded, profiling(PhaseLabels()):
+        engine.step(batch, lr)
+    try:
+        recorded.export_chrome_trace(str(path))
+    except OSError as exc:
+        raise ConfigError(f"--trace {path}: cannot be written ({exc.strerror or exc})") from None

@@ -1,0 +1,79 @@
+"""``ipuft generate``: continue prompts with a model from an ipuft checkpoint or a Hugging Face directory, in
+one process, through an inference engine and the batched decoding of :mod:`ipuft.generate`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from ipuft.config import load_config
+from ipuft.data.tokenizer import EOS, load_tokenizer
+from ipuft.engine.inference import LayerMajor
+from ipuft.errors import DataError, first_line
+from ipuft.generate import generate
+from ipuft.io.checkpoint import checkpoint_config, read_verified
+from ipuft.plugins import PluginHooks
+from ipuft.run.evaluate import Measured, batches
+from ipuft.run.runtime import inference_engine
+
+
+def inference_config(path: str, hooks: PluginHooks, overrides: tuple[str, ...] | list[str] = ()) -> DictConfig:
+    """The config of a model to run in one process: an ipuft checkpoint's (or a run directory's latest),
+    or a Hugging Face directory's shapes; then ``overrides`` (``KEY=VALUE``)."""
+    sections = hooks.registrations.config_sections
+    single = ["execution.data_parallel=1", "execution.tensor_parallel=1", "training.global_batch_size=1",
+              "execution.micro_batch_size=1"]
+    if (Path(path) / "config.json").exists():
+        return load_config(None, [f"model.hf_checkpoint={path}", *single, *overrides], sections)
+    return checkpoint_config(path, sections, [*single, *overrides])
+
+
+_TOKENIZER_LIMIT = 1 << 30  # bytes; real tokenizer.json files are a few MB
+
+
+def tokenizer_for(cfg: DictConfig):
+    """The tokenizer saved with the model ``cfg`` loads (in its checkpoint, checked against the manifest, or
+    in its Hugging Face directory), else ``data.tokenizer``."""
+    home = Path(cfg.checkpoint.load or cfg.model.hf_checkpoint)
+    path = home / "tokenizer.json"
+    if path.exists() and cfg.checkpoint.load is not None:
+        from tokenizers import Tokenizer
+
+        data = read_verified(home, "tokenizer.json", _TOKENIZER_LIMIT)
+        try:
+            return Tokenizer.from_str(data.decode("utf-8"))
+        except Exception as exc:  # noqa: BLE001 (a bad encoding, or the Rust side's plain Exceptions)
+            why = first_line(exc, type(exc).__name__)[:200]
+            raise DataError(f"{path} is not a valid tokenizer.json ({why})") from None
+    if path.exists():
+        return load_tokenizer(str(path))
+    if cfg.data.tokenizer is not None:
+        return load_tokenizer(cfg.data.tokenizer)
+    raise DataError(f"{home} holds no tokenizer.json; set data.tokenizer=DIR")
+
+
+def generate_texts(cfg: DictConfig, hooks: PluginHooks, prompts: list[str], max_new_tokens: int,
+                   batch_size: int = 8, **sampling) -> dict:
+    """Continue each prompt, ``batch_size`` prompts decoded together; ``{"completions", "new_tokens",
+    "tokens_per_s" (new tokens per second), "device_peak_bytes"}``. ``sampling``: temperature, top_k, top_p,
+    seed (see :func:`ipuft.generate.generate`)."""
+    tokenizer = tokenizer_for(cfg)
+    encoded = [tokenizer.encode(p, add_special_tokens=False).ids for p in prompts]
+    for number, ids in enumerate(encoded, start=1):
+        if not ids:
+            raise DataError(f"prompt {number} is empty after tokenization")
+    engine = inference_engine(cfg, hooks)
+    runner = LayerMajor(engine)
+    seed = sampling.pop("seed", 0)
+    generator = torch.Generator(engine.device).manual_seed(seed)
+    measured = Measured(engine)
+    new = []
+    for chunk in batches(encoded, batch_size):
+        new += generate(runner, chunk, max_new_tokens, eos_id=tokenizer.token_to_id(EOS), generator=generator,
+                        **sampling)
+    count = sum(len(n) for n in new)
+    return {"completions": [p + tokenizer.decode(n, skip_special_tokens=False) for p, n in zip(prompts, new)],
+            "new_tokens": count, **measured.figures(count)}
