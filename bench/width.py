@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from ipuft import kernels
+from ipuft.engine import kernels
 
 WIDTH = ["--config", "tiny", "model.hidden_size=4096", "model.attention.heads=16", "model.attention.rotary_dim=64",
          "model.embedding.vocab_size=50400", "execution.device=cpu", "checkpoint.save=null"]

@@ -316,7 +316,7 @@ def plugins_command(hooks: PluginHooks, as_json: bool) -> None:
         return
     for p in described:
         click.echo(f"{p['name']}  ({p['distribution']} {p['version']})")
-        for kind in ("components", "optimizers", "loggers", "config_sections"):
+        for kind in ("components", "optimizers", "loggers", "config_sections", "model_families"):
             if p[kind]:
                 click.echo(f"    {kind.replace('_', ' ')}: {', '.join(p[kind])}")
 

@@ -22,6 +22,7 @@ Every component also implements ``variable_specs()`` and ``hf_mapping(layer)``.
 from __future__ import annotations
 
 import contextvars
+import inspect
 import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -185,8 +186,9 @@ def specs_from_module(module: torch.nn.Module, inits: dict[str, Init]) -> list[V
 
 ComponentFactory = Callable[["DictConfig"], "torch.nn.Module"]
 # A component's TP layout, given with its registration: a mapping of variable name to ShardSpec, or a
-# function of (full variable specs, tensor_parallel) returning one.
-ShardSpecs = Mapping[str, "ShardSpec"] | Callable[[list[VariableSpec], int], Mapping[str, "ShardSpec"]]
+# function of (full variable specs, tensor_parallel) returning one, or of (specs, tensor_parallel, cfg) for a
+# layout that depends on the run's config.
+ShardSpecs = Mapping[str, "ShardSpec"] | Callable[..., Mapping[str, "ShardSpec"]]
 
 
 @dataclass(frozen=True)
@@ -200,10 +202,13 @@ class ComponentBuilder:
     plugin: str = ""
     shard_specs: ShardSpecs | None = None
 
-    def shard_specs_for(self, variables: list[VariableSpec], tensor_parallel: int) -> Mapping[str, ShardSpec] | None:
+    def shard_specs_for(self, variables: list[VariableSpec], tensor_parallel: int,
+                        cfg: DictConfig) -> Mapping[str, ShardSpec] | None:
         """The registered TP layout of this component's variables, or ``None`` if none was registered."""
         if self.shard_specs is None or isinstance(self.shard_specs, Mapping):
             return self.shard_specs
+        if len(inspect.signature(self.shard_specs).parameters) >= 3:
+            return self.shard_specs(variables, tensor_parallel, cfg)
         return self.shard_specs(variables, tensor_parallel)
 
 
@@ -223,8 +228,9 @@ class ComponentRegistry(Registry):
         """Register ``build`` as component ``name`` for ``role`` (one of :data:`ROLES`).
 
         ``shard_specs``: how its variables split over tensor-parallel ranks (``{name: ShardSpec}``, or a
-        function of the full variable specs and ``tensor_parallel``). Without it, a plugin may still answer
-        ``ipuft_shard_spec`` for it; else every variable is replicated (``tensor_parallel`` must be 1).
+        function of the full variable specs and ``tensor_parallel``, and optionally the run's config).
+        Without it, a plugin may still answer ``ipuft_shard_spec`` for it; else every variable is replicated
+        (``tensor_parallel`` must be 1).
         """
         origin = self.origin()
         if role not in ROLES:

@@ -12,6 +12,7 @@ of them under :meth:`LayerKVCache.attention_mask` when the rows are padded.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 import torch
@@ -152,19 +153,22 @@ def generate(
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
-    eos_id: int | None = None,
+    eos_id: int | Collection[int] | None = None,
     use_cache: bool = True,
     generator: torch.Generator | None = None,
 ) -> list[list[int]]:
     """Continue each of ``prompts`` by up to ``max_new_tokens`` tokens, all rows together; return the new
     tokens of each row.
 
-    A row stops after emitting ``eos_id`` (included in its result); the batch stops when every row has.
+    A row stops after emitting ``eos_id`` (one id, or any of several; included in its result); the batch stops
+    when every row has.
     With ``use_cache=False`` every step runs the whole sequences again (slow; the reference for the cache).
     Sampling draws from ``generator`` (on the runner's device) row by row, in order.
     """
     if not prompts or any(not p for p in prompts):
         raise ValueError("generate needs prompts of at least one token each")
+    stops = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
+    filler = min(stops) if stops else 0  # what a finished row feeds while the others go on
     ids, pad = left_padded(prompts)
     ids = ids.to(runner.device)
     new: list[list[int]] = [[] for _ in prompts]
@@ -181,11 +185,11 @@ def generate(
                     runner.release(cache)
                 chosen = []
                 for row, row_logits in enumerate(logits):
-                    token = eos_id if done[row] else next_token(row_logits, temperature, top_k, top_p, generator)
-                    chosen.append(token if token is not None else 0)
+                    token = filler if done[row] else next_token(row_logits, temperature, top_k, top_p, generator)
+                    chosen.append(token)
                     if not done[row]:
                         new[row].append(token)
-                        done[row] = token == eos_id or len(new[row]) == max_new_tokens
+                        done[row] = token in stops or len(new[row]) == max_new_tokens
                 if all(done):
                     break
                 token_ids = torch.tensor(chosen, dtype=torch.long, device=runner.device).unsqueeze(1)

@@ -12,9 +12,11 @@ import pluggy
 
 if TYPE_CHECKING:
     import click
+    from omegaconf import DictConfig
 
     from ipuft.components import ComponentRegistry, VariableSpec
     from ipuft.config.sections import ConfigSectionRegistry
+    from ipuft.families import ModelFamilyRegistry
     from ipuft.loggers import LoggerRegistry
     from ipuft.optim import OptimizerRegistry
     from ipuft.program import StepProgram
@@ -67,6 +69,14 @@ def ipuft_register_config_sections(registry: ConfigSectionRegistry) -> None:
 
 
 @hookspec
+def ipuft_register_model_families(registry: ModelFamilyRegistry) -> None:
+    """Register the Hugging Face architectures your components compute with ``registry.add(ModelFamily(...))``
+    (see :mod:`ipuft.families`): ``model.hf_checkpoint`` picks one by its config.json's ``model_type``, and
+    ``ipuft export`` writes the run's ``model.family``. A ``model_type`` registered twice is an error.
+    """
+
+
+@hookspec
 def ipuft_register_commands(cli: click.Group) -> None:
     """Add subcommands to the ``ipuft`` command line with ``cli.add_command(command)``."""
 
@@ -76,9 +86,12 @@ def ipuft_register_commands(cli: click.Group) -> None:
 
 @hookspec(firstresult=True)
 def ipuft_shard_spec(
-    role: str, name: str, variables: list[VariableSpec], tensor_parallel: int
+    role: str, name: str, variables: list[VariableSpec], tensor_parallel: int, cfg: DictConfig
 ) -> dict[str, ShardSpec] | None:
     """Say how the variables of component ``name`` (of ``role``) split over the tensor-parallel ranks.
+
+    ``cfg`` is the run's resolved config, for a layout that depends on more than the shapes (say, whether
+    TP divides the key/value heads); like every hook argument, an implementation may leave it out.
 
     Answer only for your own components, with one :class:`ipuft.sharding.ShardSpec` per variable name;
     return ``None`` otherwise. A component nobody answers for is fully replicated (``tensor_parallel``

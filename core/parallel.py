@@ -11,12 +11,14 @@ collectives below, which are the identity when tensor parallelism is off.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from omegaconf import DictConfig
 
 from ipuft.engine.profiling import section, timed
@@ -301,3 +303,32 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ign
     keep = labels != ignore_index
     losses = (sum_exp.log() - target) * keep
     return losses.sum() / keep.sum()
+
+
+def vocab_parallel_embedding(table: torch.nn.Embedding, ids: torch.Tensor, tensor_parallel: int) -> torch.Tensor:
+    """``table(ids)`` where each of the ``tensor_parallel`` ranks' ``table`` holds a contiguous block of the
+    (padded) vocabulary: ids outside this rank's block look up zeros, and the partial lookups are summed over
+    the TP group. At TP=1, ``table(ids)``."""
+    if tensor_parallel == 1:
+        return table(ids)
+    local, inside = vocab_block(ids, table.weight.shape[0])
+    outside = ~inside
+    return reduce_from_tensor_parallel(table(local.masked_fill(outside, 0)).masked_fill(outside.unsqueeze(-1), 0.0))
+
+
+def vocab_parallel_head(project: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+                        labels: torch.Tensor | None, vocab_size: int, tensor_parallel: int,
+                        ignore_index: int = -100) -> torch.Tensor:
+    """A language-model head's result from ``project`` (this TP rank's vocabulary block of the projection, of
+    ``tensor_parallel``) of the normalised ``hidden``: the logits ``[..., vocab_size]`` (gathered over TP,
+    padded columns cut), or with ``labels`` the mean cross-entropy in float32 (:func:`vocab_parallel_cross_entropy`
+    under TP, so the full logits are never gathered for it; ``F.cross_entropy`` at TP=1)."""
+    if tensor_parallel == 1:
+        logits = project(hidden)
+        if labels is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=ignore_index)
+    logits = vocab_parallel_logits(project(copy_to_tensor_parallel(hidden)), vocab_size)
+    if labels is None:
+        return gather_from_tensor_parallel(logits)[..., :vocab_size]
+    return vocab_parallel_cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index)

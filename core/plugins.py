@@ -27,6 +27,7 @@ from ipuft import __version__, hookspecs
 from ipuft.components import ComponentRegistry, VariableSpec
 from ipuft.config.sections import ConfigSectionRegistry
 from ipuft.errors import IpuftError, PluginError, described
+from ipuft.families import ModelFamilyRegistry
 from ipuft.loggers import LoggerRegistry
 from ipuft.optim import Optimizer, OptimizerRegistry
 from ipuft.registry import PLAIN, TRYFIRST, TRYLAST, Origin
@@ -147,6 +148,12 @@ class Registrations:
     optimizers: OptimizerRegistry = field(default_factory=OptimizerRegistry)
     loggers: LoggerRegistry = field(default_factory=LoggerRegistry)
     config_sections: ConfigSectionRegistry = field(default_factory=ConfigSectionRegistry)
+    families: ModelFamilyRegistry = field(default_factory=ModelFamilyRegistry)
+
+    def __post_init__(self) -> None:
+        # A Hugging Face checkpoint's config.json sets config keys through its family (ipuft.families), so the
+        # config is loaded with both: load_config takes the sections, which carry the families.
+        self.config_sections.families = self.families
 
     def build_optimizer(self, cfg: DictConfig) -> Optimizer:
         """The optimizer ``training.optimizer.name`` names, built from ``cfg``."""
@@ -214,13 +221,15 @@ class PluginHooks:
 
     @property
     def registrations(self) -> Registrations:
-        """Components, optimizers, logging backends and config sections of every plugin (computed once)."""
+        """Components, optimizers, logging backends, config sections and model families of every plugin
+        (computed once)."""
         if self._registrations is None:
             reg = Registrations()
             self._register("ipuft_register_components", reg.components)
             self._register("ipuft_register_optimizers", reg.optimizers)
             self._register("ipuft_register_loggers", reg.loggers)
             self._register("ipuft_register_config_sections", reg.config_sections)
+            self._register("ipuft_register_model_families", reg.families)
             self._registrations = reg
         return self._registrations
 
@@ -245,11 +254,11 @@ class PluginHooks:
     # ---- model construction hooks ----
 
     def shard_spec(
-        self, role: str, name: str, variables: list[VariableSpec], tensor_parallel: int
+        self, role: str, name: str, variables: list[VariableSpec], tensor_parallel: int, cfg: DictConfig
     ) -> dict[str, ShardSpec] | None:
         """A plugin's answer to ``ipuft_shard_spec`` for component ``name`` of ``role``, or ``None``."""
         return self.call("ipuft_shard_spec", role=role, name=name, variables=variables,
-                         tensor_parallel=tensor_parallel)
+                         tensor_parallel=tensor_parallel, cfg=cfg)
 
     def emit_phases(self, program: StepProgram, role: str, name: str) -> None:
         """Have a plugin emit the phases of component ``name``; if none answers, core emits the role's
@@ -266,7 +275,8 @@ class PluginHooks:
         reg = self.registrations
         shadowed = [(kind, name, first, second) for kind, registry in
                     (("components", reg.components), ("optimizers", reg.optimizers), ("loggers", reg.loggers),
-                     ("config_sections", reg.config_sections)) for name, first, second in registry.shadowed]
+                     ("config_sections", reg.config_sections), ("model_families", reg.families))
+                    for name, first, second in registry.shadowed]
         out = []
         for name, info in sorted(self.infos.items()):
             out.append(
@@ -280,6 +290,7 @@ class PluginHooks:
                     "loggers": [b.name for b in reg.loggers if b.plugin == name],
                     "config_sections": [f"plugins.{s}" for s in reg.config_sections
                                         if reg.config_sections.owner(s) == name],
+                    "model_families": [f.model_type for f in reg.families if f.plugin == name],
                     "commands": self.commands.get(name, []),
                     "shadowed": [f"{label} (overridden by plugin {first.plugin!r})"
                                  for _, label, first, second in shadowed if second.plugin == name],

@@ -19,9 +19,9 @@ def plain(value):
     return value
 
 
-def train_configs(rank: int, configs: dict[str, list[str]], steps: int, out: str) -> None:
-    """Train each config for ``steps`` steps; rank 0 saves losses, norms, gathered weights and optimizer state,
-    and counters."""
+def train_configs(rank: int, configs: dict[str, list[str]], steps: int, out: str, preset: str | None = "tiny") -> None:
+    """Train each config (``preset`` with its overrides) for ``steps`` steps; rank 0 saves losses, norms, gathered
+    weights and optimizer state, and counters."""
     from ipuft.config import load_config
     from ipuft.data.tokens import data_source
     from ipuft.engine.placement import Placement
@@ -42,7 +42,7 @@ def train_configs(rank: int, configs: dict[str, list[str]], steps: int, out: str
     Placement.reduce_gradient = counted
     hooks = create_plugin_manager()
     for name, overrides in configs.items():
-        cfg = load_config("tiny", overrides, hooks.registrations.config_sections)
+        cfg = load_config(preset, overrides, hooks.registrations.config_sections)
         engine = build_engine(cfg, hooks)
         data = data_source(cfg)
         reductions = 0

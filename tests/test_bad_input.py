@@ -35,6 +35,15 @@ MNLI = {"premise": "a cat sleeps", "hypothesis": "a cat rests", "label": 0}
 SAMPLE = ["data.tokenizer=sample", "model.embedding.vocab_size=512", "model.sequence_length=32"]
 
 # (id, setup(tmp, trained) -> CLI arguments, a fragment the one-line message must contain)
+# A small Llama config.json (no weights: the config is refused before any are read).
+LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 128}
+
+
+LLAMA_BAD_HEADS = {**LLAMA, "num_attention_heads": 5}
+MISTRAL_WINDOW = {**LLAMA, "model_type": "mistral", "sliding_window": 32}
+
+
 CASES = [
     ("not-key-value", lambda t, r: ["train", "layers"], "is not KEY=VALUE"),
     ("unknown-key", lambda t, r: ["train", "model.layerz=2"], "unknown config key model.layerz"),
@@ -44,7 +53,7 @@ CASES = [
     ("wrong-type-bool", lambda t, r: ["train", "execution.offload=sometimes"], "execution.offload"),
     ("unknown-preset", lambda t, r: ["train", "--config", "huge"], "unknown preset 'huge'"),
     ("bad-yaml-preset", lambda t, r: ["train", "--config", str(_write(t / "p.yaml", "model: [1, 2"))], "not valid YAML"),
-    ("unknown-component", lambda t, r: ["train", "model.decoder=llama"], "unknown decoder component 'llama'"),
+    ("unknown-component", lambda t, r: ["train", "model.decoder=falcon"], "unknown decoder component 'falcon'"),
     ("unknown-optimizer", lambda t, r: ["train", "training.optimizer.name=lion"], "unknown optimizer 'lion'"),
     ("bad-choice", lambda t, r: ["train", "training.optimizer.learning_rate.schedule=step"], "expected one of"),
     ("batch-not-divisible", lambda t, r: ["train", "training.global_batch_size=15", "execution.micro_batch_size=4"],
@@ -98,7 +107,15 @@ CASES = [
      "model.safetensors.index.json: weight_map must be a JSON object of tensor names to file names, found list"),
     ("hf-index-escapes", lambda t, r: ["train", "data.path=null", f"model.hf_checkpoint={_hf_index(t, r, {'x': '../model.safetensors'})}"],
      "weight_map['x'] must name a file in the checkpoint's directory, got '../model.safetensors'"),
-    ("hf-other-model", lambda t, r: ["train", f"model.hf_checkpoint={_hf_other(t)}"], "model_type 'llama'"),
+    ("hf-other-model", lambda t, r: ["train", f"model.hf_checkpoint={_hf_other(t)}"],
+     "has model_type 'bert'; the installed plugins read 'gptj', 'llama', 'mistral', 'qwen2'"),
+    ("hf-llama-missing-keys", lambda t, r: ["train", f"model.hf_checkpoint={_hf_other(t, model_type='llama')}"],
+     "llama/config.json: lacks hidden_size"),
+    ("hf-llama-heads-not-dividing", lambda t, r: ["train", f"model.hf_checkpoint={_hf_other(t, **LLAMA_BAD_HEADS)}"],
+     "num_attention_heads=5 does not divide hidden_size=64 and no head_dim is given"),
+    ("hf-mistral-window", lambda t, r: ["train", "data.path=null", "model.sequence_length=64",
+                                        f"model.hf_checkpoint={_hf_other(t, **MISTRAL_WINDOW)}"],
+     "model.sequence_length=64 exceeds plugins.llama.sliding_window=32"),
     ("hf-shape-mismatch", lambda t, r: ["train", "model.layers=4", f"model.hf_checkpoint={r / 'hf'}"],
      "model.layers=4 but the checkpoint has n_layer=2"),
     ("data-missing-file", lambda t, r: ["train", f"data.path={t}/missing.jsonl"], "does not exist"),
@@ -240,8 +257,9 @@ def _damaged(tmp, trained, name, damage):
     return checkpoint
 
 
-def _hf_other(tmp):
-    return _write(tmp / "other" / "config.json", json.dumps({"model_type": "llama"})).parent
+def _hf_other(tmp, **config):
+    config = config or {"model_type": "bert"}
+    return _write(tmp / config["model_type"] / "config.json", json.dumps(config)).parent
 
 
 def _sha(path: Path) -> str:

@@ -41,11 +41,11 @@ def test_help_imports_no_torch():
     assert "Commands:" in done.stdout  # the group's own help ran, with its plugins discovered
 
 
-def test_plugins_json_lists_four_distributions(capsys):
+def test_plugins_json_lists_five_distributions(capsys):
     code, out, _ = run_cli(capsys, "plugins", "--json")
     assert code == 0
     assert sorted(p["distribution"] for p in json.loads(out)) == [
-        "ipuft", "ipuft-decoder", "ipuft-embeddings", "ipuft-lm-head", "ipuft-optim-adam"]
+        "ipuft", "ipuft-decoder", "ipuft-embeddings", "ipuft-llama", "ipuft-lm-head", "ipuft-optim-adam"]
 
 
 def test_config_show_prints_the_6b_config(capsys):
@@ -63,8 +63,8 @@ def test_config_show_prints_the_6b_config(capsys):
         (["config", "show", "layers"], "argument 'layers' is not KEY=VALUE (for example training.steps=10)"),
         (["config", "show", "model.layerz=2"], "unknown config key model.layerz; valid keys in model: layers,"),
         (["config", "show", "model.layers=x"], "model.layers: Value 'x' of type 'str' could not be converted to Integer"),
-        (["config", "show", "--config", "huge"], "unknown preset 'huge'; presets: gptj-6b, small-cpu, tiny"),
-        (["config", "show", "model.decoder=llama"], "model.decoder: unknown decoder component 'llama'; available: gptj"),
+        (["config", "show", "--config", "huge"], "unknown preset 'huge'; presets: gptj-6b, llama3-8b, mistral-7b, small-cpu, tiny"),
+        (["config", "show", "model.decoder=falcon"], "model.decoder: unknown decoder component 'falcon'; available: gptj, llama"),
         (["config", "show", "training.optimizer.name=lion"], "training.optimizer.name: unknown optimizer 'lion'; available: adamw"),
         (["train", "--config", "tiny", "model.head=mlp"], "model.head: unknown head component 'mlp'; available: gptj"),
         (["plan", "execution.micro_batch_size=3"], "training.global_batch_size: 16 is not divisible"),

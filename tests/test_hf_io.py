@@ -101,10 +101,10 @@ def test_bad_hf_directories(hooks, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match=r"has no config\.json"):
         load_config(None, [f"model.hf_checkpoint={tmp_path}/empty"], sections)
-    (tmp_path / "llama").mkdir()
-    (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(CheckpointError, match="model_type 'llama'"):
-        load_config(None, [f"model.hf_checkpoint={tmp_path}/llama"], sections)
+    (tmp_path / "bert").mkdir()
+    (tmp_path / "bert" / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(CheckpointError, match="model_type 'bert'; the installed plugins read 'gptj', 'llama'"):
+        load_config(None, [f"model.hf_checkpoint={tmp_path}/bert"], sections)
     cfg0 = load_config("tiny", [], sections)
     _, src = save_hf(tmp_path, cfg0)
     weights = src / "model.safetensors"

@@ -12,10 +12,10 @@ from ipuft.engine.model import build_model
 from ipuft.errors import PluginError
 from ipuft.plugins import create_plugin_manager
 
-SHIPPED = {"ipuft-embeddings", "ipuft-decoder", "ipuft-lm-head", "ipuft-optim-adam"}
+SHIPPED = {"ipuft-embeddings", "ipuft-decoder", "ipuft-lm-head", "ipuft-optim-adam", "ipuft-llama"}
 
 
-def test_shipped_plugins_are_four_distributions_and_the_builtin_logging_backends(hooks):
+def test_shipped_plugins_are_five_distributions_and_the_builtin_logging_backends(hooks):
     described = {p["distribution"]: p for p in hooks.describe()}
     assert set(described) == {*SHIPPED, "ipuft"}
     assert described["ipuft"]["name"] == "ipuft.loggers"
@@ -23,6 +23,10 @@ def test_shipped_plugins_are_four_distributions_and_the_builtin_logging_backends
     assert described["ipuft-embeddings"]["components"] == ["embeddings:gptj"]
     assert described["ipuft-decoder"]["components"] == ["decoder:gptj"]
     assert described["ipuft-decoder"]["config_sections"] == ["plugins.gptj_decoder"]
+    assert described["ipuft-decoder"]["model_families"] == ["gptj"]
+    assert described["ipuft-llama"]["components"] == ["embeddings:llama", "decoder:llama", "head:llama"]
+    assert described["ipuft-llama"]["config_sections"] == ["plugins.llama"]
+    assert described["ipuft-llama"]["model_families"] == ["llama", "mistral", "qwen2"]
     assert described["ipuft-lm-head"]["components"] == ["head:gptj"]
     assert described["ipuft-optim-adam"]["optimizers"] == ["adamw"]
     assert all(p["version"] == "0.1.0" for p in described.values())
@@ -57,7 +61,7 @@ def test_custom_head_from_an_entry_point(fake_dist, make_config):
 
 
 def test_unknown_component_names_the_choices(hooks, make_config):
-    with pytest.raises(PluginError, match=r"model.head: unknown head component 'nope'; available: gptj$"):
+    with pytest.raises(PluginError, match=r"model.head: unknown head component 'nope'; available: gptj, llama$"):
         build_model(make_config("model.head=nope"), hooks)
 
 
@@ -115,14 +119,14 @@ def test_uninstalled_plugin_makes_its_component_unavailable(monkeypatch, make_co
     monkeypatch.setattr(plugins.metadata, "entry_points", without_decoder)
     hooks = create_plugin_manager()
     assert {p["distribution"] for p in hooks.describe()} == SHIPPED - {"ipuft-decoder"} | {"ipuft"}
-    with pytest.raises(PluginError, match=r"model.decoder: unknown decoder component 'gptj'; available: \(none installed\)"):
+    with pytest.raises(PluginError, match=r"model.decoder: unknown decoder component 'gptj'; available: llama$"):
         check_plugins(make_config(), hooks.registrations)
 
 
 def test_disabling_by_name_or_distribution(monkeypatch):
     monkeypatch.setenv("IPUFT_DISABLE_PLUGINS", "gptj_lm_head, ipuft-optim-adam")
     hooks = create_plugin_manager()
-    assert {p["name"] for p in hooks.describe()} == {"gptj_embeddings", "gptj_decoder", "ipuft.loggers"}
+    assert {p["name"] for p in hooks.describe()} == {"gptj_embeddings", "gptj_decoder", "llama", "ipuft.loggers"}
     assert hooks.registrations.optimizers.names() == []
 
 
@@ -134,7 +138,7 @@ def test_every_hook_is_prefixed_documented_and_called(fake_dist, make_config):
     import click
 
     specs = {name for name, fn in inspect.getmembers(hookspecs, inspect.isfunction) if name.startswith("ipuft_")}
-    assert len(specs) == 7
+    assert len(specs) == 8
     docs = (pathlib.Path(__file__).parent.parent / "docs" / "plugins.md").read_text()
     for name in specs:
         assert getattr(hookspecs, name).__doc__, name
@@ -166,7 +170,7 @@ def test_a_wrapper_runs_around_the_other_implementations(fake_dist):
     import wrap_plugin
 
     create_plugin_manager().registrations  # noqa: B018
-    assert wrap_plugin.seen == {"before": [], "after": ["gptj"]}
+    assert wrap_plugin.seen == {"before": [], "after": ["gptj", "llama"]}
 
 
 def test_a_stock_component_is_overridden_by_ordering_not_by_uninstalling(fake_dist, make_config):
@@ -213,6 +217,7 @@ def test_a_stock_component_is_overridden_by_ordering_not_by_uninstalling(fake_di
 HOOK_CALLS = {
     "ipuft_register_components": "registry", "ipuft_register_optimizers": "registry",
     "ipuft_register_loggers": "registry", "ipuft_register_config_sections": "registry",
+    "ipuft_register_model_families": "registry",
     "ipuft_register_commands": "cli", "ipuft_shard_spec": "role, name, variables, tensor_parallel",
     "ipuft_emit_phases": "program, role, name",
 }

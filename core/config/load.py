@@ -190,7 +190,7 @@ def load_config(
         from ipuft.io.hf_import import apply_hf_shapes, resolve_hf_directory
 
         cfg.model.hf_checkpoint = str(resolve_hf_directory(cfg.model.hf_checkpoint))
-        apply_hf_shapes(cfg, typed)
+        apply_hf_shapes(cfg, typed, sections.families if sections is not None else None)
     if cfg.model.init_checkpoint is not None:
         from ipuft.io.checkpoint import apply_checkpoint_shapes
 

@@ -171,13 +171,14 @@ def derive_and_validate(cfg: DictConfig) -> None:
 
 
 def check_plugins(cfg: DictConfig, registrations: Registrations) -> None:
-    """The components, the optimizer and the logging backends ``cfg`` names are registered, and an optimizer
-    that needs whole tensors is not given RTS shards."""
+    """The components, the model family, the optimizer and the logging backends ``cfg`` names are registered,
+    and an optimizer that needs whole tensors is not given RTS shards."""
     from ipuft.components import ROLES
     from ipuft.loggers import JSONL
 
     for role in ROLES:
         registrations.components.get(role, cfg.model[role])
+    registrations.families.get(cfg.model.family)
     name = cfg.training.optimizer.name
     registrations.optimizers.get(name)
     if cfg.execution.rts and not registrations.optimizers.elementwise(name):

@@ -48,7 +48,8 @@ class EmbeddingConfig:
 @dataclass
 class AttentionConfig:
     heads: int = 16
-    rotary_positional_embeddings_base: int = 10000
+    # The rotary base (Hugging Face's rope_theta: 10000 for GPT-J, 500000.0 for Llama 3).
+    rotary_positional_embeddings_base: float = 10000
     rotary_dim: int = 64
 
 
@@ -75,9 +76,17 @@ class ModelConfig:
     embeddings: str = "gptj"
     decoder: str = "gptj"
     head: str = "gptj"
-    # A local Hugging Face GPT-J directory (config.json and safetensors or pytorch_model*.bin weights) to
-    # initialise from; its config.json sets the model's shapes.
+    # The Hugging Face architecture (config.json's model_type) the model is, for `ipuft export`: gptj, or
+    # one an installed plugin registers (llama, mistral, qwen2). model.hf_checkpoint sets it.
+    family: str = "gptj"
+    # A local Hugging Face directory (config.json and safetensors or pytorch_model*.bin weights) to initialise
+    # from; its config.json's model_type picks the family, which sets the components and the shapes.
     hf_checkpoint: Optional[str] = None
+    # The special tokens generation uses: each prompt starts with bos_token_id, and a row ends at any of
+    # eos_token_ids. A Hugging Face checkpoint's config.json sets them; unset, the tokenizer's <|endoftext|>
+    # ends a row and nothing is prepended (GPT-J's way).
+    bos_token_id: Optional[int] = None
+    eos_token_ids: list[int] = field(default_factory=list)
     # An ipuft checkpoint (or a run directory's latest) whose weights start a new run: step 0, fresh
     # optimizer state and data position (checkpoint.load resumes a run instead). Its config sets the shapes.
     init_checkpoint: Optional[str] = None

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
 
 from ipuft.errors import PluginError
 from ipuft.registry import Origin, Registry
+
+if TYPE_CHECKING:
+    from ipuft.families import ModelFamilyRegistry
 
 
 class ConfigSectionRegistry(Registry):
@@ -19,6 +23,9 @@ class ConfigSectionRegistry(Registry):
         self._sections: dict[str, type] = {}
         self._origins: dict[str, Origin] = {}
         self._used_when: dict[str, dict[str, str]] = {}
+        # The model families registered beside these sections (see ipuft.plugins.Registrations): a Hugging Face
+        # config.json is read into config keys through them.
+        self.families: ModelFamilyRegistry | None = None
 
     def add(self, name: str, schema: type, used_when: Mapping[str, str] | None = None) -> None:
         """Contribute section ``plugins.<name>`` typed by the dataclass ``schema``.

@@ -166,3 +166,20 @@ def unit_cost(parts: ModelParts, role: str, cfg: DictConfig, device: torch.devic
         saved = _saved_bytes(module, params, args)
     return UnitCost(forward, backward, again, saved, forward_live.peak, live.peak,
                     max(forward_live.heap_peak, live.heap_peak))
+
+
+def kv_cache_bytes_per_position(parts: ModelParts, cfg: DictConfig) -> int:
+    """The bytes one decoder layer's key/value cache holds per position of one row, as the decoder itself
+    fills it (``2 × hidden`` values for GPT-J, ``2 × kv_heads × head_dim`` for grouped-query attention): one
+    fake token run through the layer with a cache (TP=1, the run's precision)."""
+    from ipuft.generate import LayerKVCache
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    dtypes = {v.name: v.dtype for v in parts.variables["decoder"]}
+    module = copy.deepcopy(parts.modules["decoder"]).eval()
+    cache = LayerKVCache()
+    with mode, torch.no_grad():
+        params = {v.name: torch.empty(v.shape, dtype=dtypes[v.name]) for v in module.variable_specs()}
+        x = torch.empty(1, 1, cfg.model.hidden_size, dtype=compute_dtype(cfg))
+        functional_call(module, params, (x, cache))
+    return cache.nbytes

@@ -86,9 +86,9 @@ def build_model(cfg: DictConfig, hooks: PluginHooks, optimizer: Optimizer | None
     shard_specs = {}
     for role, b in builders.items():
         who = f"{role} component {b.name!r}"
-        answer = b.shard_specs_for(variables[role], tp)
+        answer = b.shard_specs_for(variables[role], tp, cfg)
         if answer is None:
-            answer = hooks.shard_spec(role, b.name, variables[role], tp)
+            answer = hooks.shard_spec(role, b.name, variables[role], tp, cfg)
         specs = resolve_shard_specs(who, variables[role], answer, tp)
         local = {v.name: v.shape for v in component_variables(b, modules[role])}
         expected = {v.name: specs[v.name].local_shape(v.shape, tp) for v in variables[role]}

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from ipuft.components import VariableSpec
 from ipuft.engine.flops import step_flops
-from ipuft.engine.measure import UnitCost, unit_cost
+from ipuft.engine.measure import UnitCost, kv_cache_bytes_per_position, unit_cost
 from ipuft.engine.model import ModelParts
 from ipuft.engine.phased import updates_on_host
 from ipuft.engine.precision import Recipe, compute_dtype, gradient_working_bytes, recipe
@@ -312,8 +312,10 @@ def inference_estimate(cfg: DictConfig, parts: ModelParts, batch_size: int, prom
     def hidden(t: int) -> int:
         return b * t * m.hidden_size * itemsize
 
+    per_position = kv_cache_bytes_per_position(parts, cfg)
+
     def cache(t: int) -> int:  # one layer's keys and values for t positions
-        return 2 * b * t * m.hidden_size * itemsize
+        return b * t * per_position
 
     logits = b * m.embedding.vocab_size * itemsize
 

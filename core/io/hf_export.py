@@ -1,5 +1,6 @@
-"""``ipuft export``: an ipuft checkpoint as a Hugging Face GPT-J directory (config.json, safetensors
-weights with an index when they exceed one shard), which transformers' ``GPTJForCausalLM`` loads.
+"""``ipuft export``: an ipuft checkpoint as a Hugging Face directory of its ``model.family`` (config.json,
+safetensors weights with an index when they exceed one shard, the tokenizer), which transformers loads
+(``GPTJForCausalLM``, ``LlamaForCausalLM``, ...).
 
 It streams: each tensor is read from the checkpoint's model.safetensors (verified as it is read) and
 written into its shard before the next is read, so export needs about one tensor of memory. It reads, and
@@ -16,13 +17,14 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from ipuft.components import VariableSpec
 from ipuft.data.tokenizer import EOS, load_tokenizer
 from ipuft.engine.model import build_model
 from ipuft.engine.precision import DTYPES
 from ipuft.errors import CheckpointError, first_line
+from ipuft.families import HFConfigError, ModelFamily
 from ipuft.io.checkpoint import (
     WEIGHTS,
     checkpoint_config,
@@ -32,26 +34,29 @@ from ipuft.io.checkpoint import (
     read_meta,
     read_verified,
 )
-from ipuft.io.hf_import import HF_SHAPES
 from ipuft.io.hf_names import DEFAULT_SHARD_BYTES, component_hf_config, export_names, unit_mappings
 from ipuft.plugins import PluginHooks
 
 
-def hf_config(cfg: DictConfig, eos_id: int | None, dtype: str = "float32", components: dict | None = None) -> dict:
-    """A transformers GPTJConfig, as JSON, for the run's model: the shapes import reads back
-    (:data:`~ipuft.io.hf_import.HF_SHAPES`), GPT-J's fixed settings, what the components contribute
-    (:func:`ipuft.io.hf_names.component_hf_config`: the decoder's ``activation_function``), and the weights'
-    ``dtype``."""
-    config = {
-        "architectures": ["GPTJForCausalLM"], "model_type": "gptj",
-        **{hf: OmegaConf.select(cfg, key) for hf, key in HF_SHAPES.items()},
-        "n_positions": max(cfg.model.sequence_length, 2048),
-        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "tie_word_embeddings": False,
-        **(components or {}),
-        "torch_dtype": dtype,
-    }
-    if eos_id is not None:
-        config.update(bos_token_id=eos_id, eos_token_id=eos_id)
+def hf_config(cfg: DictConfig, family: ModelFamily, eos_id: int | None, dtype: str = "float32",
+              components: dict | None = None) -> dict:
+    """A transformers config, as JSON, for the run's model: the family's keys (:attr:`ModelFamily.write_config`:
+    the shapes import reads back, the architecture's fixed settings), what the components contribute
+    (:func:`ipuft.io.hf_names.component_hf_config`: GPT-J's ``activation_function``), the special tokens
+    (``model.bos_token_id`` and ``model.eos_token_ids`` where the model came with them, else ``eos_id``, the
+    tokenizer's <|endoftext|>, for both) and the weights' ``dtype``."""
+    try:
+        written = family.write_config(cfg)
+    except HFConfigError as exc:
+        raise CheckpointError(f"model.family={family.model_type}: {exc}") from None
+    config = {"architectures": [family.architecture], "model_type": family.model_type, **written,
+              **(components or {}), "torch_dtype": dtype}
+    eos = list(cfg.model.eos_token_ids) or ([] if eos_id is None else [eos_id])
+    bos = cfg.model.bos_token_id if cfg.model.bos_token_id is not None else eos_id
+    if bos is not None:
+        config["bos_token_id"] = bos
+    if eos:
+        config["eos_token_id"] = eos[0] if len(eos) == 1 else eos
     return config
 
 
@@ -78,9 +83,12 @@ def export_hf(path: str | Path, out: str | Path, hooks: PluginHooks, shard_bytes
     dtype = dtype or cfg.model.precision.value
     torch_dtype = DTYPES[dtype]
     parts = build_model(cfg, hooks)
-    # Checked before anything is written: every variable has a name (or is merged), no name twice, a full GPT-J.
-    names = export_names(parts.modules, parts.variables, cfg.model.layers)
-    components = component_hf_config(parts.modules)
+    family = hooks.registrations.families.get(cfg.model.family)
+    # Checked before anything is written: every variable has a name (or is merged), no name twice, a complete
+    # model of the family.
+    names = export_names(parts.modules, parts.variables, cfg, family)
+    components = component_hf_config(parts.modules, family)
+    hf_config(cfg, family, None, dtype, components)  # the family can write this config
     units = list(unit_mappings(parts.modules, cfg.model.layers))
     merging = {unit for unit in units if hasattr(parts.modules[unit.role], "hf_merge")}
     shapes = {f"{unit}.{v.name}": tuple(v.shape) for unit in units for v in parts.variables[unit.role]}
@@ -143,7 +151,8 @@ def export_hf(path: str | Path, out: str | Path, hooks: PluginHooks, shard_bytes
         tokenizer = tmp / "tokenizer.json"
         if "tokenizer.json" in manifest:
             tokenizer.write_bytes(read_verified(checkpoint, "tokenizer.json", _TOKENIZER_LIMIT))
-        (tmp / "config.json").write_text(json.dumps(hf_config(cfg, _eos_id(tokenizer), dtype, components), indent=2))
+        config = hf_config(cfg, family, _eos_id(tokenizer), dtype, components)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
         umask = os.umask(0)
         os.umask(umask)
         tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 is for the scratch directory, not the export

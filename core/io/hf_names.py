@@ -12,6 +12,9 @@ from ipuft.program import Unit
 
 if TYPE_CHECKING:
     import torch
+    from omegaconf import DictConfig
+
+    from ipuft.families import ModelFamily
 
 # The largest safetensors file ``export`` writes, as transformers' ``save_pretrained`` shards by default.
 DEFAULT_SHARD_BYTES = 5 * 2**30
@@ -26,33 +29,22 @@ def unit_mappings(modules: Mapping[str, torch.nn.Module], layers: int) -> dict[U
     return out
 
 
-# A GPT-J decoder layer's parameter names under ``transformer.h.<n>.``, as transformers' GPTJForCausalLM has them.
-GPTJ_LAYER = ("ln_1.weight", "ln_1.bias", "attn.q_proj.weight", "attn.k_proj.weight", "attn.v_proj.weight",
-              "attn.out_proj.weight", "mlp.fc_in.weight", "mlp.fc_in.bias", "mlp.fc_out.weight", "mlp.fc_out.bias")
-GPTJ_OUTER = ("transformer.wte.weight", "transformer.ln_f.weight", "transformer.ln_f.bias", "lm_head.weight",
-              "lm_head.bias")
-# config.json keys only a component knows, by role: each must come from that component's hf_config().
-COMPONENT_CONFIG_KEYS = {"decoder": ("activation_function",)}
-
-
-def gptj_names(layers: int) -> set[str]:
-    """Every parameter name of a complete transformers GPT-J of ``layers`` layers."""
-    return {*GPTJ_OUTER, *(f"transformer.h.{n}.{name}" for n in range(layers) for name in GPTJ_LAYER)}
-
-
-def export_names(modules: Mapping[str, torch.nn.Module], variables: Mapping[str, list], layers: int) -> dict[str, str]:
+def export_names(modules: Mapping[str, torch.nn.Module], variables: Mapping[str, list], cfg: DictConfig,
+                 family: ModelFamily) -> dict[str, str]:
     """``{"<unit>.<variable>": hf_name}`` of every variable an export writes, after checking that the result is
-    a complete GPT-J; a :class:`~ipuft.errors.PluginError` naming the first problem otherwise.
+    a complete model of ``family`` (``cfg``'s shapes); a :class:`~ipuft.errors.PluginError` naming the first
+    problem otherwise.
 
     Refused: a component that declares itself not exportable (``hf_exportable = False``); a variable with no
     Hugging Face name, unless it is ``added`` and its component folds it into the named ones (``hf_merge``,
-    as a LoRA adapter is merged); two variables under one name; names missing from, or foreign to, GPT-J.
+    as a LoRA adapter is merged); two variables under one name; names missing from, or foreign to, the family.
     """
     from ipuft.errors import PluginError
 
+    layers, kind = cfg.model.layers, family.title
     for role, module in modules.items():
         if not getattr(module, "hf_exportable", True):
-            raise PluginError(f"model.{role}: {type(module).__name__} is not exportable to a Hugging Face GPT-J "
+            raise PluginError(f"model.{role}: {type(module).__name__} is not exportable to a Hugging Face {kind} "
                               f"(it sets hf_exportable = False)")
     names: dict[str, str] = {}
     owner: dict[str, str] = {}
@@ -72,24 +64,25 @@ def export_names(modules: Mapping[str, torch.nn.Module], variables: Mapping[str,
                                   f"would overwrite the other")
             owner[hf] = f"{unit}.{local}"
             names[f"{unit}.{local}"] = hf
-    expected = gptj_names(layers)
+    expected = family.parameter_names(cfg)
     missing, foreign = sorted(expected - set(owner)), sorted(set(owner) - expected)
     if missing or foreign:
-        what = f"lacks {', '.join(missing[:3])}" if missing else f"has {', '.join(foreign[:3])}, not GPT-J's"
-        raise PluginError(f"the export would not be a complete GPT-J: it {what}"
+        what = f"lacks {', '.join(missing[:3])}" if missing else f"has {', '.join(foreign[:3])}, not {kind}'s"
+        raise PluginError(f"the export would not be a complete {kind}: it {what}"
                           f"{' ...' if len(missing or foreign) > 3 else ''}")
     return names
 
 
-def component_hf_config(modules: Mapping[str, torch.nn.Module]) -> dict:
+def component_hf_config(modules: Mapping[str, torch.nn.Module], family: ModelFamily) -> dict:
     """What the components contribute to config.json (each module's optional ``hf_config()``); a
-    :class:`~ipuft.errors.PluginError` when a component leaves out a key only it knows."""
+    :class:`~ipuft.errors.PluginError` when a component leaves out a key only it knows (the family's
+    ``component_keys``)."""
     from ipuft.errors import PluginError
 
     out: dict = {}
     for role, module in modules.items():
         contributed = module.hf_config() if hasattr(module, "hf_config") else {}
-        for key in COMPONENT_CONFIG_KEYS.get(role, ()):
+        for key in family.component_keys.get(role, ()):
             if key not in contributed:
                 raise PluginError(f"model.{role}: {type(module).__name__} does not give config.json's {key} "
                                   f"(hf_config()), so the export cannot say how to run it")

@@ -59,12 +59,18 @@ def generate_texts(cfg: DictConfig, hooks: PluginHooks, prompts: list[str], max_
                    batch_size: int = 8, **sampling) -> dict:
     """Continue each prompt, ``batch_size`` prompts decoded together; ``{"completions", "new_tokens",
     "tokens_per_s" (new tokens per second), "device_peak_bytes"}``. ``sampling``: temperature, top_k, top_p,
-    seed (see :func:`ipuft.generate.generate`)."""
+    seed (see :func:`ipuft.generate.generate`). Each prompt starts with the model's ``model.bos_token_id``
+    where it has one, and a row stops at any of ``model.eos_token_ids``, else at the tokenizer's
+    <|endoftext|>."""
     tokenizer = tokenizer_for(cfg)
     encoded = [tokenizer.encode(p, add_special_tokens=False).ids for p in prompts]
     for number, ids in enumerate(encoded, start=1):
         if not ids:
             raise DataError(f"prompt {number} is empty after tokenization")
+    bos = cfg.model.bos_token_id  # the model's own start token (a Llama checkpoint's), once before each prompt
+    if bos is not None:
+        encoded = [ids if ids[0] == bos else [bos, *ids] for ids in encoded]
+    stops = list(cfg.model.eos_token_ids) or [tokenizer.token_to_id(EOS)]
     engine = inference_engine(cfg, hooks)
     runner = LayerMajor(engine)
     seed = sampling.pop("seed", 0)
@@ -72,7 +78,7 @@ def generate_texts(cfg: DictConfig, hooks: PluginHooks, prompts: list[str], max_
     measured = Measured(engine)
     new = []
     for chunk in batches(encoded, batch_size):
-        new += generate(runner, chunk, max_new_tokens, eos_id=tokenizer.token_to_id(EOS), generator=generator,
+        new += generate(runner, chunk, max_new_tokens, eos_id=[s for s in stops if s is not None], generator=generator,
                         **sampling)
     count = sum(len(n) for n in new)
     return {"completions": [p + tokenizer.decode(n, skip_special_tokens=False) for p, n in zip(prompts, new)],

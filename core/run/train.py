@@ -57,11 +57,13 @@ from ipuft.run.schedule import learning_rate
 
 
 def tokenizer_file(cfg: DictConfig) -> Path | None:
-    """The tokenizer.json the run's data was tokenized with, if any (copied into checkpoints)."""
+    """The tokenizer.json the run's data was tokenized with, if any, else the Hugging Face checkpoint's own
+    (copied into checkpoints, so that an export or ``generate`` has the model's tokenizer)."""
+    if cfg.data.path is None:  # synthetic tokens: no tokenizer made them
+        own = Path(cfg.model.hf_checkpoint) / "tokenizer.json" if cfg.model.hf_checkpoint else None
+        return own if own is not None and own.is_file() else None
     source = tokenizer_source(cfg)
-    if source is None or cfg.data.path is None:
-        return None
-    return tokenizer_path(source[0])
+    return None if source is None else tokenizer_path(source[0])
 
 
 def save(engine: PhasedEngine, cfg: DictConfig, root: Path | None, step: int, data=None) -> Path | None:

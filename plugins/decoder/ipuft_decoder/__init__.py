@@ -1,4 +1,4 @@
-"""The GPT-J decoder block's ipuft hooks.
+"""The GPT-J decoder block's ipuft hooks, and GPT-J's Hugging Face family (:mod:`ipuft_decoder.family`).
 
 This module imports no torch, so that discovering the plugin (``ipuft --help``) stays fast; the block itself
 is in :mod:`ipuft_decoder.block`, imported when a run builds it.
@@ -15,7 +15,9 @@ from omegaconf import DictConfig
 from ipuft import hookimpl
 from ipuft.components import ComponentRegistry
 from ipuft.config import ConfigSectionRegistry
+from ipuft.families import ModelFamilyRegistry
 from ipuft.sharding import ShardSpec
+from ipuft_decoder.family import GPTJ
 
 if TYPE_CHECKING:
     from ipuft_decoder.block import GPTJDecoderBlock
@@ -88,3 +90,8 @@ def ipuft_register_components(registry: ComponentRegistry) -> None:
 @hookimpl
 def ipuft_register_config_sections(registry: ConfigSectionRegistry) -> None:
     registry.add(SECTION, DecoderOptions)
+
+
+@hookimpl
+def ipuft_register_model_families(registry: ModelFamilyRegistry) -> None:
+    registry.add(GPTJ)

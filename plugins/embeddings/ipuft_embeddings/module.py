@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ipuft.components import Init, VariableSpec, specs_from_module
-from ipuft.parallel import reduce_from_tensor_parallel, vocab_block
+from ipuft.parallel import vocab_parallel_embedding
 from ipuft.sharding import VOCAB_SHARDED
 
 
@@ -25,13 +25,8 @@ class GPTJEmbeddings(torch.nn.Module):
         self.tensor_parallel = tensor_parallel
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.tensor_parallel == 1:
-            return F.dropout(self.wte(input_ids), self.dropout_prob, self.training)
-        rows = self.wte.weight.shape[0]
-        local, inside = vocab_block(input_ids, rows)
-        outside = ~inside
-        partial = self.wte(local.masked_fill(outside, 0)).masked_fill(outside.unsqueeze(-1), 0.0)
-        return F.dropout(reduce_from_tensor_parallel(partial), self.dropout_prob, self.training)
+        hidden = vocab_parallel_embedding(self.wte, input_ids, self.tensor_parallel)
+        return F.dropout(hidden, self.dropout_prob, self.training)
 
     def variable_specs(self) -> list[VariableSpec]:
         return specs_from_module(self, {"wte.weight": Init("normal", 0.02)})

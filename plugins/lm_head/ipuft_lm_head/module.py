@@ -8,15 +8,9 @@ columns never win) and the loss is core's vocabulary-parallel cross-entropy
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ipuft.components import IGNORE_INDEX, Init, VariableSpec, specs_from_module
-from ipuft.parallel import (
-    copy_to_tensor_parallel,
-    gather_from_tensor_parallel,
-    vocab_parallel_cross_entropy,
-    vocab_parallel_logits,
-)
+from ipuft.parallel import vocab_parallel_head
 from ipuft.sharding import VOCAB_SHARDED
 
 
@@ -32,20 +26,9 @@ class GPTJLMHead(torch.nn.Module):
         self.vocab_size, self.tensor_parallel = vocab_size, tensor_parallel
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        if self.tensor_parallel == 1:
-            logits = self.proj(self.norm(hidden))
-            if labels is None:
-                return logits
-            # The loss and its softmax are float32 whatever the weights' precision.
-            return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
-        logits = self._local_logits(hidden)
-        if labels is None:
-            return gather_from_tensor_parallel(logits)[..., : self.vocab_size]
-        return vocab_parallel_cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), IGNORE_INDEX)
-
-    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """This rank's vocabulary block of the logits; padded columns never win."""
-        return vocab_parallel_logits(self.proj(copy_to_tensor_parallel(self.norm(hidden))), self.vocab_size)
+        # The loss and its softmax are float32 whatever the weights' precision.
+        return vocab_parallel_head(self.proj, self.norm(hidden), labels, self.vocab_size, self.tensor_parallel,
+                                   IGNORE_INDEX)
 
     def variable_specs(self) -> list[VariableSpec]:
         inits = {"norm.weight": Init("ones"), "norm.bias": Init("zeros"),

@@ -57,6 +57,10 @@ def options(cfg: DictConfig) -> LoRAOptions:
 def build(cfg: DictConfig):
     from ipuft_lora.module import LoRADecoderBlock
 
+    if cfg.model.family != "gptj":
+        raise ConfigError(f"model.decoder: {NAME} adapts GPT-J's block, but the model is a {cfg.model.family} "
+                          f"(model.family); LoRA for it is not available: drop model.decoder to fine-tune every "
+                          f"weight of its own decoder")
     return LoRADecoderBlock.from_config(cfg, options(cfg))
 
 

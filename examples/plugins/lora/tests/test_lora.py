@@ -117,3 +117,7 @@ def test_tensor_parallel_and_bad_options_are_one_line(hooks):
         build_model(config("plugins.lora.targets=[out_proj]"), hooks)
     with pytest.raises(ConfigError, match=r"plugins.lora.rank \(used when model.decoder=gptj_lora\): it is set but"):
         load_config("tiny", ["plugins.lora.rank=4"], hooks.registrations.config_sections)
+    # The adapters are GPT-J's: another family's model (a Llama's, from the ipuft-llama plugin) is refused.
+    with pytest.raises(ConfigError, match=r"^model.decoder: gptj_lora adapts GPT-J's block, but the model is a llama "
+                                          r"\(model.family\); LoRA for it is not available"):
+        build_model(config("model.family=llama"), hooks)

@@ -1,0 +1,153 @@
+"""Model families: how a Hugging Face checkpoint of one architecture maps onto ipuft's config and components.
+
+A family is one config.json ``model_type`` (``gptj``, ``llama``, ``mistral``, ``qwen2``): the components that
+compute it, how its config.json becomes ipuft config keys (:attr:`ModelFamily.read_config`) and back
+(:attr:`ModelFamily.write_config`), and the parameter names of a complete model. The plugin that ships an
+architecture's components registers its families (``ipuft_register_model_families``); core never branches
+on a family's name:
+
+- ``model.hf_checkpoint=DIR`` picks the family registered for ``DIR/config.json``'s ``model_type``, which sets
+  ``model.family``, the components (unless the user chose others) and the shapes;
+- ``ipuft export`` writes the run's ``model.family``: its config.json, and exactly its parameter names.
+
+The parameter names themselves stay with the components (their ``hf_mapping``); the family only says which
+names make a complete model, so that an export cannot silently lack or add one.
+
+This module imports no torch: plugins import it when they are discovered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ipuft.errors import PluginError, choices
+from ipuft.registry import Origin, Registry
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+
+class HFConfigError(ValueError):
+    """What is wrong with a config.json, in one line (core adds the file's name): a family's ``read_config``
+    raises it for a missing key, a value of the wrong type or range, or a feature ipuft does not run."""
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One Hugging Face architecture, as ipuft reads and writes it.
+
+    ``model_type``: config.json's ``model_type``, and the value of ``model.family`` that selects the family.
+    ``title``: its name in messages (``GPT-J``).
+    ``architecture``: config.json's ``architectures`` entry an export writes (``LlamaForCausalLM``).
+    ``components``: the component name for each role (``embeddings``, ``decoder``, ``head``).
+    ``read_config(config)``: config.json (a dict, untrusted) as ``{ipuft config key: value}``, every value
+    checked; :class:`HFConfigError` for anything it cannot run.
+    ``write_config(cfg)``: the family's keys of config.json for the run's config (the shapes
+    ``read_config`` reads back; core adds ``architectures``, ``model_type``, the components' keys, the
+    special tokens and ``torch_dtype``).
+    ``parameter_names(cfg)``: every parameter name of a complete model of ``cfg``'s shapes.
+    ``source_keys``: the config.json key each ipuft key ``read_config`` sets comes from, for messages.
+    ``preset``: a shipped preset of the family's best-known shape, suggested when a checkpoint disagrees with
+    the settings.
+    ``positions_key``: the config.json key of the longest sequence the model was made for, if any.
+    ``component_keys``: config.json keys only a component can give (``{role: keys}``), from its
+    ``hf_config()``: a substitute component that leaves one out cannot be exported.
+    """
+
+    model_type: str
+    title: str
+    architecture: str
+    components: Mapping[str, str]
+    read_config: Callable[[dict], dict[str, Any]]
+    write_config: Callable[[DictConfig], dict[str, Any]]
+    parameter_names: Callable[[DictConfig], set[str]]
+    source_keys: Mapping[str, str] = field(default_factory=dict)
+    preset: str | None = None
+    positions_key: str | None = None
+    component_keys: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    description: str = ""
+    plugin: str = ""
+
+
+class ModelFamilyRegistry(Registry):
+    """Every model family the installed plugins registered, by ``model_type``."""
+
+    kind = "model family"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._families: dict[str, ModelFamily] = {}
+        self._origins: dict[str, Origin] = {}
+
+    def add(self, family: ModelFamily) -> None:
+        """Register ``family``; a ``model_type`` registered twice follows the duplicate rule of
+        :mod:`ipuft.registry`."""
+        origin = self.origin()
+        if not isinstance(family, ModelFamily):
+            raise PluginError(f"plugin {origin.plugin!r} registers a model family that is not an "
+                              f"ipuft.families.ModelFamily: {type(family).__name__}")
+        if family.model_type in self._families:
+            self._keep_first(f"model family {family.model_type!r}", self._origins[family.model_type], origin)
+            return
+        self._families[family.model_type] = ModelFamily(**{**family.__dict__, "plugin": origin.plugin})
+        self._origins[family.model_type] = origin
+
+    def get(self, model_type: str, key: str = "model.family") -> ModelFamily:
+        """The family of ``model_type``; a :class:`PluginError` naming ``key`` and the choices if none."""
+        try:
+            return self._families[model_type]
+        except KeyError:
+            raise PluginError(f"{key}: no installed plugin reads or writes Hugging Face model_type "
+                              f"{str(model_type)[:40]!r}; installed: {choices(self._families)}") from None
+
+    def __contains__(self, model_type: object) -> bool:
+        return model_type in self._families
+
+    def names(self) -> list[str]:
+        return sorted(self._families)
+
+    def __iter__(self) -> Iterator[ModelFamily]:
+        return iter(self._families.values())
+
+
+# ---- checking config.json's values, for families' read_config ----
+
+_ABSENT = object()
+
+
+def config_int(config: Mapping, key: str, default: Any = _ABSENT, *, minimum: int = 1) -> int:
+    """config.json's ``key`` as an int of at least ``minimum`` (``default`` when absent or null, if given)."""
+    value = config.get(key)
+    if value is None:
+        if default is _ABSENT:
+            raise HFConfigError(f"lacks {key}")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= 1 << 40:
+        kind = {0: "a non-negative integer", 1: "a positive integer"}.get(minimum, f"an integer of at least {minimum}")
+        raise HFConfigError(f"{key} must be {kind}, got {str(value)[:40]}")
+    return value
+
+
+def config_float(config: Mapping, key: str, default: Any = _ABSENT, *, low: float = 0.0,
+                 high: float = float("inf")) -> float:
+    """config.json's ``key`` as a number in the open interval (``low``, ``high``)."""
+    value = config.get(key)
+    if value is None:
+        if default is _ABSENT:
+            raise HFConfigError(f"lacks {key}")
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low < value < high:
+        raise HFConfigError(f"{key} must be a number in ({low:g}, {high:g}), got {str(value)[:40]}")
+    return float(value)
+
+
+def config_flag(config: Mapping, key: str, default: bool) -> bool:
+    """config.json's ``key`` as a boolean (``default`` when absent or null)."""
+    value = config.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise HFConfigError(f"{key} must be true or false, got {str(value)[:40]}")
+    return value

@@ -1,0 +1,154 @@
+"""Llama-architecture models for ipuft: the ``llama`` embeddings, decoder and head, their options
+(``plugins.llama``), and the Hugging Face families that read and write them (``llama``, ``mistral``,
+``qwen2``; see :mod:`ipuft_llama.family`).
+
+``model.hf_checkpoint=DIR`` with a Llama, Mistral or Qwen2 config.json selects these components and sets
+every option from it; the ``llama3-8b`` and ``mistral-7b`` presets set them for a run from scratch or a plan.
+
+This module holds the hooks only and imports no torch, so that discovering the plugin (``ipuft --help``)
+stays fast; the modules are in :mod:`ipuft_llama.modules`, imported when a run builds them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+from omegaconf import DictConfig
+
+from ipuft import hookimpl
+from ipuft.components import ComponentRegistry, VariableSpec
+from ipuft.config import ConfigSectionRegistry
+from ipuft.errors import ConfigError
+from ipuft.families import ModelFamilyRegistry
+from ipuft.sharding import VOCAB_SHARDED, ShardSpec
+from ipuft_llama.family import FAMILIES, NAME, SECTION, head_dim, kv_heads
+
+if TYPE_CHECKING:
+    from ipuft_llama.modules import LlamaDecoderBlock, LlamaEmbeddings, LlamaLMHead
+
+
+@dataclass
+class RopeScaling:
+    """Rotary frequency scaling: ``llama3`` (Llama 3.1's) or ``linear`` (position interpolation)."""
+
+    rope_type: str = "llama3"
+    factor: float = 8.0
+    low_freq_factor: Optional[float] = 1.0
+    high_freq_factor: Optional[float] = 4.0
+    original_max_position_embeddings: Optional[int] = 8192
+
+
+@dataclass
+class LlamaOptions:
+    """``plugins.llama``: what a Llama-architecture model has beyond ``model``'s shapes. A Hugging Face
+    checkpoint's config.json sets every one of them."""
+
+    # Key/value heads (grouped-query attention); null: as many as model.attention.heads.
+    kv_heads: Optional[int] = None
+    # Each head's width; null: model.hidden_size / model.attention.heads.
+    head_dim: Optional[int] = None
+    # Biases on the q, k and v projections (Qwen2; Llama's attention_bias), and on the output projection
+    # (Llama's attention_bias).
+    qkv_bias: bool = False
+    output_bias: bool = False
+    # null, or Llama 3.1's frequency scaling.
+    rope_scaling: Optional[RopeScaling] = None
+    # Mistral's sliding-window attention: ipuft attends over the whole causal past, the same as long as
+    # model.sequence_length is at most the window (a longer sequence is refused).
+    sliding_window: Optional[int] = None
+
+
+def _check(cfg: DictConfig) -> None:
+    """The options' rules, one line each."""
+    m = cfg.model
+    heads, kv, dim = m.attention.heads, kv_heads(cfg), head_dim(cfg)
+    if cfg.plugins[SECTION].head_dim is None and m.hidden_size % heads:
+        raise ConfigError(f"model.attention.heads={heads} does not divide model.hidden_size={m.hidden_size}; "
+                          f"set plugins.llama.head_dim")
+    if heads % kv:
+        raise ConfigError(f"plugins.llama.kv_heads={kv} does not divide model.attention.heads={heads}")
+    if m.attention.rotary_dim != dim:
+        raise ConfigError(f"model.attention.rotary_dim={m.attention.rotary_dim}: the Llama decoder rotates whole "
+                          f"heads, so it must equal the head width {dim}")
+    if m.intermediate_size is None:
+        raise ConfigError("model.intermediate_size: the Llama MLP needs its width set (null means 4 × hidden "
+                          "only for GPT-J)")
+    tp = cfg.execution.tensor_parallel
+    if heads % tp or m.intermediate_size % tp:
+        raise ConfigError(f"execution.tensor_parallel={tp} must divide model.attention.heads={heads} and "
+                          f"model.intermediate_size={m.intermediate_size}")
+    window = cfg.plugins[SECTION].sliding_window
+    if window is not None and m.sequence_length > window:
+        raise ConfigError(f"model.sequence_length={m.sequence_length} exceeds plugins.llama.sliding_window={window}: "
+                          f"ipuft attends over the whole causal past, so a sequence must fit in the window")
+    scaling = cfg.plugins[SECTION].rope_scaling
+    if scaling is not None and scaling.rope_type not in ("llama3", "linear"):
+        raise ConfigError(f"plugins.llama.rope_scaling.rope_type={scaling.rope_type!r}: one of llama3, linear")
+
+
+def build_embeddings(cfg: DictConfig) -> LlamaEmbeddings:
+    from ipuft_llama.modules import LlamaEmbeddings
+
+    m = cfg.model
+    return LlamaEmbeddings(m.embedding.vocab_size, m.hidden_size, m.dropout_prob, cfg.execution.tensor_parallel)
+
+
+def build_decoder(cfg: DictConfig) -> LlamaDecoderBlock:
+    from ipuft_llama.modules import LlamaDecoderBlock
+
+    _check(cfg)
+    m, options = cfg.model, cfg.plugins[SECTION]
+    scaling = None if options.rope_scaling is None else dict(options.rope_scaling)
+    return LlamaDecoderBlock(
+        hidden_size=m.hidden_size, intermediate_size=m.intermediate_size, heads=m.attention.heads,
+        kv_heads=kv_heads(cfg), head_dim=head_dim(cfg), rms_norm_eps=m.layer_norm_epsilon,
+        rope_theta=float(m.attention.rotary_positional_embeddings_base), rope_scaling=scaling,
+        qkv_bias=options.qkv_bias, output_bias=options.output_bias, dropout_prob=m.dropout_prob,
+        tensor_parallel=cfg.execution.tensor_parallel)
+
+
+def build_head(cfg: DictConfig) -> LlamaLMHead:
+    from ipuft_llama.modules import LlamaLMHead
+
+    m = cfg.model
+    return LlamaLMHead(m.hidden_size, m.embedding.vocab_size, m.layer_norm_epsilon, cfg.execution.tensor_parallel)
+
+
+_COLUMN, _ROW, _REPLICATED = ShardSpec(tp_dim=0), ShardSpec(tp_dim=1), ShardSpec()
+
+
+def decoder_shard_specs(variables: list[VariableSpec], tensor_parallel: int, cfg: DictConfig) -> dict[str, ShardSpec]:
+    """q and the MLP's gate and up by output rows, o and down by input columns; k and v by output rows when
+    TP divides the key/value heads, else whole on every rank (see :mod:`ipuft_llama.modules`); the norms and
+    o's bias whole."""
+    kv = _COLUMN if kv_heads(cfg) % tensor_parallel == 0 else _REPLICATED
+    specs = {"input_layernorm.weight": _REPLICATED, "post_attention_layernorm.weight": _REPLICATED,
+             "self_attn.q_proj.weight": _COLUMN, "self_attn.q_proj.bias": _COLUMN,
+             "self_attn.k_proj.weight": kv, "self_attn.k_proj.bias": kv,
+             "self_attn.v_proj.weight": kv, "self_attn.v_proj.bias": kv,
+             "self_attn.o_proj.weight": _ROW, "self_attn.o_proj.bias": _REPLICATED,
+             "mlp.gate_proj.weight": _COLUMN, "mlp.up_proj.weight": _COLUMN, "mlp.down_proj.weight": _ROW}
+    return {v.name: specs[v.name] for v in variables}
+
+
+@hookimpl
+def ipuft_register_components(registry: ComponentRegistry) -> None:
+    registry.add("embeddings", NAME, build_embeddings, "Llama token embedding (embed_tokens)",
+                 shard_specs={"embed_tokens.weight": VOCAB_SHARDED})
+    registry.add("decoder", NAME, build_decoder,
+                 "Llama block: RMSNorm, rotate-half rotary, grouped-query attention, SwiGLU MLP",
+                 shard_specs=decoder_shard_specs)
+    registry.add("head", NAME, build_head, "Llama LM head: RMSNorm, untied projection without bias",
+                 shard_specs={"norm.weight": _REPLICATED, "lm_head.weight": VOCAB_SHARDED})
+
+
+@hookimpl
+def ipuft_register_config_sections(registry: ConfigSectionRegistry) -> None:
+    registry.add(SECTION, LlamaOptions, used_when={"model.decoder": NAME})
+
+
+@hookimpl
+def ipuft_register_model_families(registry: ModelFamilyRegistry) -> None:
+    for family in FAMILIES:
+        registry.add(family)

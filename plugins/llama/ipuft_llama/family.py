@@ -1,0 +1,210 @@
+"""The Hugging Face families of the Llama architecture: ``llama``, ``mistral`` and ``qwen2``.
+
+They share the components (:mod:`ipuft_llama.modules`) and differ in their config.json: Mistral may set a
+``sliding_window`` and an explicit ``head_dim``; Qwen2 always has q/k/v biases and a ``use_sliding_window``
+switch; Llama has ``attention_bias``, ``mlp_bias`` and Llama 3.1's ``rope_scaling``. Each reads its
+config.json into ipuft's keys (the shared shapes under ``model``, the rest under ``plugins.llama``) and writes
+it back for an export; what ipuft does not run (tied embeddings, MLP biases, an active sliding window,
+another activation) is refused in one line. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from omegaconf import DictConfig
+
+from ipuft.families import HFConfigError, ModelFamily, config_flag, config_float, config_int
+
+NAME = "llama"  # the component name of every role
+SECTION = "llama"  # plugins.llama
+
+_ROPE_TYPES = ("llama3", "linear")
+
+
+def _rope(config: Mapping) -> tuple[float, dict[str, Any] | None]:
+    """The rotary base and ``plugins.llama.rope_scaling`` (null, Llama 3.1's ``llama3`` scaling, or ``linear``
+    position interpolation), from config.json's ``rope_theta`` and ``rope_scaling`` (the Hub's checkpoints), or
+    from the one ``rope_parameters`` object transformers 5 writes instead."""
+    if config.get("rope_parameters") is not None:
+        scaling = config["rope_parameters"]
+        if not isinstance(scaling, dict):
+            raise HFConfigError(f"rope_parameters must be an object, got {str(scaling)[:40]}")
+        return config_float(scaling, "rope_theta", 10000.0), _rope_scaling(scaling, "rope_parameters")
+    return config_float(config, "rope_theta", 10000.0), _rope_scaling(config.get("rope_scaling"), "rope_scaling")
+
+
+def _rope_scaling(scaling: Any, key: str) -> dict[str, Any] | None:
+    if scaling is None:
+        return None
+    if not isinstance(scaling, dict):
+        raise HFConfigError(f"{key} must be an object or null, got {str(scaling)[:40]}")
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in ("default", None):
+        return None
+    if kind not in _ROPE_TYPES:
+        raise HFConfigError(f"{key}'s rope_type {str(kind)[:40]!r} is not one ipuft runs "
+                            f"({', '.join(_ROPE_TYPES)})")
+    out = {"rope_type": kind, "factor": config_float(scaling, "factor", low=0.0)}
+    if kind == "llama3":
+        out["low_freq_factor"] = config_float(scaling, "low_freq_factor", low=0.0)
+        out["high_freq_factor"] = config_float(scaling, "high_freq_factor", low=out["low_freq_factor"])
+        out["original_max_position_embeddings"] = config_int(scaling, "original_max_position_embeddings")
+    return out
+
+
+def read_config(config: Mapping, model_type: str) -> dict[str, Any]:
+    """A Llama-architecture config.json as ipuft config keys, every value checked."""
+    hidden = config_int(config, "hidden_size")
+    heads = config_int(config, "num_attention_heads")
+    kv_heads = config_int(config, "num_key_value_heads", heads)
+    if hidden % heads and config.get("head_dim") is None:
+        raise HFConfigError(f"num_attention_heads={heads} does not divide hidden_size={hidden} and no head_dim "
+                            f"is given")
+    head_dim = config_int(config, "head_dim", hidden // heads)
+    if heads % kv_heads:
+        raise HFConfigError(f"num_key_value_heads={kv_heads} does not divide num_attention_heads={heads}")
+    if head_dim % 2:
+        raise HFConfigError(f"head_dim={head_dim} must be even for rotary embeddings")
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise HFConfigError(f"hidden_act {str(act)[:40]!r}: ipuft runs {model_type}'s SwiGLU MLP with silu only")
+    if config_flag(config, "tie_word_embeddings", False):
+        raise HFConfigError("tie_word_embeddings=true: ipuft trains the embeddings and the head as separate units, "
+                            "so it cannot tie them; untie the checkpoint (copy embed_tokens.weight to "
+                            "lm_head.weight and set tie_word_embeddings=false) to fine-tune it")
+    if config_flag(config, "mlp_bias", False):
+        raise HFConfigError("mlp_bias=true: ipuft's Llama MLP has no biases")
+    if model_type == "qwen2":
+        qkv_bias, out_bias = True, False  # Qwen2's attention always has q/k/v biases, never an output bias
+        window = config.get("sliding_window") if config_flag(config, "use_sliding_window", False) else None
+    else:
+        qkv_bias = out_bias = config_flag(config, "attention_bias", False)
+        window = config.get("sliding_window")
+    if window is not None:
+        window = config_int({"sliding_window": window}, "sliding_window")
+    if config.get("attention_dropout") not in (None, 0, 0.0):
+        raise HFConfigError(f"attention_dropout={str(config['attention_dropout'])[:40]}: ipuft's Llama attention "
+                            f"has no dropout (model.dropout_prob drops the residual branches instead); set it to 0")
+    theta, scaling = _rope(config)
+    return {
+        "model.layers": config_int(config, "num_hidden_layers"),
+        "model.hidden_size": hidden,
+        "model.intermediate_size": config_int(config, "intermediate_size"),
+        "model.attention.heads": heads,
+        "model.attention.rotary_dim": head_dim,
+        "model.attention.rotary_positional_embeddings_base": theta,
+        "model.embedding.vocab_size": config_int(config, "vocab_size"),
+        "model.layer_norm_epsilon": config_float(config, "rms_norm_eps", 1e-6, high=1.0),
+        f"plugins.{SECTION}.kv_heads": kv_heads,
+        f"plugins.{SECTION}.head_dim": head_dim,
+        f"plugins.{SECTION}.qkv_bias": qkv_bias,
+        f"plugins.{SECTION}.output_bias": out_bias,
+        f"plugins.{SECTION}.sliding_window": window,
+        f"plugins.{SECTION}.rope_scaling": scaling,
+    }
+
+
+def head_dim(cfg: DictConfig) -> int:
+    """The run's head width: ``plugins.llama.head_dim``, else hidden over heads."""
+    m = cfg.model
+    return cfg.plugins[SECTION].head_dim or m.hidden_size // m.attention.heads
+
+
+def kv_heads(cfg: DictConfig) -> int:
+    return cfg.plugins[SECTION].kv_heads or cfg.model.attention.heads
+
+
+def write_config(cfg: DictConfig, model_type: str) -> dict[str, Any]:
+    """The run's config as a Llama-architecture config.json (the inverse of :func:`read_config`)."""
+    m, options = cfg.model, cfg.plugins[SECTION]
+    out: dict[str, Any] = {
+        "hidden_size": m.hidden_size,
+        "intermediate_size": m.intermediate_size,
+        "num_hidden_layers": m.layers,
+        "num_attention_heads": m.attention.heads,
+        "num_key_value_heads": kv_heads(cfg),
+        "head_dim": head_dim(cfg),
+        "hidden_act": "silu",
+        "max_position_embeddings": max(m.sequence_length, 2048),
+        "rms_norm_eps": m.layer_norm_epsilon,
+        "rope_theta": float(m.attention.rotary_positional_embeddings_base),
+        "rope_scaling": None if options.rope_scaling is None else {
+            k: v for k, v in dict(options.rope_scaling).items() if v is not None},
+        "vocab_size": m.embedding.vocab_size,
+        "tie_word_embeddings": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+    }
+    if model_type == "qwen2":
+        out.update(use_sliding_window=options.sliding_window is not None,
+                   sliding_window=options.sliding_window, max_window_layers=m.layers)
+    elif model_type == "mistral":
+        out["sliding_window"] = options.sliding_window
+    else:
+        out.update(attention_bias=options.qkv_bias, mlp_bias=False)
+    return out
+
+
+def check_options(cfg: DictConfig, model_type: str) -> None:
+    """What an export as ``model_type`` cannot say: Llama's one ``attention_bias`` covers q/k/v and the output
+    together, Mistral has none, Qwen2 has q/k/v biases only."""
+    options = cfg.plugins[SECTION]
+    biases = (options.qkv_bias, options.output_bias)
+    allowed = {"llama": ((False, False), (True, True)), "mistral": ((False, False),), "qwen2": ((True, False),)}
+    if biases not in allowed[model_type]:
+        raise HFConfigError(f"plugins.llama.qkv_bias={options.qkv_bias} with output_bias={options.output_bias} "
+                            f"cannot be written as a {model_type} config.json")
+
+
+def parameter_names(cfg: DictConfig) -> set[str]:
+    """Every parameter name of a complete transformers model of this family and ``cfg``'s shapes."""
+    options = cfg.plugins[SECTION]
+    layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
+             "mlp.up_proj.weight", "mlp.down_proj.weight", "self_attn.o_proj.weight",
+             *(f"self_attn.{p}_proj.weight" for p in "qkv")]
+    if options.qkv_bias:
+        layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
+    if options.output_bias:
+        layer.append("self_attn.o_proj.bias")
+    return {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
+            *(f"model.layers.{n}.{name}" for n in range(cfg.model.layers) for name in layer)}
+
+
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_TITLES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+_PRESETS = {"llama": "llama3-8b", "mistral": "mistral-7b", "qwen2": None}
+# The config.json key behind each ipuft key read_config sets (for messages).
+SOURCE_KEYS = {
+    "model.layers": "num_hidden_layers", "model.hidden_size": "hidden_size",
+    "model.intermediate_size": "intermediate_size", "model.attention.heads": "num_attention_heads",
+    "model.attention.rotary_dim": "head_dim", "model.attention.rotary_positional_embeddings_base": "rope_theta",
+    "model.embedding.vocab_size": "vocab_size", "model.layer_norm_epsilon": "rms_norm_eps",
+    f"plugins.{SECTION}.kv_heads": "num_key_value_heads", f"plugins.{SECTION}.head_dim": "head_dim",
+    f"plugins.{SECTION}.rope_scaling": "rope_scaling", f"plugins.{SECTION}.sliding_window": "sliding_window",
+}
+
+
+def family(model_type: str) -> ModelFamily:
+    def write(cfg: DictConfig) -> dict[str, Any]:
+        check_options(cfg, model_type)
+        return write_config(cfg, model_type)
+
+    return ModelFamily(
+        model_type=model_type,
+        title=_TITLES[model_type],
+        architecture=_ARCHITECTURES[model_type],
+        components={"embeddings": NAME, "decoder": NAME, "head": NAME},
+        read_config=lambda config: read_config(config, model_type),
+        write_config=write,
+        parameter_names=parameter_names,
+        source_keys=SOURCE_KEYS,
+        preset=_PRESETS[model_type],
+        positions_key="max_position_embeddings",
+        description=f"{_TITLES[model_type]}: RMSNorm, rotate-half rotary, grouped-query attention, SwiGLU",
+    )
+
+
+FAMILIES = [family(t) for t in _ARCHITECTURES]

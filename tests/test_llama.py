@@ -1,0 +1,254 @@
+"""The Llama-architecture plugin (``ipuft-llama``) is transformers' LlamaForCausalLM, Qwen2ForCausalLM and
+MistralForCausalLM, on random checkpoints of odd shapes (6 query heads over 2 key/value heads, a 101-token
+vocabulary, Llama 3.1's rope scaling, Qwen2's q/k/v biases): logits, loss, every gradient, eval loss, three
+Adam steps, parallel layouts, a bit-exact import → train(lr=0) → export, generation's special tokens, and one
+line for each config.json it cannot run."""
+
+import json
+
+import dist_workers
+import pytest
+import torch
+import torch.nn.functional as F
+from cli_helpers import run_cli as cli
+from distributed import spawn
+from hf_reference import hf_state, hf_units
+from llama_reference import hf_model, save_hf
+from safetensors.torch import load_file
+from test_engine import max_rel
+from test_parity_hf import ipuft_forward
+
+from ipuft.components import IGNORE_INDEX
+from ipuft.config import load_config
+from ipuft.data.tokens import data_source
+from ipuft.engine.model import build_model
+from ipuft.engine.plan import estimate
+from ipuft.errors import CheckpointError
+from ipuft.io.hf_export import export_hf
+from ipuft.run.runtime import build_engine
+from ipuft.run.schedule import learning_rate
+from ipuft.run.train import replica_batch, train
+
+KINDS = ["llama", "qwen2", "mistral"]
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    """Each kind's random model, saved as a Hugging Face directory with a word-level tokenizer."""
+    root = tmp_path_factory.mktemp("llama-family")
+    return {kind: save_hf(root / kind, kind, seed=i) for i, kind in enumerate(KINDS)}
+
+
+def config(hooks, src, *extra):
+    return load_config(None, [f"model.hf_checkpoint={src}", "model.sequence_length=16", *extra],
+                       hooks.registrations.config_sections)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_config_json_sets_the_family_components_and_shapes(hooks, hf_dirs, kind):
+    cfg = config(hooks, hf_dirs[kind][1])
+    m, options = cfg.model, cfg.plugins.llama
+    assert (m.family, m.embeddings, m.decoder, m.head) == (kind, "llama", "llama", "llama")
+    assert (m.layers, m.hidden_size, m.intermediate_size, m.attention.heads, m.embedding.vocab_size) == (2, 48, 80, 6, 101)
+    assert (options.kv_heads, options.head_dim, m.attention.rotary_dim) == (2, 8, 8)
+    assert (options.qkv_bias, options.output_bias) == ((True, False) if kind == "qwen2" else (False, False))
+    assert (m.bos_token_id, list(m.eos_token_ids)) == (1, [2])
+    assert m.layer_norm_epsilon == 1e-5
+    if kind == "llama":
+        assert m.attention.rotary_positional_embeddings_base == 5000.0
+        assert dict(options.rope_scaling) == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                              "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    if kind == "mistral":
+        assert options.sliding_window == 32
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_logits_loss_and_gradients_match_transformers(hooks, hf_dirs, kind):
+    hf, src = hf_dirs[kind]
+    cfg = config(hooks, src)
+    parts = build_model(cfg, hooks)
+    units = hf_units(parts.modules, 2, {k: v.detach().clone().requires_grad_() for k, v in hf.state_dict().items()})
+    ids = torch.randint(0, 101, (3, 16), generator=torch.Generator().manual_seed(1))
+    hf.zero_grad()
+    hf_out = hf(ids, labels=ids)
+    torch.testing.assert_close(ipuft_forward(parts, units, ids), hf_out.logits, atol=1e-5, rtol=0)
+    labels = torch.cat([ids[:, 1:], torch.full((3, 1), IGNORE_INDEX)], dim=1)  # ipuft's labels come shifted
+    loss = ipuft_forward(parts, units, ids, labels)
+    torch.testing.assert_close(loss, hf_out.loss, atol=1e-6, rtol=1e-6)
+    hf_out.loss.backward()
+    loss.backward()
+    ours = hf_state(parts.modules, 2, units)
+    hf_params = dict(hf.named_parameters())
+    assert set(ours) == set(hf_params)
+    for name, p in hf_params.items():
+        torch.testing.assert_close(ours[name].grad, p.grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_eval_loss_matches_transformers(capsys, hf_dirs, tmp_path):
+    hf, src = hf_dirs["llama"]
+    rows = torch.randint(0, 101, (5, 17), generator=torch.Generator().manual_seed(0))
+    data = tmp_path / "tokens.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": r.tolist()}) + "\n" for r in rows))
+    code, out, err = cli(capsys, "eval", f"model.hf_checkpoint={src}", "model.sequence_length=16", f"data.path={data}",
+                         "data.format=tokens", "execution.micro_batch_size=2", "--json")
+    assert code == 0, err
+    with torch.no_grad():
+        logits = hf(rows[:, :-1]).logits
+    expected = F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten()).item()
+    assert abs(json.loads(out)["loss"] - expected) <= 1e-5
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_three_adam_steps_equal_transformers_with_torch_adamw(hooks, hf_dirs, kind):
+    """The phased engine (offloaded, recomputing, GA=2) against transformers' model and torch.optim.AdamW:
+    three steps from the same checkpoint, every weight within 1e-5."""
+    hf, src = hf_dirs[kind]
+    hf = hf_model(kind, seed=KINDS.index(kind))  # a fresh copy: the fixture's model is shared
+    lr, steps = 1e-3, 3
+    cfg = config(hooks, src, "training.global_batch_size=4", "execution.micro_batch_size=2",
+                 f"training.steps={steps}", f"training.optimizer.learning_rate.maximum={lr}",
+                 "training.optimizer.gradient_clipping=1e9", "plugins.adamw.weight_decay=0.0",
+                 "plugins.adamw.eps=1e-6")
+    engine = build_engine(cfg, hooks)
+    data = data_source(cfg)
+    adam = torch.optim.AdamW(hf.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0)
+    for step in range(steps):
+        batch = replica_batch(cfg, data, step, engine.layout)
+        result = engine.step(batch, learning_rate(step, steps, cfg.training.optimizer.learning_rate))
+        adam.zero_grad()
+        losses = []
+        for mb in range(batch.micro_batches):
+            logits = hf(batch.input_ids[mb]).logits
+            loss = F.cross_entropy(logits.flatten(0, 1), batch.labels[mb].flatten(), ignore_index=IGNORE_INDEX)
+            (loss / batch.micro_batches).backward()
+            losses.append(loss.item())
+        adam.step()
+        assert abs(result.loss - sum(losses) / len(losses)) <= 1e-5 * abs(result.loss)
+    ours = hf_state(engine.modules, 2, engine.full_weights())
+    for name, p in hf.named_parameters():
+        assert max_rel(ours[name], p.detach()) <= 1e-5, name
+
+
+def test_tensor_and_data_parallel_training_equal_one_process(hooks, tmp_path):
+    """TP=2 with the key/value heads split (2 of them) and replicated (3: TP does not divide them), Qwen2's
+    biases at TP=2, and DP=2 with RTS, each five steps on two Gloo ranks from a checkpoint, against one process;
+    every rank's counters equal its plan."""
+    dirs = {kv: save_hf(tmp_path / f"kv{kv}", "llama", seed=7, num_key_value_heads=kv)[1] for kv in (2, 3)}
+    qwen2 = save_hf(tmp_path / "qwen2", "qwen2", seed=8)[1]  # q/k/v biases split with their rows
+    common = ["model.sequence_length=16", "execution.micro_batch_size=1", "training.steps=5",
+              "training.optimizer.gradient_clipping=0.5", "training.optimizer.learning_rate.maximum=2e-3",
+              "plugins.adamw.weight_decay=0.1", "plugins.adamw.eps=1e-4"]
+    configs = {"tp2_kv2": [f"model.hf_checkpoint={dirs[2]}", "execution.tensor_parallel=2",
+                           "training.global_batch_size=2", *common],
+               "tp2_kv3": [f"model.hf_checkpoint={dirs[3]}", "execution.tensor_parallel=2",
+                           "training.global_batch_size=2", *common],
+               "tp2_qwen2": [f"model.hf_checkpoint={qwen2}", "execution.tensor_parallel=2",
+                             "training.global_batch_size=2", *common],
+               "dp2_kv2": [f"model.hf_checkpoint={dirs[2]}", "execution.data_parallel=2", "execution.rts=true",
+                           "training.global_batch_size=4", *common]}
+    spawn(2, dist_workers.train_configs, configs, 5, str(tmp_path), None, tmp=tmp_path)
+    for name, overrides in configs.items():
+        single = [o for o in overrides if not o.startswith(("execution.tensor_parallel", "execution.data_parallel"))]
+        cfg = load_config(None, single, hooks.registrations.config_sections)
+        engine = build_engine(cfg, hooks)
+        data = data_source(cfg)
+        results = [engine.step(replica_batch(cfg, data, s, engine.layout), learning_rate(s, 5, cfg.training.optimizer.learning_rate))
+                   for s in range(5)]
+        weights = engine.full_weights()
+        got = torch.load(tmp_path / f"{name}.rank0.pt")
+        assert results[0].grad_norm > 0.5  # clipping is active
+        for a, b in zip(got["losses"], [r.loss for r in results], strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), name
+        for a, b in zip(got["norms"], [r.grad_norm for r in results], strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), name
+        for unit, w in weights.items():
+            for n, t in w.items():
+                assert max_rel(got["weights"][unit][n], t) <= 1e-5, f"{name} {unit}.{n}"
+        for rank in range(2):
+            mine = torch.load(tmp_path / f"{name}.rank{rank}.pt")
+            assert mine["traffic"] == mine["planned"], (name, rank)
+            assert mine["host_bytes"] == mine["planned_host"], (name, rank)
+
+
+def test_key_value_heads_split_only_when_tensor_parallelism_divides_them(hooks, tmp_path):
+    """At TP=2, 2 key/value heads split by rows; 3 stay whole on each rank, which the plan counts: the k and v
+    weights' extra half on every rank, in the store and in every optimizer update's traffic."""
+    specs, stored = {}, {}
+    for kv in (2, 3):
+        _, src = save_hf(tmp_path / f"kv{kv}", "llama", num_key_value_heads=kv)
+        cfg = config(hooks, src, "execution.tensor_parallel=2", "training.global_batch_size=2")
+        parts = build_model(cfg, hooks)
+        specs[kv] = parts.shard_specs["decoder"]["self_attn.k_proj.weight"].tp_dim
+        stored[kv] = estimate(cfg, parts, hooks)["host_bytes"]
+    assert specs == {2: 0, 3: None}
+    # kv=3 against kv=2: each rank holds k and v whole (3·8 rows of 48) instead of half of 2·8 rows, in float32, in
+    # both layers: the weights, Adam's m and v, and the gradient (stored between the backward and the update).
+    extra = 2 * 2 * (3 * 8 - 2 * 8 // 2) * 48 * 4 * 4
+    assert stored[3] - stored[2] == extra
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_import_train_at_lr_0_export_is_bit_exact_and_loads_in_transformers(hooks, hf_dirs, tmp_path, kind):
+    import transformers
+
+    hf, src = hf_dirs[kind]
+    run = tmp_path / "run"
+    cfg = config(hooks, src, "training.global_batch_size=2", "training.steps=2",
+                 "training.optimizer.learning_rate.maximum=0.0", f"output_dir={run}")
+    train(cfg, hooks, progress=False)
+    out = export_hf(run, tmp_path / "exported", hooks)
+    exported = load_file(str(out / "model.safetensors"))
+    original = hf.state_dict()
+    assert exported.keys() == original.keys()
+    for name, tensor in original.items():
+        assert torch.equal(exported[name], tensor), name
+    written = json.loads((out / "config.json").read_text())
+    assert (written["model_type"], written["bos_token_id"], written["eos_token_id"]) == (kind, 1, 2)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(reloaded) is type(hf)
+    ids = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, hf(ids).logits)
+    assert (out / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+
+
+def test_generation_starts_with_bos_and_stops_at_the_checkpoints_eos(capsys, hf_dirs):
+    """Greedy decoding from the checkpoint's directory equals transformers' with the same bos-prefixed prompt,
+    and stops at config.json's eos."""
+    hf, src = hf_dirs["llama"]
+    prompt = "w5 w17 w9 w40"
+    ids = torch.tensor([[1, 5, 17, 9, 40]])  # <s> prepended: the word-level tokenizer adds nothing itself
+    code, out, err = cli(capsys, "generate", "--checkpoint", str(src), "--max-new-tokens", "8", prompt)
+    assert code == 0, err
+    with torch.no_grad():
+        theirs = hf.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=2, pad_token_id=0)
+    new = theirs[0, ids.shape[1]:].tolist()
+    if 2 in new:
+        new = new[: new.index(2) + 1]
+    from ipuft.data.tokenizer import load_tokenizer
+
+    assert out == prompt + load_tokenizer(str(src)).decode(new, skip_special_tokens=False) + "\n"
+
+
+def test_a_config_json_it_cannot_run_is_one_line_and_writes_nothing(hooks, hf_dirs, tmp_path):
+    src = hf_dirs["llama"][1]
+    base = json.loads((src / "config.json").read_text())
+    cases = {
+        "unknown": ({"model_type": "bert"}, "has model_type 'bert'; the installed plugins read 'gptj', 'llama'"),
+        "missing": ({"hidden_size": None}, "lacks hidden_size"),
+        "heads": ({"num_attention_heads": 5, "head_dim": None}, "num_attention_heads=5 does not divide hidden_size=48"),
+        "kv": ({"num_key_value_heads": 4}, "num_key_value_heads=4 does not divide num_attention_heads=6"),
+        "tied": ({"tie_word_embeddings": True}, "tie_word_embeddings=true: ipuft trains the embeddings and the head"),
+        "act": ({"hidden_act": "gelu"}, "hidden_act 'gelu': ipuft runs llama's SwiGLU MLP with silu only"),
+        "rope": ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_parameters's rope_type 'yarn'"),
+        "type": ({"vocab_size": "101"}, "vocab_size must be a positive integer, got 101"),
+    }
+    for name, (change, fragment) in cases.items():
+        bad = tmp_path / name
+        bad.mkdir()
+        (bad / "config.json").write_text(json.dumps({k: v for k, v in {**base, **change}.items() if v is not None}))
+        before = sorted(p.name for p in tmp_path.rglob("*"))
+        with pytest.raises(CheckpointError) as info:
+            config(hooks, bad)
+        assert fragment in str(info.value) and "\n" not in str(info.value), name
+        assert sorted(p.name for p in tmp_path.rglob("*")) == before
