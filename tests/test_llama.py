@@ -252,3 +252,24 @@ def test_a_config_json_it_cannot_run_is_one_line_and_writes_nothing(hooks, hf_di
             config(hooks, bad)
         assert fragment in str(info.value) and "\n" not in str(info.value), name
         assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+def test_phased_bfloat16_equals_a_plain_bfloat16_reference(hooks, hf_dirs):
+    """In bfloat16 with stochastic rounding, from a Llama checkpoint, the phased engine (offload, recompute with
+    the gradient-only down projection, float32 CPU attention) against a plain bfloat16 autograd reference of
+    the same modules and the same rounding bits, within the bounds :func:`test_precision.assert_16bit_close`
+    justifies (one bfloat16 rounding for loss and norm; one 16-bit step plus 2·lr per step for each weight)."""
+    from test_engine import EQUIVALENCE, batches
+    from test_precision import BF16_SR, assert_16bit_close, plain_16bit_reference
+
+    shapes = [o for o in EQUIVALENCE if not o.startswith("model.layers")]  # the checkpoint's 2 layers
+    cfg = config(hooks, hf_dirs["llama"][1], *shapes, *BF16_SR)
+    engine = build_engine(cfg, hooks)  # the checkpoint's weights, rounded to bfloat16
+    initial = {u: {n: t.clone() for n, t in w.items()} for u, w in engine.weights().items()}
+    step_batches = batches(cfg)
+    results = [engine.step(b, learning_rate(s, cfg.training.steps, cfg.training.optimizer.learning_rate))
+               for s, b in enumerate(step_batches)]
+    expected = plain_16bit_reference(cfg, engine.modules, initial, step_batches)
+    float32 = plain_16bit_reference(cfg, engine.modules, {u: {n: t.float() for n, t in w.items()}
+                                                          for u, w in initial.items()}, step_batches)[2]
+    assert_16bit_close(cfg, results, engine.weights(), expected, float32, torch.bfloat16)

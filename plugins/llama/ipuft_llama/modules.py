@@ -15,7 +15,8 @@ over TP (:func:`ipuft.parallel.copy_to_tensor_parallel` on the weights). That co
 k/v weights, their optimizer state and their FLOPs, which ``ipuft plan`` shows.
 
 RMSNorm is computed in float32 and its result rounded to the weights' dtype before the gain, as transformers
-does; the rotary tables are float32 and cast to the activations' dtype.
+does; the rotary tables are float32 and cast to the activations' dtype. On the CPU, 16-bit attention without a
+cache (training) computes its rotary and attention in float32, which ATen runs faster there.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ipuft.components import IGNORE_INDEX, Init, VariableSpec, specs_from_module
+from ipuft.ops import output_projection
 from ipuft.parallel import (
     copy_to_tensor_parallel,
     reduce_from_tensor_parallel,
@@ -39,6 +41,8 @@ from ipuft.sharding import VOCAB_SHARDED
 
 if TYPE_CHECKING:
     from ipuft.generate import LayerKVCache
+
+_16_BIT = (torch.bfloat16, torch.float16)
 
 
 class RMSNorm(nn.Module):
@@ -144,13 +148,18 @@ class LlamaAttention(nn.Module):
         q = self.q_proj(h).view(b, new, self.heads, self.head_dim).transpose(1, 2)
         k = self._projection(self.k_proj, h).view(b, new, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self._projection(self.v_proj, h).view(b, new, self.kv_heads, self.head_dim).transpose(1, 2)
+        if cache is None and h.device.type == "cpu" and h.dtype in _16_BIT:
+            # ATen's CPU flash-attention backward is 2-3 times slower in 16 bits than in float32: the rotary and
+            # the attention run in float32 up to the output projection (as GPT-J's block does). A cache keeps
+            # its dtype.
+            q, k, v = q.float(), k.float(), v.float()
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         if cache is not None:
             k, v = cache.append(k, v)  # the key/value heads only: the cache stays kv_heads wide
         k, v = self._local_kv(k, v)
-        out = self._attend(q, k, v, mask).transpose(1, 2).reshape(b, new, self.heads * self.head_dim)
+        out = self._attend(q, k, v, mask).to(h.dtype).transpose(1, 2).reshape(b, new, self.heads * self.head_dim)
         return F.linear(out, self.o_proj.weight)  # partial under TP; the bias is added after the reduce
 
     @staticmethod
@@ -174,7 +183,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))  # partial under TP
+        """Partial under TP. The layer's last op: in a recompute its value is never read, so its forward matmul
+        is skipped (:func:`ipuft.ops.output_projection`; the attention's output projection is read by the MLP's
+        norm, so it is not)."""
+        return output_projection(self.down_proj.weight, F.silu(self.gate_proj(h)) * self.up_proj(h))
 
 
 class LlamaDecoderBlock(nn.Module):
