@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ipuft.errors import PluginError, choices
-from ipuft.registry import Origin, Registry
+from ipuft.registry import Registry
 
 if TYPE_CHECKING:
     import torch
@@ -221,7 +221,6 @@ class ComponentRegistry(Registry):
     def __init__(self) -> None:
         super().__init__()
         self._builders: dict[tuple[str, str], ComponentBuilder] = {}
-        self._origins: dict[tuple[str, str], Origin] = {}
 
     def add(self, role: str, name: str, build: ComponentFactory, description: str = "",
             shard_specs: ShardSpecs | None = None) -> None:
@@ -238,12 +237,9 @@ class ComponentRegistry(Registry):
                 f"plugin {origin.plugin!r} registers component {name!r} for unknown role {role!r}; "
                 f"roles: {', '.join(ROLES)}"
             )
-        key = (role, name)
-        if key in self._builders:
-            self._keep_first(f"{role} component {name!r}", self._origins[key], origin)
-            return
-        self._builders[key] = ComponentBuilder(role, name, build, description, origin.plugin, shard_specs)
-        self._origins[key] = origin
+        if self._claim((role, name), f"{role} component {name!r}", origin):
+            self._builders[(role, name)] = ComponentBuilder(role, name, build, description, origin.plugin,
+                                                            shard_specs)
 
     def get(self, role: str, name: str) -> ComponentBuilder:
         """The builder for ``role`` named ``name``; a :class:`PluginError` naming the choices if none."""

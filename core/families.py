@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ipuft.errors import PluginError, choices
-from ipuft.registry import Origin, Registry
+from ipuft.registry import Registry
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -79,7 +79,6 @@ class ModelFamilyRegistry(Registry):
     def __init__(self) -> None:
         super().__init__()
         self._families: dict[str, ModelFamily] = {}
-        self._origins: dict[str, Origin] = {}
 
     def add(self, family: ModelFamily) -> None:
         """Register ``family``; a ``model_type`` registered twice follows the duplicate rule of
@@ -88,11 +87,8 @@ class ModelFamilyRegistry(Registry):
         if not isinstance(family, ModelFamily):
             raise PluginError(f"plugin {origin.plugin!r} registers a model family that is not an "
                               f"ipuft.families.ModelFamily: {type(family).__name__}")
-        if family.model_type in self._families:
-            self._keep_first(f"model family {family.model_type!r}", self._origins[family.model_type], origin)
-            return
-        self._families[family.model_type] = ModelFamily(**{**family.__dict__, "plugin": origin.plugin})
-        self._origins[family.model_type] = origin
+        if self._claim(family.model_type, f"model family {family.model_type!r}", origin):
+            self._families[family.model_type] = ModelFamily(**{**family.__dict__, "plugin": origin.plugin})
 
     def get(self, model_type: str, key: str = "model.family") -> ModelFamily:
         """The family of ``model_type``; a :class:`PluginError` naming ``key`` and the choices if none."""

@@ -41,15 +41,21 @@ class Registry:
     def __init__(self) -> None:
         self.origin: Callable[[], Origin] = Origin
         self.shadowed: list[tuple[str, Origin, Origin]] = []  # (name, the winner's origin, the shadowed one's)
+        self._origins: dict[Any, Origin] = {}  # who registered each key
 
-    def _keep_first(self, label: str, first: Origin, second: Origin) -> None:
-        """``label`` (say, ``decoder component 'gptj'``) was registered by ``first`` and now again by ``second``:
-        keep the first if it has the higher priority (it ran first), else refuse both with one line."""
-        if first.priority > second.priority:
-            self.shadowed.append((label, first, second))
-            return
+    def _claim(self, key: Any, label: str, origin: Origin) -> bool:
+        """Whether ``origin``'s registration of ``key`` (``label`` in messages, say ``decoder component 'gptj'``)
+        is to be stored. A key registered before keeps its first registration if that one has the higher
+        priority (it ran first; the second is listed as shadowed); otherwise both are refused with one line."""
+        first = self._origins.get(key)
+        if first is None:
+            self._origins[key] = origin
+            return True
+        if first.priority > origin.priority:
+            self.shadowed.append((label, first, origin))
+            return False
         raise PluginError(
-            f"{label} is registered twice: by plugin {first.plugin!r} and by plugin {second.plugin!r}; "
+            f"{label} is registered twice: by plugin {first.plugin!r} and by plugin {origin.plugin!r}; "
             f"disable one with IPUFT_DISABLE_PLUGINS, or register the one that should win from a hookimpl "
             f"marked tryfirst=True"
         )
@@ -74,17 +80,13 @@ class NamedRegistry(Registry):
     def __init__(self) -> None:
         super().__init__()
         self._builders: dict[str, Builder] = {}
-        self._origins: dict[str, Origin] = {}
 
     def add(self, name: str, build: Callable[..., Any], description: str = "", **options: Any) -> None:
         """Register ``build`` as ``name``; the config key :attr:`key` selects it by that name. ``options``
         are what a kind of builder declares besides (see the registry's subclass)."""
         origin = self.origin()
-        if name in self._builders:
-            self._keep_first(f"{self.kind} {name!r}", self._origins[name], origin)
-            return
-        self._builders[name] = Builder(name, build, description, origin.plugin, options)
-        self._origins[name] = origin
+        if self._claim(name, f"{self.kind} {name!r}", origin):
+            self._builders[name] = Builder(name, build, description, origin.plugin, options)
 
     def get(self, name: str) -> Builder:
         try:

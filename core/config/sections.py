@@ -7,7 +7,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from ipuft.errors import PluginError
-from ipuft.registry import Origin, Registry
+from ipuft.registry import Registry
 
 if TYPE_CHECKING:
     from ipuft.families import ModelFamilyRegistry
@@ -21,7 +21,6 @@ class ConfigSectionRegistry(Registry):
     def __init__(self) -> None:
         super().__init__()
         self._sections: dict[str, type] = {}
-        self._origins: dict[str, Origin] = {}
         self._used_when: dict[str, dict[str, str]] = {}
         # The model families registered beside these sections (see ipuft.plugins.Registrations): a Hugging Face
         # config.json is read into config keys through them.
@@ -39,12 +38,9 @@ class ConfigSectionRegistry(Registry):
             raise PluginError(f"plugin {origin.plugin!r}: config section {name!r} must be a dataclass type")
         if not name.isidentifier():
             raise PluginError(f"plugin {origin.plugin!r}: config section name {name!r} is not an identifier")
-        if name in self._sections:
-            self._keep_first(f"config section plugins.{name}", self._origins[name], origin)
-            return
-        self._sections[name] = schema
-        self._origins[name] = origin
-        self._used_when[name] = dict(used_when or {})
+        if self._claim(name, f"config section plugins.{name}", origin):
+            self._sections[name] = schema
+            self._used_when[name] = dict(used_when or {})
 
     def unused_settings(self, cfg, typed: set[str]) -> list[str]:
         """For each section whose ``used_when`` ``cfg`` does not meet, the keys of it the user set, as

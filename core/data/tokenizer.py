@@ -40,6 +40,21 @@ def tokenizer_source(cfg: DictConfig) -> tuple[str, str] | None:
     return None
 
 
+TOKENIZER_LIMIT = 1 << 30  # bytes a checkpoint's tokenizer.json may take; real ones are a few MB
+
+
+def tokenizer_from_bytes(data: bytes, path: Path) -> Tokenizer:
+    """A ``tokenizers.Tokenizer`` from the bytes of ``path`` (a checkpoint's tokenizer.json, read and verified
+    by the caller); one line naming ``path`` if they are not a tokenizer."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_str(data.decode("utf-8"))
+    except Exception as exc:  # noqa: BLE001 (a bad encoding, or the Rust side's plain Exceptions)
+        why = first_line(exc, type(exc).__name__)[:200]
+        raise DataError(f"{path} is not a valid tokenizer.json ({why})") from None
+
+
 def load_tokenizer(spec: str, key: str = "data.tokenizer") -> Tokenizer:
     """A ``tokenizers.Tokenizer`` from ``"sample"`` (shipped with ipuft), a directory holding
     ``tokenizer.json``, or the file itself. ``key`` names the config key in error messages."""

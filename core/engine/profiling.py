@@ -65,8 +65,8 @@ class StepProfile:
     def __init__(self, device: torch.device | str) -> None:
         self.cuda = torch.device(device).type == "cuda"
         self.seconds = dict.fromkeys(CATEGORIES, 0.0)
-        self.phases: dict[str, dict[str, float]] = {}  # each phase's whole time (copies, collectives in): role, kind
-        self.order: list[tuple[str, str]] = []  # (role, kind) of each kind of phase, as first run
+        # Each kind of phase's whole time (its copies and collectives in), by (role, kind), in the order first run.
+        self.phases: dict[tuple[str, str], float] = {}
         self._nested: list[float] = []  # for each open section, the time its nested sections took
 
     def now(self) -> float:
@@ -96,15 +96,16 @@ class StepProfile:
             with self.section(kind):
                 yield
         finally:
-            kinds = self.phases.setdefault(phase.role, {})
-            if kind not in kinds:
-                self.order.append((phase.role, kind))
-            kinds[kind] = kinds.get(kind, 0.0) + self.now() - start
+            key = (phase.role, kind)
+            self.phases[key] = self.phases.get(key, 0.0) + self.now() - start
 
     def report(self, total: float, steps: int) -> dict:
         """Per step: the measured ``step_s`` (``total`` over ``steps``), each category's seconds and share of
         it, and the remainder no section covered (``other_s``, ``other_share``)."""
         covered = sum(self.seconds.values())
+        phases: dict[str, dict[str, float]] = {}
+        for (role, kind), seconds in self.phases.items():
+            phases.setdefault(role, {})[kind] = seconds / steps
         return {
             "steps": steps,
             "step_s": total / steps,
@@ -112,8 +113,8 @@ class StepProfile:
             "share": {c: s / total for c, s in self.seconds.items()},
             "other_s": (total - covered) / steps,
             "other_share": (total - covered) / total,
-            "phases": {role: {kind: s / steps for kind, s in kinds.items()} for role, kinds in self.phases.items()},
-            "phase_order": [list(key) for key in self.order],  # (role, kind) in the order the step first ran them
+            "phases": phases,
+            "phase_order": [list(key) for key in self.phases],  # (role, kind) in the order the step first ran them
         }
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from ipuft.components import VariableSpec
-from ipuft.data.tokenizer import EOS, load_tokenizer
+from ipuft.data.tokenizer import EOS, TOKENIZER_LIMIT, tokenizer_from_bytes
 from ipuft.engine.model import build_model
 from ipuft.engine.precision import DTYPES
 from ipuft.errors import CheckpointError, first_line
@@ -60,13 +60,6 @@ def hf_config(cfg: DictConfig, family: ModelFamily, eos_id: int | None, dtype: s
     return config
 
 
-def _eos_id(tokenizer: Path) -> int | None:
-    return load_tokenizer(str(tokenizer)).token_to_id(EOS) if tokenizer.exists() else None
-
-
-_TOKENIZER_LIMIT = 1 << 30  # bytes; real tokenizer.json files are a few MB
-
-
 def export_hf(path: str | Path, out: str | Path, hooks: PluginHooks, shard_bytes: int = DEFAULT_SHARD_BYTES,
               dtype: str | None = None) -> Path:
     """Write checkpoint ``path`` (or a run directory's latest) as a Hugging Face directory ``out``, its weights
@@ -88,7 +81,13 @@ def export_hf(path: str | Path, out: str | Path, hooks: PluginHooks, shard_bytes
     # model of the family.
     names = export_names(parts.modules, parts.variables, cfg, family)
     components = component_hf_config(parts.modules, family)
-    hf_config(cfg, family, None, dtype, components)  # the family can write this config
+    # The checkpoint's tokenizer (verified as it is read) gives config.json's special tokens where the model has
+    # none of its own; the config is complete before anything is written.
+    tokenizer = eos_id = None
+    if "tokenizer.json" in manifest:
+        tokenizer = read_verified(checkpoint, "tokenizer.json", TOKENIZER_LIMIT)
+        eos_id = tokenizer_from_bytes(tokenizer, checkpoint / "tokenizer.json").token_to_id(EOS)
+    config = hf_config(cfg, family, eos_id, dtype, components)
     units = list(unit_mappings(parts.modules, cfg.model.layers))
     merging = {unit for unit in units if hasattr(parts.modules[unit.role], "hf_merge")}
     shapes = {f"{unit}.{v.name}": tuple(v.shape) for unit in units for v in parts.variables[unit.role]}
@@ -148,10 +147,8 @@ def export_hf(path: str | Path, out: str | Path, hooks: PluginHooks, shard_bytes
         if len(shards) > 1:
             (tmp / "model.safetensors.index.json").write_text(
                 json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-        tokenizer = tmp / "tokenizer.json"
-        if "tokenizer.json" in manifest:
-            tokenizer.write_bytes(read_verified(checkpoint, "tokenizer.json", _TOKENIZER_LIMIT))
-        config = hf_config(cfg, family, _eos_id(tokenizer), dtype, components)
+        if tokenizer is not None:
+            (tmp / "tokenizer.json").write_bytes(tokenizer)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         umask = os.umask(0)
         os.umask(umask)

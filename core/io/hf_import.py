@@ -25,6 +25,17 @@ from ipuft.io.hf_names import unit_mappings
 _CONFIG_LIMIT = 1 << 20  # bytes; a config.json is a few kB
 
 
+def _read_json(path: Path, limit: int, key: str = "") -> object:
+    """The JSON value in ``path`` (an untrusted file of at most ``limit`` bytes, read as data); one line naming
+    it (after ``key``, the config key that led there) if it is larger, unreadable, or not JSON."""
+    try:
+        if path.stat().st_size > limit:
+            raise CheckpointError(f"{key}{path} is larger than {limit} bytes; such a file is a few kB")
+        return json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{key}{path} is not valid JSON ({type(exc).__name__}: {str(exc)[:200]})") from None
+
+
 def hub_cache_dirs() -> list[Path]:
     """Where a Hugging Face hub cache may be, as huggingface_hub looks: ``HF_HUB_CACHE``, else
     ``HF_HOME/hub``, else ``~/.cache/huggingface/hub``."""
@@ -75,15 +86,9 @@ def read_hf_config(directory: str | Path, families: ModelFamilyRegistry | None) 
     if not path.is_dir():
         raise CheckpointError(f"model.hf_checkpoint: {path} is not a directory")
     config_file = path / "config.json"
-    try:
-        if config_file.stat().st_size > _CONFIG_LIMIT:
-            raise CheckpointError(f"model.hf_checkpoint: {config_file} is larger than {_CONFIG_LIMIT} bytes")
-        config = json.loads(config_file.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"model.hf_checkpoint: {path} has no config.json") from None
-    except (OSError, ValueError, RecursionError) as exc:
-        raise CheckpointError(f"model.hf_checkpoint: {config_file} is not valid JSON "
-                              f"({type(exc).__name__}: {str(exc)[:200]})") from None
+    if not config_file.exists():
+        raise CheckpointError(f"model.hf_checkpoint: {path} has no config.json")
+    config = _read_json(config_file, _CONFIG_LIMIT, "model.hf_checkpoint: ")
     if not isinstance(config, dict):
         raise CheckpointError(f"model.hf_checkpoint: {config_file} must be a JSON object")
     model_type = config.get("model_type")
@@ -164,12 +169,7 @@ def _weight_map(index: Path) -> dict[str, str]:
     """The ``weight_map`` of a sharded checkpoint's index: tensor name → the file (in the same directory) that
     holds it. The index is untrusted: anything but a JSON object mapping names to plain file names is one
     line naming the index."""
-    try:
-        if index.stat().st_size > _INDEX_LIMIT:
-            raise CheckpointError(f"{index} is larger than {_INDEX_LIMIT} bytes; a weight index is a few kB")
-        data = json.loads(index.read_text())
-    except (OSError, ValueError, RecursionError) as exc:
-        raise CheckpointError(f"{index} is not a valid weight index ({type(exc).__name__}: {str(exc)[:200]})") from None
+    data = _read_json(index, _INDEX_LIMIT)
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict):
         found = type(weight_map).__name__ if isinstance(data, dict) and "weight_map" in data else "none"

@@ -10,9 +10,9 @@ import torch
 from omegaconf import DictConfig
 
 from ipuft.config import load_config
-from ipuft.data.tokenizer import EOS, load_tokenizer
+from ipuft.data.tokenizer import EOS, TOKENIZER_LIMIT, load_tokenizer, tokenizer_from_bytes
 from ipuft.engine.inference import LayerMajor
-from ipuft.errors import DataError, first_line
+from ipuft.errors import DataError
 from ipuft.generate import generate
 from ipuft.io.checkpoint import checkpoint_config, read_verified
 from ipuft.plugins import PluginHooks
@@ -31,23 +31,13 @@ def inference_config(path: str, hooks: PluginHooks, overrides: tuple[str, ...] |
     return checkpoint_config(path, sections, [*single, *overrides])
 
 
-_TOKENIZER_LIMIT = 1 << 30  # bytes; real tokenizer.json files are a few MB
-
-
 def tokenizer_for(cfg: DictConfig):
     """The tokenizer saved with the model ``cfg`` loads (in its checkpoint, checked against the manifest, or
     in its Hugging Face directory), else ``data.tokenizer``."""
     home = Path(cfg.checkpoint.load or cfg.model.hf_checkpoint)
     path = home / "tokenizer.json"
     if path.exists() and cfg.checkpoint.load is not None:
-        from tokenizers import Tokenizer
-
-        data = read_verified(home, "tokenizer.json", _TOKENIZER_LIMIT)
-        try:
-            return Tokenizer.from_str(data.decode("utf-8"))
-        except Exception as exc:  # noqa: BLE001 (a bad encoding, or the Rust side's plain Exceptions)
-            why = first_line(exc, type(exc).__name__)[:200]
-            raise DataError(f"{path} is not a valid tokenizer.json ({why})") from None
+        return tokenizer_from_bytes(read_verified(home, "tokenizer.json", TOKENIZER_LIMIT), path)
     if path.exists():
         return load_tokenizer(str(path))
     if cfg.data.tokenizer is not None:
@@ -70,7 +60,7 @@ def generate_texts(cfg: DictConfig, hooks: PluginHooks, prompts: list[str], max_
     bos = cfg.model.bos_token_id  # the model's own start token (a Llama checkpoint's), once before each prompt
     if bos is not None:
         encoded = [ids if ids[0] == bos else [bos, *ids] for ids in encoded]
-    stops = list(cfg.model.eos_token_ids) or [tokenizer.token_to_id(EOS)]
+    stops = [t for t in list(cfg.model.eos_token_ids) or [tokenizer.token_to_id(EOS)] if t is not None]
     engine = inference_engine(cfg, hooks)
     runner = LayerMajor(engine)
     seed = sampling.pop("seed", 0)
@@ -78,7 +68,7 @@ def generate_texts(cfg: DictConfig, hooks: PluginHooks, prompts: list[str], max_
     measured = Measured(engine)
     new = []
     for chunk in batches(encoded, batch_size):
-        new += generate(runner, chunk, max_new_tokens, eos_id=[s for s in stops if s is not None], generator=generator,
+        new += generate(runner, chunk, max_new_tokens, eos_id=stops, generator=generator,
                         **sampling)
     count = sum(len(n) for n in new)
     return {"completions": [p + tokenizer.decode(n, skip_special_tokens=False) for p, n in zip(prompts, new)],
