@@ -1,40 +1,146 @@
 """Building blocks for component modules (this module imports torch; plugins import it from their modules, not
 from their hooks).
 
-- :func:`output_projection`: ``x @ weight.T`` that, while the engine recomputes a layer only for its gradient
+- :func:`linear`: ``F.linear`` whose weight gradient the engine may take later, for all of a unit's
+  micro-batches at once (:class:`WeightGradients`); :class:`Linear`, an ``nn.Linear`` that computes by it. A
+  component should use them for its projections (one that does not is still correct, only slower).
+- :func:`output_projection`: a :func:`linear` that, while the engine recomputes a layer only for its gradient
   (:func:`ipuft.components.recomputing`), skips the forward matmul whose value nobody reads.
+
+**Weight gradients taken later.** Batch serialisation runs every micro-batch through a unit before the next
+unit, and sums the unit's gradient over them. Autograd makes each micro-batch's weight gradient ``gᵀ·x`` as
+a matmul whose inner dimension is the micro-batch's tokens (256 at GPT-J's sequence length and micro-batch
+1) into a fresh tensor the size of the weight, which the engine then adds to the sum so far. At GPT-J-6B's
+width on a CPU with AMX those matmuls ran at half the rate of the forward's, most of it in faulting in the
+fresh gradient, and the float32 sums of 16-bit gradients were another two passes over every weight. While the
+engine runs a unit's micro-batches inside :func:`taking_weight_gradients`, :func:`linear` keeps each
+micro-batch's ``x`` and ``g`` for the weights the engine named instead, and the engine takes their gradients
+(:meth:`WeightGradients.take`) as one matmul over all of those micro-batches' tokens: the same sum, computed
+in the matmul's float32 accumulator and rounded once, with one output tensor. What it costs is holding ``x``
+and ``g`` of every projection for those micro-batches (14·hidden values a token for GPT-J), which the engine
+bounds (:func:`ipuft.engine.precision.take_every`) and the plan counts.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterable, Iterator
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ipuft.components import recomputing
 
+Pieces = list[tuple[torch.Tensor, torch.Tensor]]
 
-class _GradientOnlyLinear(torch.autograd.Function):
-    """``x @ weight.T`` whose forward value is never read: it returns zeros, and its backward is exact.
 
-    In a recompute only the gradient graph of the layer's output is used, so the output projections'
-    forward matmuls (5 of GPT-J's 12·H² multiply-adds per token, a third of a Llama layer's) can be skipped.
-    """
+class WeightGradients:
+    """The ``(x, g)`` pairs of :func:`linear` calls whose weight (and bias) gradients are taken later, for the
+    weight and bias leaves it was made with; the engine makes one for a unit's backward."""
+
+    def __init__(self, leaves: Iterable[torch.Tensor]) -> None:
+        self._leaves = {id(t) for t in leaves}
+        self._pieces: dict[int, tuple[torch.Tensor, torch.Tensor | None, Pieces]] = {}
+
+    def takes(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether the gradients of ``weight`` (and of ``bias``, when trainable) are taken here."""
+        return id(weight) in self._leaves and (bias is None or not bias.requires_grad or id(bias) in self._leaves)
+
+    def add(self, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, g: torch.Tensor) -> None:
+        """Keep one call's input ``x[..., in]`` and output gradient ``g[..., out]``."""
+        entry = self._pieces.setdefault(id(weight), (weight, bias if bias is not None and bias.requires_grad
+                                                     else None, []))
+        # Detached: a kept input must not keep the autograd graph that made it.
+        entry[2].append((x.detach().reshape(-1, x.shape[-1]), g.detach().reshape(-1, g.shape[-1])))
+
+    def held(self) -> list[torch.Tensor]:
+        """The tensors kept so far (for the plan's measurement of what they hold)."""
+        return [t for _, _, pieces in self._pieces.values() for pair in pieces for t in pair]
+
+    def take(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """``(leaf, gradient)`` for every weight and bias seen since the last take, each the sum over every
+        kept call (``gᵀ·x`` over all their tokens, one matmul; the bias's ``Σ g``), in the leaf's dtype. The
+        kept tensors are let go weight by weight."""
+        while self._pieces:
+            _, (weight, bias, pieces) = self._pieces.popitem()
+            xs, gs = zip(*pieces)
+            pieces.clear()
+            x, g = (torch.cat(ts) if len(ts) > 1 else ts[0] for ts in (xs, gs))
+            del xs, gs
+            yield weight, g.t() @ x
+            if bias is not None:
+                yield bias, g.sum(0)
+
+
+_TAKING: contextvars.ContextVar[WeightGradients | None] = contextvars.ContextVar("ipuft_weight_gradients",
+                                                                                 default=None)
+
+
+@contextlib.contextmanager
+def taking_weight_gradients(gradients: WeightGradients) -> Iterator[WeightGradients]:
+    """Forwards with gradient inside the block keep the weight gradients of ``gradients``' leaves there (used
+    by the engine)."""
+    token = _TAKING.set(gradients)
+    try:
+        yield gradients
+    finally:
+        _TAKING.reset(token)
+
+
+class _Linear(torch.autograd.Function):
+    """``x @ weight.T + bias`` whose weight and bias gradients go to ``taken`` (a :class:`WeightGradients`),
+    and whose forward value, when ``value`` is false, is never read: it returns zeros, and its backward is
+    exact."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                taken: WeightGradients | None, value: bool) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
+        ctx.taken = taken
+        ctx.leaves = (weight, bias) if taken is not None else None  # themselves: taken by identity
+        if value:
+            return F.linear(x, weight, bias)
         return x.new_zeros(()).expand(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
         grad_x = grad @ weight if ctx.needs_input_grad[0] else None
-        grad_w = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w
+        grad_w = grad_b = None
+        if ctx.taken is not None:
+            ctx.taken.add(*ctx.leaves, x, grad)
+        else:
+            flat = grad.reshape(-1, grad.shape[-1])
+            grad_w = flat.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+            grad_b = flat.sum(0) if ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``; in a unit's backward, its weight's gradient may be taken later, with its
+    other micro-batches' (see the module docstring). Any other use is ``F.linear`` itself."""
+    taken = _TAKING.get()
+    if taken is not None and torch.is_grad_enabled() and taken.takes(weight, bias):
+        return _Linear.apply(x, weight, bias, taken, True)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` computing by :func:`linear` (still an ``nn.Linear``: a plugin that wraps a block's
+    projections, as the LoRA example does, finds it)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 def output_projection(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` (no bias), or its gradient-only stand-in while the engine recomputes."""
+    """``x @ weight.T`` (no bias) by :func:`linear`, or its gradient-only stand-in while the engine recomputes:
+    in a recompute only the gradient graph of the layer's output is used, so an output projection's forward
+    matmul (5 of GPT-J's 12·H² multiply-adds per token, a third of a Llama layer's) can be skipped."""
     if recomputing() and torch.is_grad_enabled():
-        return _GradientOnlyLinear.apply(x, weight)
-    return F.linear(x, weight)
+        taken = _TAKING.get()
+        return _Linear.apply(x, weight, None, taken if taken is not None and taken.takes(weight, None) else None,
+                             False)
+    return linear(x, weight)

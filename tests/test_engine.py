@@ -141,6 +141,25 @@ def test_five_steps_equal_the_plain_reference(hooks, make_config, reference, off
     assert engine.graph_bytes == 0 and not engine._graphs  # and every kept graph
 
 
+@pytest.mark.parametrize("every", [1, 3])
+def test_weight_gradients_taken_a_few_micro_batches_at_a_time(hooks, make_config, reference, monkeypatch, every):
+    """Takes of fewer micro-batches than GA (a long sequence's, see ipuft.ops): ``every`` micro-batches at a time,
+    the last take the rest; the steps still equal the plain reference, and the plan bounds what the ledger
+    counts (the pieces the takes hold included)."""
+    from ipuft.engine import precision
+
+    cfg = make_config(*EQUIVALENCE)
+    tokens = cfg.execution.micro_batch_size * cfg.model.sequence_length
+    monkeypatch.setattr(precision, "TAKE_TOKENS", every * tokens)
+    assert precision.take_every(cfg.gradient_accumulation, tokens) == every
+    engine = make_engine(cfg, hooks)
+    (ref_losses, ref_norms, ref_weights), initial = reference
+    results = run_engine(engine, cfg)
+    assert_matches(cfg, engine, results, (ref_losses, ref_norms, ref_weights), initial)
+    planned = estimate(cfg, engine.parts, hooks)
+    assert max(r.device_peak_bytes for r in results) <= planned["device_peak_bytes"]
+
+
 def test_swapped_optimizer_through_config_alone(fake_dist):
     """The test plugin's SGD with momentum, installed through an entry point and chosen by one key."""
     from ipuft.config import load_config

@@ -10,6 +10,7 @@ from distributed import spawn
 from test_engine import EQUIVALENCE, batches, make_engine, run_engine
 from test_precision import BF16_MASTER, BF16_NEAREST, BF16_SR, FP16_SR
 
+from ipuft.engine.model import build_model
 from ipuft.engine.plan import estimate
 
 # float16 from a loss scale of 2^20: the first three steps overflow and are skipped, the last two update.
@@ -92,7 +93,12 @@ def test_host_updates_move_no_optimizer_state_and_each_gradient_once(hooks, make
     assert planned["host"]["variable_bytes"] - planned["device"]["variable_bytes"] == size["embeddings"]
     assert engines["host"].store.entries["embeddings"]["grad"].keys() == {v.name for v in parts.variables["embeddings"]}
     assert "grad" not in engines["device"].store.entries["embeddings"]
-    assert planned["host"]["device_peak_bytes"] < planned["device"]["device_peak_bytes"]
+    assert planned["host"]["device_peak_bytes"] <= planned["device"]["device_peak_bytes"]
+    # Here the backward, holding GA micro-batches' projection inputs for its weight gradients, is the busiest
+    # phase; with two micro-batches the update is, and updating on the host lowers the peak.
+    fewer = {p: make_config("training.global_batch_size=2", f"execution.optimizer_placement={p}") for p in planned}
+    peaks = {p: estimate(c, build_model(c, hooks), hooks)["device_peak_bytes"] for p, c in fewer.items()}
+    assert peaks["host"] < peaks["device"]
     updates = [p for p in planned["host"]["program"] if p["host_update"]]
     assert [p["phase"] for p in updates] == ["embeddings:backward+global_norm+optimizer_step",
                                              *(f"decoder.{n}:optimizer_step" for n in range(layers)), "head:optimizer_step"]

@@ -36,6 +36,7 @@ from ipuft.components import recompute
 from ipuft.engine.hostmem import heap_block_limit
 from ipuft.engine.model import ModelParts
 from ipuft.engine.precision import compute_dtype
+from ipuft.ops import WeightGradients, taking_weight_gradients
 
 
 def _register_cpu_attention_flops() -> None:
@@ -111,7 +112,10 @@ class UnitCost:
       backward recomputes (less than the forward when a component skips what only the output's value needs);
     - ``saved_bytes``: what autograd saves for the backward (a graph ``execution.recompute=false`` keeps);
     - ``forward_peak_bytes``: the most bytes alive at once in a forward without autograd (the output too);
-    - ``backward_peak_bytes``: the same for a recompute and its backward, the fresh gradients included;
+    - ``backward_peak_bytes``: the same for a recompute and its backward, the fresh gradients included (the
+      taken weight gradients' too: taken after the micro-batch, see :mod:`ipuft.ops`);
+    - ``held_bytes``: what the projections hold for their taken weight gradients after its backward, until
+      they are taken (beside the next micro-batches' when a take covers several);
     - ``heap_peak_bytes``: the most of those alive at once in blocks glibc's heap serves (and keeps).
     """
 
@@ -121,6 +125,7 @@ class UnitCost:
     saved_bytes: int
     forward_peak_bytes: int
     backward_peak_bytes: int
+    held_bytes: int
     heap_peak_bytes: int
 
 
@@ -155,17 +160,34 @@ def unit_cost(parts: ModelParts, role: str, cfg: DictConfig, device: torch.devic
             functional_call(module, params, args)
         forward = counted.get_total_flops()
         if not leaves:  # a frozen first unit: its backward does nothing
-            return UnitCost(forward, 0, 0, 0, forward_live.peak, 0, forward_live.heap_peak)
+            return UnitCost(forward, 0, 0, 0, forward_live.peak, 0, 0, forward_live.heap_peak)
+        taken = WeightGradients(leaves)
         with LiveBytes(existing) as live:
-            with recompute(), FlopCounterMode(display=False) as counted:
-                out = functional_call(module, params, args)
-            again = counted.get_total_flops()
-            with FlopCounterMode(display=False) as counted:
-                torch.autograd.backward(out, torch.ones_like(out), inputs=leaves)
+            with taking_weight_gradients(taken):
+                with recompute(), FlopCounterMode(display=False) as counted:
+                    out = functional_call(module, params, args)
+                again = counted.get_total_flops()
+                with FlopCounterMode(display=False) as counted:
+                    torch.autograd.backward(out, torch.ones_like(out), inputs=leaves)
+                    del out
+                    held = _storage_bytes(taken.held(), existing)
+                    grads = list(taken.take())
             backward = counted.get_total_flops()
+            del grads
         saved = _saved_bytes(module, params, args)
-    return UnitCost(forward, backward, again, saved, forward_live.peak, live.peak,
+    return UnitCost(forward, backward, again, saved, forward_live.peak, live.peak, held,
                     max(forward_live.heap_peak, live.heap_peak))
+
+
+def _storage_bytes(tensors: list[torch.Tensor], existing: list[torch.Tensor]) -> int:
+    """The bytes of the storages of ``tensors``, each once, but for those of ``existing``."""
+    seen = {StorageWeakRef(t.untyped_storage()).cdata for t in existing}
+    sizes = {}
+    for t in tensors:
+        key = StorageWeakRef(t.untyped_storage()).cdata
+        if key not in seen:
+            sizes[key] = t.untyped_storage().nbytes()
+    return sum(sizes.values())
 
 
 def kv_cache_bytes_per_position(parts: ModelParts, cfg: DictConfig) -> int:

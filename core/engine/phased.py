@@ -43,6 +43,7 @@ from ipuft.engine.precision import (
     recipe,
     rounding_key,
     stochastic_round_,
+    take_every,
 )
 from ipuft.engine.profiling import active as active_profile
 from ipuft.engine.profiling import section
@@ -58,6 +59,7 @@ from ipuft.engine.variables import (
     placements,
     unit_groups,
 )
+from ipuft.ops import WeightGradients, taking_weight_gradients
 from ipuft.optim import Optimizer, StepContext
 from ipuft.parallel import Layout, active
 from ipuft.program import Entry, Move, Op, OpActivations, Phase, Unit
@@ -99,10 +101,12 @@ class _StepState:
 
 class _Graphs:
     """recompute=false: one unit's kept forward graphs, per micro-batch (output, input leaves, saved bytes),
-    and the weight leaves their gradients accumulate into."""
+    the weight leaves their gradients accumulate into, and the weight gradients their backward leaves to be
+    taken."""
 
     def __init__(self, leaves: Tensors) -> None:
         self.leaves = leaves
+        self.taken = WeightGradients(leaves.values())  # the graphs' projections keep their pieces here
         self._kept: dict[int, tuple[torch.Tensor | None, list[torch.Tensor], int]] = {}
 
     def append(self, out: torch.Tensor | None, inputs: list[torch.Tensor], size: int) -> None:
@@ -353,7 +357,7 @@ class PhasedEngine:
         source, (target,) = io.read("x"), io.writes
         params, leaves = self._autograd_weights(phase, weights)
         graphs = _Graphs(leaves)
-        with bound(module, params):
+        with bound(module, params), taking_weight_gradients(graphs.taken):
             for mb in range(batch.micro_batches):
                 with contextlib.ExitStack() as stack:
                     inputs, args = self._unit_input(stack, source, mb, batch.input_ids, consume=False)
@@ -410,23 +414,55 @@ class PhasedEngine:
                   wide: bool) -> Tensors:
         """Loss-backward (head) or recompute-backward (decoder, embeddings) of every micro-batch; returns
         the unit's gradients summed over micro-batches: by autograd itself (into the leaves' ``.grad``), or
-        with ``wide`` into float32 sums, one micro-batch's 16-bit gradient at a time."""
+        with ``wide`` into float32 sums, one micro-batch's 16-bit gradient at a time.
+
+        The weights the unit's projections compute with by :func:`ipuft.ops.linear` get their gradients taken
+        later (see :mod:`ipuft.ops`): one matmul over the tokens of :func:`take_every` micro-batches at a time,
+        each such gradient summed as a micro-batch's is."""
         graphs = self._graphs.pop(phase.unit, None)
         params, leaves = self._autograd_weights(phase, weights)
         if graphs is not None:
             leaves = graphs.leaves  # the kept graphs accumulate into the leaves their forward bound
+        micro_batches = st.batch.micro_batches
+        taken = WeightGradients(leaves.values()) if graphs is None else graphs.taken
+        every = take_every(micro_batches, st.batch.input_ids[0].numel())
+        names = {id(p): n for n, p in leaves.items()}
         sums: Tensors = {}
-        with bound(module, params):
-            for mb in range(st.batch.micro_batches):
+
+        def add(name: str, grad: torch.Tensor, index: int, count: int) -> None:
+            if wide:
+                sums[name] = self._sum_16bit(sums.get(name), grad, index, count)
+            else:
+                leaf = leaves[name]
+                leaf.grad = grad if leaf.grad is None else leaf.grad.add_(grad)
+
+        held = 0
+        with bound(module, params), taking_weight_gradients(taken):
+            for mb in range(micro_batches):
                 if graphs is None:
                     self._backward_micro_batch(phase, io, module, list(leaves.values()), mb, st)
                 else:
                     self._backward_kept_graph(io, graphs, mb, list(leaves.values()))
                 if wide:
                     for n, p in leaves.items():
-                        sums[n] = self._sum_16bit(sums.get(n), p.grad, mb, st.batch.micro_batches)
-                        p.grad = None
+                        if p.grad is not None:  # made by autograd
+                            add(n, p.grad, mb, micro_batches)
+                            p.grad = None
+                held += self._hold(taken, held)
+                if (mb + 1) % every and mb + 1 < micro_batches:
+                    continue
+                for leaf, grad in taken.take():
+                    add(names[id(leaf)], grad, mb // every, -(-micro_batches // every))
+                self.store.ledger.release(held)
+                held = 0
         return sums if wide else {n: p.grad for n, p in leaves.items()}
+
+    def _hold(self, taken: WeightGradients, counted: int) -> int:
+        """Count the tensors ``taken`` holds (by storage) as resident bytes: the ones beyond ``counted``."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in taken.held()}
+        size = sum(storages.values())
+        self.store.ledger.acquire(size - counted)
+        return size - counted
 
     def _sum_16bit(self, summed: torch.Tensor | None, grad: torch.Tensor, mb: int, micro_batches: int) -> torch.Tensor:
         """Add micro-batch ``mb``'s 16-bit gradient to the sum so far (``None`` before the first): in float32,

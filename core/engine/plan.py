@@ -21,7 +21,7 @@ from ipuft.engine.flops import step_flops
 from ipuft.engine.measure import UnitCost, kv_cache_bytes_per_position, unit_cost
 from ipuft.engine.model import ModelParts
 from ipuft.engine.phased import updates_on_host
-from ipuft.engine.precision import Recipe, compute_dtype, gradient_working_bytes, recipe
+from ipuft.engine.precision import Recipe, compute_dtype, gradient_working_bytes, recipe, take_every
 from ipuft.engine.update import group_transient_bytes, update_chunk, update_groups
 from ipuft.engine.variables import placements, unit_groups
 from ipuft.optim import Optimizer
@@ -187,11 +187,16 @@ def device_peak_estimate(cfg: DictConfig, parts: ModelParts, optimizer: Optimize
         # A micro-batch's busiest moment (its fresh gradients included; at least what the engine's ledger counts
         # for it: its gradients and what autograd saved), and beside it the unit's gradient summed so far (the
         # float32 sums of 16-bit weights).
+        # What the projections hold for the weight gradients taken later (ipuft.ops) comes on top: the earlier
+        # micro-batches' of a take, and when a take covers several, its inputs concatenated.
         grads = unit["trainable"] if phase.computes_gradient else 0
         micro_batch = [cost.forward_peak_bytes] if Op.FORWARD in phase.ops else []
         if phase.computes_gradient:
             summed = gradient_working_bytes(grads, wide, cfg.gradient_accumulation, cfg.execution.data_parallel) - grads
-            micro_batch.append(summed + max(cost.backward_peak_bytes, grads + cost.saved_bytes))
+            every = take_every(cfg.gradient_accumulation, cfg.execution.micro_batch_size * cfg.model.sequence_length)
+            held = (2 * every - 1) * cost.held_bytes if every > 1 else 0
+            micro_batch.append(summed + held + max(cost.backward_peak_bytes, grads + cost.saved_bytes,
+                                                   grads + cost.held_bytes))
         compute = acts + max(micro_batch) if phase.computes else 0
         # The update holds only the finished (16-bit) gradients. An update in host memory holds nothing on the
         # device.

@@ -269,6 +269,16 @@ def gradient_working_bytes(size: int, wide: bool, micro_batches: int, data_paral
     return 2 * size if micro_batches > 1 else size
 
 
+TAKE_TOKENS = 2048  # a weight gradient taken over this many tokens at least runs at the forward's rate
+
+
+def take_every(micro_batches: int, tokens: int) -> int:
+    """How many micro-batches of ``tokens`` tokens each a unit's taken weight gradients cover at a time (see
+    :mod:`ipuft.ops`): enough for ``TAKE_TOKENS`` tokens, at most all of them. Each take's inputs and output
+    gradients are held until it is taken, so the bound is also what they cost."""
+    return max(1, min(micro_batches, TAKE_TOKENS // max(tokens, 1)))
+
+
 def gradient_chunk(device: torch.device | str) -> int:
     """The elements the passes over 16-bit gradients (:func:`add_widened_`, :func:`add_rounded_`,
     :func:`chunked_norm`) take at a time on ``device``: a float32 scratch of 1 MiB on the CPU, 16 MiB on a GPU.

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ipuft.components import Init, VariableSpec, specs_from_module
-from ipuft.ops import output_projection
+from ipuft.ops import Linear, output_projection
 from ipuft.parallel import copy_to_tensor_parallel, reduce_from_tensor_parallel
 
 if TYPE_CHECKING:
@@ -111,10 +111,10 @@ class GPTJAttention(nn.Module):
                  kernel: str) -> None:
         super().__init__()
         inner = heads * head_dim
-        self.q_proj = nn.Linear(hidden_size, inner, bias=False)
-        self.k_proj = nn.Linear(hidden_size, inner, bias=False)
-        self.v_proj = nn.Linear(hidden_size, inner, bias=False)
-        self.out_proj = nn.Linear(inner, hidden_size, bias=False)
+        self.q_proj = Linear(hidden_size, inner, bias=False)
+        self.k_proj = Linear(hidden_size, inner, bias=False)
+        self.v_proj = Linear(hidden_size, inner, bias=False)
+        self.out_proj = Linear(inner, hidden_size, bias=False)
         self.heads, self.head_dim = heads, head_dim
         self.rotary_dim, self.rotary_base = rotary_dim, rotary_base
         self.kernel = kernel
@@ -181,8 +181,8 @@ class GPTJAttention(nn.Module):
 class GPTJMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.fc_in = nn.Linear(hidden_size, intermediate_size)
-        self.fc_out = nn.Linear(intermediate_size, hidden_size)
+        self.fc_in = Linear(hidden_size, intermediate_size)
+        self.fc_out = Linear(intermediate_size, hidden_size)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """fc_out without its bias (partial under TP): the block adds the bias once, after the reduce."""

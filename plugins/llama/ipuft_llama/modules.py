@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ipuft.components import IGNORE_INDEX, Init, VariableSpec, specs_from_module
-from ipuft.ops import output_projection
+from ipuft.ops import Linear, linear, output_projection
 from ipuft.parallel import (
     copy_to_tensor_parallel,
     reduce_from_tensor_parallel,
@@ -95,10 +95,10 @@ class LlamaAttention(nn.Module):
         self.kv_replicated = kv_heads % tensor_parallel != 0
         self.kv_heads = kv_heads if self.kv_replicated else kv_heads // tensor_parallel
         self.head_dim, self.tensor_parallel = head_dim, tensor_parallel
-        self.q_proj = nn.Linear(hidden_size, self.heads * head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden_size, self.kv_heads * head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden_size, self.kv_heads * head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.heads * head_dim, hidden_size, bias=output_bias)
+        self.q_proj = Linear(hidden_size, self.heads * head_dim, bias=qkv_bias)
+        self.k_proj = Linear(hidden_size, self.kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = Linear(hidden_size, self.kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = Linear(self.heads * head_dim, hidden_size, bias=output_bias)
         self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
         self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -160,7 +160,7 @@ class LlamaAttention(nn.Module):
             k, v = cache.append(k, v)  # the key/value heads only: the cache stays kv_heads wide
         k, v = self._local_kv(k, v)
         out = self._attend(q, k, v, mask).to(h.dtype).transpose(1, 2).reshape(b, new, self.heads * self.head_dim)
-        return F.linear(out, self.o_proj.weight)  # partial under TP; the bias is added after the reduce
+        return linear(out, self.o_proj.weight)  # partial under TP; the bias is added after the reduce
 
     @staticmethod
     def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -178,9 +178,9 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """Partial under TP. The layer's last op: in a recompute its value is never read, so its forward matmul
@@ -251,7 +251,7 @@ class LlamaLMHead(nn.Module):
         super().__init__()
         self.norm = RMSNorm(hidden_size, rms_norm_eps)
         rows = VOCAB_SHARDED.local_shape((vocab_size, hidden_size), tensor_parallel)[0]
-        self.lm_head = nn.Linear(hidden_size, rows, bias=False)
+        self.lm_head = Linear(hidden_size, rows, bias=False)
         self.vocab_size, self.tensor_parallel = vocab_size, tensor_parallel
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:

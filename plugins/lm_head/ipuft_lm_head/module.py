@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ipuft.components import IGNORE_INDEX, Init, VariableSpec, specs_from_module
+from ipuft.ops import Linear
 from ipuft.parallel import vocab_parallel_head
 from ipuft.sharding import VOCAB_SHARDED
 
@@ -22,7 +23,7 @@ class GPTJLMHead(torch.nn.Module):
         super().__init__()
         self.norm = torch.nn.LayerNorm(hidden_size, eps=layer_norm_epsilon)
         local_rows = VOCAB_SHARDED.local_shape((vocab_size, hidden_size), tensor_parallel)[0]
-        self.proj = torch.nn.Linear(hidden_size, local_rows)
+        self.proj = Linear(hidden_size, local_rows)
         self.vocab_size, self.tensor_parallel = vocab_size, tensor_parallel
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,85 @@
+"""ipuft.ops: the projections whose weight gradients the engine takes over several micro-batches at once."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ipuft.components import recompute
+from ipuft.ops import Linear, WeightGradients, linear, output_projection, taking_weight_gradients
+
+
+def _block(dtype):
+    """Two projections in a row, the second an output projection: ``out(gelu(proj(x)))``."""
+    torch.manual_seed(0)
+    proj, out = Linear(16, 48).to(dtype), Linear(48, 16, bias=False).to(dtype)
+    return proj, out, [torch.randn(3, 5, 16, dtype=dtype) for _ in range(4)], [torch.randn(3, 5, 16, dtype=dtype)
+                                                                                  for _ in range(4)]
+
+
+def _run(proj, out, xs, seeds, leaves, taken, recomputing):
+    """Every micro-batch's backward with ``leaves`` bound as the weights; the inputs' gradients."""
+    grads_x = []
+    for value, seed in zip(xs, seeds, strict=True):
+        x = value.detach().requires_grad_()
+        with taking_weight_gradients(taken):
+            with recompute() if recomputing else torch.enable_grad():
+                y = output_projection(leaves["out"], F.gelu(linear(x, leaves["w"], leaves["b"])))
+            torch.autograd.backward(y, seed, inputs=[x, *leaves.values()])
+        grads_x.append(x.grad)
+    return grads_x
+
+
+@pytest.mark.parametrize("recomputing", [False, True])
+def test_taken_gradients_equal_autograds_sum_over_micro_batches(recomputing):
+    """float32: the taken weight and bias gradients equal autograd's summed over the micro-batches (to float32
+    summation order), and the inputs' gradients are autograd's exactly."""
+    proj, out, xs, seeds = _block(torch.float32)
+    plain = {"w": proj.weight.detach().requires_grad_(), "b": proj.bias.detach().requires_grad_(),
+             "out": out.weight.detach().requires_grad_()}
+    expected_x = _run(proj, out, xs, seeds, plain, None, recomputing)
+    leaves = {k: t.detach().requires_grad_() for k, t in plain.items()}
+    taken = WeightGradients(leaves.values())
+    got_x = _run(proj, out, xs, seeds, leaves, taken, recomputing)
+    assert all(p.grad is None for p in leaves.values())  # nothing reached autograd's leaves
+    assert sum(t.numel() for t in taken.held()) == 4 * 15 * (16 + 48 + 48 + 16)  # (x, g) of both, 4 micro-batches
+    assert all(t.grad_fn is None for t in taken.held())  # no kept input keeps the graph that made it
+    got = {id(leaf): g for leaf, g in taken.take()}
+    assert not taken.held() and not list(taken.take())  # let go, and nothing taken twice
+    for name, leaf in leaves.items():
+        torch.testing.assert_close(got[id(leaf)], plain[name].grad, rtol=1e-6, atol=1e-6)
+    for a, b in zip(got_x, expected_x, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_16_bit_take_is_one_product_over_every_token():
+    """bfloat16: a take is the weight gradient of all the micro-batches as one batch, bit for bit (one float32
+    accumulation, one rounding), not the sum of per-micro-batch gradients each rounded to 16 bits."""
+    proj, out, xs, seeds = _block(torch.bfloat16)
+    leaves = {"w": proj.weight.detach().requires_grad_(), "b": proj.bias.detach().requires_grad_(),
+              "out": out.weight.detach().requires_grad_()}
+    taken = WeightGradients(leaves.values())
+    _run(proj, out, xs, seeds, leaves, taken, True)
+    got = {id(leaf): g for leaf, g in taken.take()}
+    whole = {k: t.detach().requires_grad_() for k, t in leaves.items()}
+    _run(proj, out, [torch.cat(xs)], [torch.cat(seeds)], whole, None, False)
+    for name, leaf in leaves.items():
+        assert got[id(leaf)].dtype == torch.bfloat16 and torch.equal(got[id(leaf)], whole[name].grad), name
+
+
+def test_what_is_not_taken_is_autograds():
+    """A weight the engine did not name (a frozen one, or one reached through another op, as under TP), a
+    trainable weight beside a bias not named, and any use outside a take: plain ``F.linear``, autograd's
+    gradients."""
+    torch.manual_seed(0)
+    w, b = torch.randn(8, 4, requires_grad=True), torch.randn(8, requires_grad=True)
+    x = torch.randn(2, 4)
+    taken = WeightGradients([w])  # the bias is trainable but not named
+    with taking_weight_gradients(taken):
+        linear(x, w, b).sum().backward()
+        linear(x, w * 1.0).sum().backward()  # not the named leaf itself
+    assert not taken.held()
+    torch.testing.assert_close(w.grad, 2 * torch.ones(8, 2) @ x)
+    torch.testing.assert_close(b.grad, torch.full((8,), 2.0))
+    layer = Linear(4, 8)
+    assert isinstance(layer, torch.nn.Linear)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
