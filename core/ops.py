@@ -6,6 +6,7 @@ from their hooks).
   component should use them for its projections (one that does not is still correct, only slower).
 - :func:`output_projection`: a :func:`linear` that, while the engine recomputes a layer only for its gradient
   (:func:`ipuft.components.recomputing`), skips the forward matmul whose value nobody reads.
+- :func:`attention_in_float32`: whether a 16-bit attention on this CPU is faster computed in float32.
 
 **Weight gradients taken later.** Batch serialisation runs every micro-batch through a unit before the next
 unit, and sums the unit's gradient over them. Autograd makes each micro-batch's weight gradient ``gᵀ·x`` as
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -144,3 +146,30 @@ def output_projection(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return _Linear.apply(x, weight, None, taken if taken is not None and taken.takes(weight, None) else None,
                              False)
     return linear(x, weight)
+
+
+@functools.cache
+def _bfloat16_attention_kernels() -> bool:
+    """Whether ATen's CPU flash attention has its bfloat16 (AVX-512 BF16 / AMX) kernels here: the CPU has
+    them and torch dispatches to its AVX-512 code (``ATEN_CPU_CAPABILITY=avx2`` on such a CPU does not)."""
+    cpu = torch.cpu
+    has = getattr(cpu, "_is_avx512_bf16_supported", None)
+    return bool(has and has()) and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+def attention_in_float32(x: torch.Tensor, head_dim: int, positions: int) -> bool:
+    """Whether a training attention (no cache) over ``positions`` keys of ``head_dim``, on 16-bit ``x``, runs
+    faster in float32 (q, k and v cast up, the output cast back) than in ``x``'s dtype: on the CPU, unless it
+    is bfloat16 with ATen's bfloat16 kernels, heads of 128 or more and 256 positions or more.
+
+    Measured forward and backward with the casts on the 2-core Sapphire Rapids (AMX), 2026-12-01: bfloat16
+    against float32 at ``[B, heads, T, head_dim]`` = ``[1, 16, 256, 256]`` (GPT-J-6B's heads) 23-25 against
+    40-46 ms, ``[1, 16, 2048, 256]`` 464 against 883, ``[1, 32, 1024, 128]`` 184 against 304, ``[1, 8, 256,
+    128]`` 5.6-6.3 against 6.3-7.0; but ``[1, 16, 64, 128]`` 3.2 against 1.7, ``[1, 16, 256, 64]`` 8.8
+    against 8.9, and ``[4, 8, 128, 32]`` (a toy width) 2-3 times slower. float16 has no such kernels (at
+    ``[1, 16, 256, 256]`` 50 against 36 ms). On a GPU the 16-bit kernels are the fast ones.
+    """
+    if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    fast = x.dtype == torch.bfloat16 and head_dim >= 128 and positions >= 256 and _bfloat16_attention_kernels()
+    return not fast

@@ -83,3 +83,70 @@ def test_what_is_not_taken_is_autograds():
     layer = Linear(4, 8)
     assert isinstance(layer, torch.nn.Linear)
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+@pytest.mark.parametrize(("dtype", "head_dim", "positions", "kernels", "in_float32"), [
+    (torch.bfloat16, 256, 256, True, False),  # GPT-J-6B's heads
+    (torch.bfloat16, 128, 2048, True, False),  # Llama's
+    (torch.bfloat16, 128, 128, True, True),  # too few positions
+    (torch.bfloat16, 64, 1024, True, True),  # short heads
+    (torch.bfloat16, 256, 256, False, True),  # no AVX-512 BF16 here
+    (torch.float16, 256, 2048, True, True),  # no fast float16 kernel on the CPU
+    (torch.float32, 256, 2048, True, False),  # already float32
+])
+def test_attention_in_float32_where_the_16_bit_kernel_is_slower(monkeypatch, dtype, head_dim, positions, kernels,
+                                                               in_float32):
+    from ipuft import ops
+
+    monkeypatch.setattr(ops, "_bfloat16_attention_kernels", lambda: kernels)
+    assert ops.attention_in_float32(torch.empty(1, dtype=dtype), head_dim, positions) is in_float32
+    assert ops.attention_in_float32(torch.empty(1, dtype=dtype, device="meta"), head_dim, positions) is False
+
+
+def _bfloat16_kernels() -> bool:
+    from ipuft import ops
+
+    return ops._bfloat16_attention_kernels()
+
+
+@pytest.mark.skipif(not _bfloat16_kernels(), reason="needs ATen's bfloat16 CPU attention kernels (AVX-512 BF16)")
+def test_a_bfloat16_block_with_long_heads_attends_in_bfloat16_as_accurately(monkeypatch):
+    """A GPT-J block with heads of 128 over 256 positions attends in bfloat16 (GPT-J-6B's class of shapes), and
+    its output and gradients are about as close to the float32 block's as those of the same bfloat16 block
+    attending in float32: the 16-bit kernel adds no more than bfloat16's own rounding."""
+    import copy
+
+    from ipuft import ops
+    from ipuft_decoder import block as gptj
+
+    torch.manual_seed(0)
+    reference = gptj.GPTJDecoderBlock(256, 2, 128, 1024, 64)
+    for p in reference.parameters():
+        p.data.normal_(0, 0.05)
+    x, seed = torch.randn(2, 256, 256), torch.randn(2, 256, 256)
+    sdpa, seen = F.scaled_dot_product_attention, []
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, *a, **k: seen.append(q.dtype) or sdpa(q, *a, **k))
+
+    def run(dtype):
+        module = copy.deepcopy(reference).to(dtype)
+        inputs = x.to(dtype, copy=True).requires_grad_()
+        out = module(inputs)
+        out.backward(seed.to(dtype))
+        return out.detach().float(), [inputs.grad.float(), *(p.grad.float() for p in module.parameters())]
+
+    def errors(got, want):
+        (out, grads), (exact, exact_grads) = got, want
+        return float((out - exact).norm() / exact.norm()), max(float((g - e).norm() / e.norm())
+                                                               for g, e in zip(grads, exact_grads, strict=True))
+
+    exact = run(torch.float32)
+    assert not ops.attention_in_float32(torch.empty(1, dtype=torch.bfloat16), 128, 256)
+    seen.clear()
+    in_bfloat16 = errors(run(torch.bfloat16), exact)
+    assert seen == [torch.bfloat16]
+    monkeypatch.setattr(gptj, "attention_in_float32", lambda *args: True)
+    seen.clear()
+    in_float32 = errors(run(torch.bfloat16), exact)
+    assert seen == [torch.float32]
+    assert in_float32[0] < 2.0**-6 and in_float32[1] < 2.0**-4  # bfloat16 roundings (the worst gradient: a few %)
+    assert in_bfloat16[0] <= 1.25 * in_float32[0] and in_bfloat16[1] <= 1.25 * in_float32[1], (in_bfloat16, in_float32)

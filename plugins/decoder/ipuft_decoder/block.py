@@ -9,9 +9,9 @@ Under tensor parallelism the block is built with this rank's share of the heads 
 parallel, one all-reduce (core's ``reduce_from_tensor_parallel``) sums both partial outputs; fc_out's
 bias is added once, after it. At TP=1 the collectives are the identity.
 
-On the CPU, 16-bit attention without a cache is computed in float32 (ATen's CPU flash-attention backward
-is 2-3 times slower in 16 bits) and ``gelu_new`` in float32 rounded once; elsewhere both run in the
-tensors' dtype.
+On the CPU, 16-bit attention without a cache is computed in float32 where ATen's 16-bit kernel is the
+slower (:func:`ipuft.ops.attention_in_float32`: short heads, or no AVX-512 BF16), and ``gelu_new`` in
+float32 rounded once; elsewhere both run in the tensors' dtype.
 
 For inference, ``forward(x, cache)`` takes an optional per-layer key/value cache
 (:class:`ipuft.generate.LayerKVCache`): the new tokens' positions start at ``cache.length``, their keys
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ipuft.components import Init, VariableSpec, specs_from_module
-from ipuft.ops import Linear, output_projection
+from ipuft.ops import Linear, attention_in_float32, output_projection
 from ipuft.parallel import copy_to_tensor_parallel, reduce_from_tensor_parallel
 
 if TYPE_CHECKING:
@@ -144,10 +144,9 @@ class GPTJAttention(nn.Module):
         else:
             rotor = self._rotor(0 if cache is None else cache.length, new, h.device)
         q, k, v = (proj(h).unflatten(-1, split) for proj in (self.q_proj, self.k_proj, self.v_proj))
-        if cache is None and self.kernel == "sdpa" and h.device.type == "cpu" and h.dtype in _16_BIT:
-            # ATen's CPU flash-attention backward is 2-3 times slower in 16 bits than in float32 (5.6-6.3 against
-            # 2.5-3.0 ms forward and backward, with the casts, at [4, 8, 128, 32]): the rotary (float32 anyway)
-            # and the attention stay in float32 up to the output. A cache keeps its dtype.
+        if cache is None and self.kernel == "sdpa" and attention_in_float32(h, self.head_dim, new):
+            # Where ATen's 16-bit CPU flash attention is the slower (ipuft.ops.attention_in_float32): the rotary
+            # (float32 anyway) and the attention stay in float32 up to the output. A cache keeps its dtype.
             q, k, v = q.float(), k.float(), v.float()
         q = apply_interleaved_rotary(q, rotor).transpose(1, 2)
         k = apply_interleaved_rotary(k, rotor).transpose(1, 2)

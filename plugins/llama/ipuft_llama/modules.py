@@ -16,7 +16,8 @@ k/v weights, their optimizer state and their FLOPs, which ``ipuft plan`` shows.
 
 RMSNorm is computed in float32 and its result rounded to the weights' dtype before the gain, as transformers
 does; the rotary tables are float32 and cast to the activations' dtype. On the CPU, 16-bit attention without a
-cache (training) computes its rotary and attention in float32, which ATen runs faster there.
+cache (training) computes its rotary and attention in float32 where ATen runs that faster
+(:func:`ipuft.ops.attention_in_float32`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ipuft.components import IGNORE_INDEX, Init, VariableSpec, specs_from_module
-from ipuft.ops import Linear, linear, output_projection
+from ipuft.ops import Linear, attention_in_float32, linear, output_projection
 from ipuft.parallel import (
     copy_to_tensor_parallel,
     reduce_from_tensor_parallel,
@@ -41,8 +42,6 @@ from ipuft.sharding import VOCAB_SHARDED
 
 if TYPE_CHECKING:
     from ipuft.generate import LayerKVCache
-
-_16_BIT = (torch.bfloat16, torch.float16)
 
 
 class RMSNorm(nn.Module):
@@ -148,10 +147,10 @@ class LlamaAttention(nn.Module):
         q = self.q_proj(h).view(b, new, self.heads, self.head_dim).transpose(1, 2)
         k = self._projection(self.k_proj, h).view(b, new, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self._projection(self.v_proj, h).view(b, new, self.kv_heads, self.head_dim).transpose(1, 2)
-        if cache is None and h.device.type == "cpu" and h.dtype in _16_BIT:
-            # ATen's CPU flash-attention backward is 2-3 times slower in 16 bits than in float32: the rotary and
-            # the attention run in float32 up to the output projection (as GPT-J's block does). A cache keeps
-            # its dtype.
+        if cache is None and attention_in_float32(h, self.head_dim, new):
+            # Where ATen's 16-bit CPU flash attention is the slower (ipuft.ops.attention_in_float32): the rotary
+            # and the attention run in float32 up to the output projection, as GPT-J's block does. A cache
+            # keeps its dtype.
             q, k, v = q.float(), k.float(), v.float()
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)
         q = q * cos + rotate_half(q) * sin
