@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -61,19 +61,28 @@ class WeightGradients:
         """The tensors kept so far (for the plan's measurement of what they hold)."""
         return [t for _, _, pieces in self._pieces.values() for pair in pieces for t in pair]
 
-    def take(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def take(self, into: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+             ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """``(leaf, gradient)`` for every weight and bias seen since the last take, each the sum over every
         kept call (``gᵀ·x`` over all their tokens, one matmul; the bias's ``Σ g``), in the leaf's dtype. The
-        kept tensors are let go weight by weight."""
+        kept tensors are let go weight by weight.
+
+        ``into(leaf)`` may give a tensor to write the gradient into (of its shape and dtype, contiguous): memory
+        the caller no longer needs, which, unlike a fresh tensor, a CPU does not fault in page by page."""
+        def home(leaf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+            out = into(leaf) if into is not None else None
+            fits = out is not None and out.shape == leaf.shape and out.dtype == dtype and out.is_contiguous()
+            return out if fits else None
+
         while self._pieces:
             _, (weight, bias, pieces) = self._pieces.popitem()
             xs, gs = zip(*pieces)
             pieces.clear()
             x, g = (torch.cat(ts) if len(ts) > 1 else ts[0] for ts in (xs, gs))
             del xs, gs
-            yield weight, g.t() @ x
+            yield weight, torch.mm(g.t(), x, out=home(weight, torch.promote_types(g.dtype, x.dtype)))
             if bias is not None:
-                yield bias, g.sum(0)
+                yield bias, torch.sum(g, 0, out=home(bias, g.dtype))
 
 
 _TAKING: contextvars.ContextVar[WeightGradients | None] = contextvars.ContextVar("ipuft_weight_gradients",

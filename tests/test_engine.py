@@ -160,6 +160,26 @@ def test_weight_gradients_taken_a_few_micro_batches_at_a_time(hooks, make_config
     assert max(r.device_peak_bytes for r in results) <= planned["device_peak_bytes"]
 
 
+def test_a_whole_take_reuses_the_stored_gradients_memory(hooks, make_config):
+    """On a CPU device a gradient taken over every micro-batch at once is written into the gradient its unit
+    stored the step before (consumed by that step's update) instead of a fresh tensor; the steps are those
+    of an engine whose takes are fresh."""
+    cfg = make_config(*EQUIVALENCE, "model.precision=bfloat16", "training.stochastic_rounding=true")
+    engine, fresh = make_engine(cfg, hooks), make_engine(cfg, hooks)
+    fresh._gradient_homes = lambda phase: {}
+    unit = "decoder.1"
+    for step, batch in enumerate(batches(cfg)[:3]):
+        before = {n: t.data_ptr() for n, t in engine.store.entries[unit]["grad"].items()}
+        a, b = engine.step(batch, 1e-3), fresh.step(batch, 1e-3)
+        assert (a.loss, a.grad_norm) == (b.loss, b.grad_norm)
+        after = {n: t.data_ptr() for n, t in engine.store.entries[unit]["grad"].items()}
+        taken = {n for n in after if n.endswith("proj.weight") or n.startswith("mlp.fc_in.")}
+        assert taken and all(after[n] == before[n] for n in taken), step
+    for unit, weights in engine.weights().items():
+        for name, t in weights.items():
+            assert torch.equal(t, fresh.weights()[unit][name]), (unit, name)
+
+
 def test_swapped_optimizer_through_config_alone(fake_dist):
     """The test plugin's SGD with momentum, installed through an entry point and chosen by one key."""
     from ipuft.config import load_config

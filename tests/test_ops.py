@@ -150,3 +150,15 @@ def test_a_bfloat16_block_with_long_heads_attends_in_bfloat16_as_accurately(monk
     assert seen == [torch.float32]
     assert in_float32[0] < 2.0**-6 and in_float32[1] < 2.0**-4  # bfloat16 roundings (the worst gradient: a few %)
     assert in_bfloat16[0] <= 1.25 * in_float32[0] and in_bfloat16[1] <= 1.25 * in_float32[1], (in_bfloat16, in_float32)
+
+
+def test_a_take_writes_into_the_memory_it_is_given_when_it_fits():
+    torch.manual_seed(0)
+    w, b = torch.randn(8, 4, requires_grad=True), torch.randn(8, requires_grad=True)
+    x, g = torch.randn(6, 4), torch.randn(6, 8)
+    homes = {id(w): torch.empty(8, 4), id(b): torch.empty(8, dtype=torch.float64)}  # the bias's does not fit
+    taken = WeightGradients([w, b])
+    taken.add(w, b, x, g)
+    got = dict((id(leaf), grad) for leaf, grad in taken.take(lambda leaf: homes.get(id(leaf))))
+    assert got[id(w)] is homes[id(w)] and torch.equal(got[id(w)], g.t() @ x)
+    assert got[id(b)] is not homes[id(b)] and torch.equal(got[id(b)], g.sum(0))

@@ -436,6 +436,10 @@ class PhasedEngine:
                 leaf = leaves[name]
                 leaf.grad = grad if leaf.grad is None else leaf.grad.add_(grad)
 
+        takes = -(-micro_batches // every)
+        # One take is the unit's whole local gradient (in 16 bits, with no float32 sum over DP to follow): it is
+        # written into the gradient this unit stored last step, which its update has consumed.
+        homes = self._gradient_homes(phase) if takes == 1 and (not wide or self.layout.data_parallel == 1) else {}
         held = 0
         with bound(module, params), taking_weight_gradients(taken):
             for mb in range(micro_batches):
@@ -451,11 +455,18 @@ class PhasedEngine:
                 held += self._hold(taken, held)
                 if (mb + 1) % every and mb + 1 < micro_batches:
                     continue
-                for leaf, grad in taken.take():
-                    add(names[id(leaf)], grad, mb // every, -(-micro_batches // every))
+                for leaf, grad in taken.take(lambda leaf: homes.get(names[id(leaf)])):
+                    add(names[id(leaf)], grad, mb // every, takes)
                 self.store.ledger.release(held)
                 held = 0
         return sums if wide else {n: p.grad for n, p in leaves.items()}
+
+    def _gradient_homes(self, phase: Phase) -> Tensors:
+        """The gradients ``phase``'s unit stored last step, where they are kept in the compute device's memory
+        (a CPU device, or offload off): memory that a fresh gradient would fault in page by page on a CPU."""
+        if self.store.offload and not self.store.lends:
+            return {}
+        return self.store.entries[phase.unit].get("grad", {})
 
     def _hold(self, taken: WeightGradients, counted: int) -> int:
         """Count the tensors ``taken`` holds (by storage) as resident bytes: the ones beyond ``counted``."""
