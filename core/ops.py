@@ -90,9 +90,9 @@ _TAKING: contextvars.ContextVar[WeightGradients | None] = contextvars.ContextVar
 
 
 @contextlib.contextmanager
-def taking_weight_gradients(gradients: WeightGradients) -> Iterator[WeightGradients]:
+def taking_weight_gradients(gradients: WeightGradients | None) -> Iterator[WeightGradients | None]:
     """Forwards with gradient inside the block keep the weight gradients of ``gradients``' leaves there (used
-    by the engine)."""
+    by the engine; ``None``: autograd makes every gradient)."""
     token = _TAKING.set(gradients)
     try:
         yield gradients
