@@ -129,11 +129,17 @@ class _Linear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
+def _taking(weight: torch.Tensor, bias: torch.Tensor | None) -> WeightGradients | None:
+    """Where this call's weight (and bias) gradients go, if they are taken later."""
+    taken = _TAKING.get()
+    return taken if taken is not None and torch.is_grad_enabled() and taken.takes(weight, bias) else None
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``; in a unit's backward, its weight's gradient may be taken later, with its
     other micro-batches' (see the module docstring). Any other use is ``F.linear`` itself."""
-    taken = _TAKING.get()
-    if taken is not None and torch.is_grad_enabled() and taken.takes(weight, bias):
+    taken = _taking(weight, bias)
+    if taken is not None:
         return _Linear.apply(x, weight, bias, taken, True)
     return F.linear(x, weight, bias)
 
@@ -151,9 +157,7 @@ def output_projection(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     in a recompute only the gradient graph of the layer's output is used, so an output projection's forward
     matmul (5 of GPT-J's 12·H² multiply-adds per token, a third of a Llama layer's) can be skipped."""
     if recomputing() and torch.is_grad_enabled():
-        taken = _TAKING.get()
-        return _Linear.apply(x, weight, None, taken if taken is not None and taken.takes(weight, None) else None,
-                             False)
+        return _Linear.apply(x, weight, None, _taking(weight, None), False)
     return linear(x, weight)
 
 

@@ -36,6 +36,7 @@ from ipuft.components import recompute
 from ipuft.engine.hostmem import heap_block_limit
 from ipuft.engine.model import ModelParts
 from ipuft.engine.precision import compute_dtype
+from ipuft.engine.store import storage_bytes
 from ipuft.ops import WeightGradients, taking_weight_gradients
 
 
@@ -170,24 +171,13 @@ def unit_cost(parts: ModelParts, role: str, cfg: DictConfig, device: torch.devic
                 with FlopCounterMode(display=False) as counted:
                     torch.autograd.backward(out, torch.ones_like(out), inputs=leaves)
                     del out
-                    held = _storage_bytes(taken.held(), existing)
+                    held = storage_bytes(taken.held(), existing)
                     grads = list(taken.take())
             backward = counted.get_total_flops()
             del grads
         saved = _saved_bytes(module, params, args)
     return UnitCost(forward, backward, again, saved, forward_live.peak, live.peak, held,
                     max(forward_live.heap_peak, live.heap_peak))
-
-
-def _storage_bytes(tensors: list[torch.Tensor], existing: list[torch.Tensor]) -> int:
-    """The bytes of the storages of ``tensors``, each once, but for those of ``existing``."""
-    seen = {StorageWeakRef(t.untyped_storage()).cdata for t in existing}
-    sizes = {}
-    for t in tensors:
-        key = StorageWeakRef(t.untyped_storage()).cdata
-        if key not in seen:
-            sizes[key] = t.untyped_storage().nbytes()
-    return sum(sizes.values())
 
 
 def kv_cache_bytes_per_position(parts: ModelParts, cfg: DictConfig) -> int:

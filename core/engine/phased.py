@@ -48,7 +48,7 @@ from ipuft.engine.precision import (
 from ipuft.engine.profiling import active as active_profile
 from ipuft.engine.profiling import section
 from ipuft.engine.scaling import LossScale
-from ipuft.engine.store import Tensors, VariableStore, nbytes
+from ipuft.engine.store import Tensors, VariableStore, nbytes, storage_bytes
 from ipuft.engine.update import group_transient_bytes, update_chunk, update_groups
 from ipuft.engine.variables import (
     MASTER,
@@ -452,7 +452,9 @@ class PhasedEngine:
                         if p.grad is not None:  # made by autograd
                             add(n, p.grad, mb, micro_batches)
                             p.grad = None
-                held += self._hold(taken, held)
+                holding = storage_bytes(taken.held())  # counted as resident until taken
+                self.store.ledger.acquire(holding - held)
+                held = holding
                 if (mb + 1) % every and mb + 1 < micro_batches:
                     continue
                 for leaf, grad in taken.take(lambda leaf: homes.get(names[id(leaf)])):
@@ -467,13 +469,6 @@ class PhasedEngine:
         if self.store.offload and not self.store.lends:
             return {}
         return self.store.entries[phase.unit].get("grad", {})
-
-    def _hold(self, taken: WeightGradients, counted: int) -> int:
-        """Count the tensors ``taken`` holds (by storage) as resident bytes: the ones beyond ``counted``."""
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in taken.held()}
-        size = sum(storages.values())
-        self.store.ledger.acquire(size - counted)
-        return size - counted
 
     def _sum_16bit(self, summed: torch.Tensor | None, grad: torch.Tensor, mb: int, micro_batches: int) -> torch.Tensor:
         """Add micro-batch ``mb``'s 16-bit gradient to the sum so far (``None`` before the first): in float32,

@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ipuft.components import VariableSpec
 from ipuft.engine.profiling import section
@@ -39,6 +40,18 @@ Tensors = dict[str, torch.Tensor]
 
 def nbytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor], excluded: Iterable[torch.Tensor] = ()) -> int:
+    """The bytes of the storages under ``tensors``, each counted once (views share theirs), but for those of
+    ``excluded``; fake tensors' too."""
+    seen = {StorageWeakRef(t.untyped_storage()).cdata for t in excluded}
+    sizes = {}
+    for t in tensors:
+        key = StorageWeakRef(t.untyped_storage()).cdata
+        if key not in seen:
+            sizes[key] = t.untyped_storage().nbytes()
+    return sum(sizes.values())
 
 
 def _replaceable(stored: torch.Tensor, fresh: torch.Tensor) -> bool:

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 
 _GELU_K, _GELU_A = math.sqrt(2.0 / math.pi), 0.044715
-_16_BIT = (torch.bfloat16, torch.float16)  # computed in float32 on the CPU (gelu_new, attention)
+_16_BIT = (torch.bfloat16, torch.float16)  # gelu_new computes them in float32 on the CPU
 
 
 class _CpuGeluNew(torch.autograd.Function):
