@@ -1,7 +1,7 @@
 """Training at GPT-J-6B's width (hidden 4096, 16 heads, rotary 64, vocabulary 50400), one and two layers, on
 this machine's CPU: what toy widths hide.
 
-    python bench/width.py [--layers 1 2] [--seq 256 128] [--micro-batch 1 4] [--steps 2] [--precision ...]
+    python bench/width.py [--layers 1 2] [--seq 256 128] [--micro-batch 1 4] [--steps 3] [--precision ...]
 
 Each configuration (gradient accumulation 2) runs as ``ipuft bench --profile`` in a process of its own (its
 peak RSS and page faults are that process's), after ``ipuft plan`` of the same config, and prints:
@@ -9,7 +9,12 @@ peak RSS and page faults are that process's), after ``ipuft plan`` of the same c
 - the step time, and model FLOP/s against the matmul peak measured in the same run (a ``[tokens, 4096] ×
   [4096, 16384]`` matmul in the run's dtype): MFU, and with the recompute HFU;
 - a decoder layer's rate: its forward, recompute and backward FLOPs over its forward and backward phases'
-  time, against the same peak (the issue's target: at least 50% in float32);
+  time (the issue's target: at least 50% of the matmul's), against the same peak, and against the same
+  matmul's rate over half a second before each profiled step and after the last (``ipuft bench --profile``'s
+  ``matmul_rate``). This machine's bfloat16 matmul switches between two speeds about 2x apart from one
+  second to the next (from outside the process: other guests on the host, it seems; float32 varies less),
+  so a best-of peak is the fast speed while a layer's phases, seconds long, run at a mix of both: the
+  interleaved rate is the like-for-like figure, the peak the conservative one;
 - peak RSS against the plan's ``host_needed_bytes`` (it must stay under, and above 80% of it);
 - the per-phase breakdown.
 
@@ -69,6 +74,7 @@ def run(layers: int, seq: int, micro_batch: int, precision: str, steps: int, env
     plan, _ = ipuft(["plan", *config], env)
     bench, usage = ipuft(["bench", *config, "--profile", "--steps", str(steps)], env)
     profile, peak = bench["profile"], bench["matmul_peak"]["flops_per_s"]
+    between = profile["matmul_rate"]
     decoder = {kind: plan["flops_per_step"]["by_phase"]["decoder"][kind] for kind in ("forward", "backward")}
     layer_flops = sum(f["model"] + f["recompute"] for f in decoder.values())
     layer_seconds = profile["phases"]["decoder"]["forward"] + profile["phases"]["decoder"]["backward"]
@@ -77,6 +83,7 @@ def run(layers: int, seq: int, micro_batch: int, precision: str, steps: int, env
             "tokens_per_s": bench["tokens_per_s"], "model_flops_per_s": bench["model_flops_per_s"],
             "mfu": bench["mfu"], "hfu": bench["hfu"], "peak_flops_per_s": peak, "matmul": bench["matmul_peak"],
             "layer_flops_per_s": layer_flops / layer_seconds, "layer_of_peak": layer_flops / layer_seconds / peak,
+            "matmul_rate": between, "layer_of_matmul_rate": layer_flops / layer_seconds / between["flops_per_s"],
             "host_needed_bytes": plan["machine"]["host_needed_bytes"], **usage,
             "rss_of_plan": usage["max_rss_bytes"] / plan["machine"]["host_needed_bytes"],
             "parameters": plan["parameters"], "profile": profile}
@@ -91,7 +98,9 @@ def report(r: dict) -> str:
         f"GFLOP/s: MFU {r['mfu']:.1%}, HFU {r['hfu']:.1%} of the {' × '.join(map(str, r['matmul']['shape']))} "
         f"matmul's {r['peak_flops_per_s'] / giga:,.1f} GFLOP/s",
         f"   a decoder layer (forward, recompute, backward): {r['layer_flops_per_s'] / giga:,.1f} GFLOP/s = "
-        f"{r['layer_of_peak']:.1%} of the matmul peak",
+        f"{r['layer_of_peak']:.1%} of the matmul peak; {r['layer_of_matmul_rate']:.1%} of the matmul's "
+        f"{r['matmul_rate']['flops_per_s'] / giga:,.1f} GFLOP/s between the profiled steps (each half second's: "
+        + ", ".join(f"{x / giga:,.0f}" for x in r["matmul_rate"]["samples"]) + ")",
         f"   peak RSS {r['max_rss_bytes'] / gib:.2f} GiB = {r['rss_of_plan']:.1%} of the plan's "
         f"{r['host_needed_bytes'] / gib:.2f} GiB; page faults {r['minor_faults']:,} minor, {r['major_faults']:,} major",
     ]
@@ -107,7 +116,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--seq", type=int, nargs="+", default=[256, 128])
     parser.add_argument("--micro-batch", type=int, nargs="+", default=[1], help="rows per micro-batch (GA is 2)")
-    parser.add_argument("--steps", type=int, default=2, help="timed (and profiled) steps of each run")
+    parser.add_argument("--steps", type=int, default=3, help="timed (and profiled) steps of each run")
     parser.add_argument("--precision", nargs="+", default=None, help="default: float32 and the fast 16-bit dtypes")
     parser.add_argument("--no-huge-pages", action="store_true", help="THP_MEM_ALLOC_ENABLE=0 (ipuft.engine.hostmem)")
     parser.add_argument("--json", action="store_true")

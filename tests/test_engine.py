@@ -180,6 +180,22 @@ def test_a_whole_take_reuses_the_stored_gradients_memory(hooks, make_config):
             assert torch.equal(t, fresh.weights()[unit][name]), (unit, name)
 
 
+@pytest.mark.parametrize("recompute", [True, False])
+def test_the_embeddings_gradient_is_taken_once_over_the_micro_batches(hooks, make_config, monkeypatch, recompute):
+    """The embedding table's gradient is one take over all four micro-batches (ipuft.ops.embedding), not four
+    dense tables from autograd, with or without the recompute; the steps are still the reference's
+    (test_five_steps_equal_the_plain_reference)."""
+    import ipuft.ops
+
+    made, rows_gradient = [], ipuft.ops._rows_gradient
+    monkeypatch.setattr(ipuft.ops, "_rows_gradient", lambda *args: made.append(args[1].numel()) or rows_gradient(*args))
+    cfg = make_config(*EQUIVALENCE, *([] if recompute else ["execution.recompute=false", "execution.offload=false"]))
+    engine = make_engine(cfg, hooks)
+    for batch in batches(cfg)[:2]:
+        engine.step(batch, 1e-3)
+    assert made == [4 * cfg.execution.micro_batch_size * cfg.model.sequence_length] * 2  # every token, each step
+
+
 def test_swapped_optimizer_through_config_alone(fake_dist):
     """The test plugin's SGD with momentum, installed through an entry point and chosen by one key."""
     from ipuft.config import load_config

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from ipuft.components import recompute
-from ipuft.ops import Linear, WeightGradients, linear, output_projection, taking_weight_gradients
+from ipuft.ops import Embedding, Linear, WeightGradients, linear, output_projection, taking_weight_gradients
 
 
 def _block(dtype):
@@ -162,3 +162,67 @@ def test_a_take_writes_into_the_memory_it_is_given_when_it_fits():
     got = dict((id(leaf), grad) for leaf, grad in taken.take(lambda leaf: homes.get(id(leaf))))
     assert got[id(w)] is homes[id(w)] and torch.equal(got[id(w)], g.t() @ x)
     assert got[id(b)] is not homes[id(b)] and torch.equal(got[id(b)], g.sum(0))
+
+
+
+def _lookups(dtype):
+    """Four micro-batches of ids into a 40-row table (rows repeated within and across micro-batches, most of the
+    table untouched) and their output gradients."""
+    g = torch.Generator().manual_seed(3)
+    ids = [torch.randint(0, 12, (2, 7), generator=g) for _ in range(4)]
+    seeds = [torch.randn(2, 7, 16, generator=g).to(dtype) for _ in range(4)]
+    return ids, seeds
+
+
+def _embedding_take(table, ids, seeds, into=None):
+    """The gradient of ``table``'s weight taken over every micro-batch (nothing reaches autograd's ``.grad``)."""
+    taken = WeightGradients([table.weight])
+    with taking_weight_gradients(taken):
+        for i, seed in zip(ids, seeds, strict=True):
+            torch.autograd.backward(table(i), seed, inputs=[table.weight])
+    assert table.weight.grad is None and taken.held()
+    ((leaf, grad),) = list(taken.take(into))
+    assert leaf is table.weight and not taken.held()
+    return grad
+
+
+def test_an_embedding_take_is_autograds_gradient_of_every_lookup():
+    """float32: the taken gradient of an embedding is autograd's for all the micro-batches as one batch, bit for
+    bit; bfloat16: that gradient computed in float32 and rounded once (not each micro-batch's rounded, summed)."""
+    torch.manual_seed(0)
+    table = Embedding(40, 16)
+    ids, seeds = _lookups(torch.float32)
+    got = _embedding_take(table, ids, seeds)
+    plain = table.weight.detach().requires_grad_()
+    torch.autograd.backward(F.embedding(torch.cat(ids), plain), torch.cat(seeds))
+    assert torch.equal(got, plain.grad) and got.dtype == torch.float32
+    assert got[12:].count_nonzero() == 0  # untouched rows: zeros
+
+    half = Embedding(40, 16).to(torch.bfloat16)
+    ids, seeds = _lookups(torch.bfloat16)
+    got = _embedding_take(half, ids, seeds)
+    wide = half.weight.detach().float().requires_grad_()
+    torch.autograd.backward(F.embedding(torch.cat(ids), wide), torch.cat(seeds).float())
+    assert got.dtype == torch.bfloat16 and torch.equal(got, wide.grad.to(torch.bfloat16))
+    per_micro_batch = sum(torch.zeros(40, 16).index_add_(0, i.view(-1), s.view(-1, 16).float()).to(torch.bfloat16)
+                          .float() for i, s in zip(ids, seeds, strict=True))
+    assert not torch.equal(got, per_micro_batch.to(torch.bfloat16))  # what the test tells apart
+
+
+def test_an_embedding_take_writes_into_the_memory_it_is_given():
+    torch.manual_seed(0)
+    table = Embedding(40, 16)
+    ids, seeds = _lookups(torch.float32)
+    fresh = _embedding_take(table, ids, seeds)
+    home = torch.full((40, 16), 7.0)  # last step's gradient: overwritten, its untouched rows zeroed
+    got = _embedding_take(table, ids, seeds, into=lambda leaf: home)
+    assert got.data_ptr() == home.data_ptr() and torch.equal(got, fresh)
+
+
+def test_embeddings_with_options_take_nn_embeddings_own_path():
+    """``padding_idx`` (and the other options) change the gradient: such a table is not taken."""
+    table = Embedding(40, 16, padding_idx=0)
+    taken = WeightGradients([table.weight])
+    with taking_weight_gradients(taken):
+        table(torch.tensor([[0, 3, 3]])).sum().backward()
+    assert not taken.held() and table.weight.grad[0].count_nonzero() == 0 and table.weight.grad[3].eq(2).all()

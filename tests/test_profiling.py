@@ -43,6 +43,13 @@ def test_bench_profile_breaks_a_step_down(capsys):
         assert p["seconds"][category] > 0, category
     assert p["seconds"]["collectives"] == 0  # one process: no collective is ever called
     assert result["duration_s"] > 0  # the throughput still comes from the plain steps
+    # The run's matmul before each profiled step and after the last: its rate over all of them, and each one's.
+    rate = p["matmul_rate"]
+    assert len(rate["samples"]) == 6 and all(r > 0 for r in rate["samples"])
+    assert min(rate["samples"]) <= rate["flops_per_s"] <= max(rate["samples"])
+    backward = p["phase_flops"]["decoder"]["backward"]
+    assert backward["of_matmul_rate"] == pytest.approx(backward["flops_per_s"] / rate["flops_per_s"])
+    assert backward["of_peak"] == pytest.approx(backward["flops_per_s"] / result["matmul_peak"]["flops_per_s"])
 
 
 def test_bench_profile_prints_a_table(capsys):
@@ -56,10 +63,12 @@ def test_bench_profile_prints_a_table(capsys):
     assert [line.split("  ")[1].strip() for line in lines[3 : 3 + categories]] == [*CATEGORIES.values(), OTHER, "step"]
     assert lines[2 + categories].endswith("100.0%")
     assert lines[3 + categories].startswith("by phase")
-    by_phase = {line.split()[0]: line for line in lines[4 + categories :]}
+    assert lines[-1].startswith("the matmul between the profiled steps: ") and lines[-1].count(",") >= 5
+    by_phase = {line.split()[0]: line for line in lines[4 + categories : -1]}
     assert list(by_phase) == ["embeddings:forward", "decoder:forward", "head:loss_backward", "decoder:backward",
                               "embeddings:backward", "decoder:optimizer", "head:optimizer"]
     assert "GFLOP/s" in by_phase["decoder:backward"] and "of the matmul peak" in by_phase["decoder:backward"]
+    assert "of its rate between the steps" in by_phase["decoder:backward"]
     assert "GFLOP/s" not in by_phase["decoder:optimizer"]  # elementwise work is not counted
 
 

@@ -18,6 +18,7 @@ this width, not a datasheet's. Counting the recompute too gives the hardware FLO
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -72,10 +73,9 @@ def step_flops(cfg: DictConfig, parts: ModelParts, costs: dict[str, UnitCost] | 
     return total
 
 
-def matmul_peak(dtype: torch.dtype, device: torch.device | str, m: int, k: int, n: int,
-                seconds: float = 1.0) -> float:
-    """The FLOP/s of an ``[m, k] × [k, n]`` matmul in ``dtype`` on ``device``: the best of repeated runs
-    (at least three, for about ``seconds`` in all) after one warm-up."""
+def _matmul_timer(dtype: torch.dtype, device: torch.device | str, m: int, k: int, n: int) -> Callable[[], float]:
+    """A function that runs one ``[m, k] × [k, n]`` matmul in ``dtype`` on ``device`` and returns its seconds
+    (the device synchronised at both ends), after one warm-up run."""
     device = torch.device(device)
     a = torch.randn(m, k, device=device).to(dtype)
     b = torch.randn(k, n, device=device).to(dtype)
@@ -90,20 +90,46 @@ def matmul_peak(dtype: torch.dtype, device: torch.device | str, m: int, k: int, 
         return time.perf_counter() - start
 
     run()
-    best, spent, runs = float("inf"), 0.0, 0
-    while runs < 3 or spent < seconds:
-        elapsed = run()
-        best, spent, runs = min(best, elapsed), spent + elapsed, runs + 1
-    return 2.0 * m * k * n / best
+    return run
+
+
+def _repeated(run: Callable[[], float], seconds: float) -> list[float]:
+    """``run()``'s seconds, at least three times and for about ``seconds`` in all."""
+    times: list[float] = []
+    while len(times) < 3 or sum(times) < seconds:
+        times.append(run())
+    return times
+
+
+def matmul_peak(dtype: torch.dtype, device: torch.device | str, m: int, k: int, n: int,
+                seconds: float = 1.0) -> float:
+    """The FLOP/s of an ``[m, k] × [k, n]`` matmul in ``dtype`` on ``device``: the best of repeated runs
+    (at least three, for about ``seconds`` in all) after one warm-up."""
+    return 2.0 * m * k * n / min(_repeated(_matmul_timer(dtype, device, m, k, n), seconds))
+
+
+def matmul_rate(dtype: torch.dtype, device: torch.device | str, m: int, k: int, n: int,
+                seconds: float = 1.0) -> tuple[float, float]:
+    """``(flops, seconds)`` of repeated ``[m, k] × [k, n]`` matmuls (at least three, for about ``seconds`` in all)
+    after one warm-up: their rate over the whole time, not their best, for comparing with work that ran in
+    the same minutes (a machine shared with other work changes speed from one second to the next)."""
+    times = _repeated(_matmul_timer(dtype, device, m, k, n), seconds)
+    return 2.0 * m * k * n * len(times), sum(times)
+
+
+def run_matmul_shape(cfg: DictConfig) -> tuple[int, int, int]:
+    """The run's representative matmul ``(m, k, n)``: a micro-batch's tokens through the MLP's first projection
+    (this rank's share of it under TP)."""
+    tokens = cfg.execution.micro_batch_size * cfg.model.sequence_length
+    return tokens, cfg.model.hidden_size, cfg.model.intermediate_size // cfg.execution.tensor_parallel
 
 
 def run_matmul_peak(cfg: DictConfig, device: torch.device | str, seconds: float = 1.0,
                     before: dict | None = None) -> dict:
-    """:func:`matmul_peak` at the run's width: ``{"flops_per_s", "shape", "dtype"}``; with ``before`` (this
-    function's result earlier in the run), the better of the two: a machine shared with other work runs at
-    different speeds from one minute to the next, and a peak is the best it reaches."""
-    tokens = cfg.execution.micro_batch_size * cfg.model.sequence_length
-    shape = (tokens, cfg.model.hidden_size, cfg.model.intermediate_size // cfg.execution.tensor_parallel)
+    """:func:`matmul_peak` at the run's width (:func:`run_matmul_shape`): ``{"flops_per_s", "shape", "dtype"}``;
+    with ``before`` (this function's result earlier in the run), the better of the two: a machine shared with
+    other work runs at different speeds from one minute to the next, and a peak is the best it reaches."""
+    shape = run_matmul_shape(cfg)
     dtype = compute_dtype(cfg)
     rate = matmul_peak(dtype, device, *shape, seconds=seconds)
     if before is not None:
@@ -111,15 +137,18 @@ def run_matmul_peak(cfg: DictConfig, device: torch.device | str, seconds: float 
     return {"flops_per_s": rate, "shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
 
 
-def phase_rates(flops: StepFlops, seconds: dict[str, dict[str, float]], peak: float | None = None) -> dict:
+def phase_rates(flops: StepFlops, seconds: dict[str, dict[str, float]], peak: float | None = None,
+                matmul: float | None = None) -> dict:
     """Each profiled kind of phase's FLOP/s, counting its recompute (``seconds``: a profile's ``phases``, per step,
-    ``{role: {kind: seconds}}``), and their share of the matmul ``peak``, as ``{role: {kind: {...}}}``."""
+    ``{role: {kind: seconds}}``), their share of the matmul ``peak`` (``of_peak``) and of the ``matmul``'s rate
+    in the same minutes (``of_matmul_rate``, :func:`matmul_rate`), as ``{role: {kind: {...}}}``."""
     rates: dict[str, dict[str, dict]] = {}
     for role, kinds in seconds.items():
         for kind, spent in kinds.items():
             model, again = flops.by_phase.get(role, {}).get(kind, (0, 0))
             rate = (model + again) / spent if spent > 0 else 0.0
-            rates.setdefault(role, {})[kind] = {"flops_per_s": rate, "of_peak": rate / peak if peak else None}
+            rates.setdefault(role, {})[kind] = {"flops_per_s": rate, "of_peak": rate / peak if peak else None,
+                                                "of_matmul_rate": rate / matmul if matmul else None}
     return rates
 
 

@@ -167,8 +167,8 @@ def timed(category: str) -> Callable[[F], F]:
 
 def format_profile(report: dict) -> str:
     """The breakdown as a table: seconds per step and share, by category, then the remainder and the step;
-    then each kind of phase by role, with its FLOP/s and their share of the matmul peak where the report has
-    them (``ipuft bench``: :func:`ipuft.engine.flops.phase_rates`)."""
+    then each kind of phase by role, with its FLOP/s and their share of the matmul peak, and of the matmul's rate
+    between the profiled steps, where the report has them (``ipuft bench``: :func:`ipuft.engine.flops.phase_rates`)."""
     rows = [(CATEGORIES[c], report["seconds"][c], report["share"][c]) for c in CATEGORIES]
     rows += [(OTHER, report["other_s"], report["other_share"]), ("step", report["step_s"], 1.0)]
     lines = [f"where a step's time goes (mean of {report['steps']} profiled steps):"]
@@ -182,5 +182,11 @@ def format_profile(report: dict) -> str:
             line += f"  {rate['flops_per_s'] / 1e9:10,.1f} GFLOP/s"
             if rate.get("of_peak") is not None:
                 line += f"  {rate['of_peak']:6.1%} of the matmul peak"
+            if rate.get("of_matmul_rate") is not None:
+                line += f", {rate['of_matmul_rate']:6.1%} of its rate between the steps"
         lines.append(line)
+    if "matmul_rate" in report:
+        samples = ", ".join(f"{r / 1e9:,.1f}" for r in report["matmul_rate"]["samples"])
+        lines.append(f"the matmul between the profiled steps: {report['matmul_rate']['flops_per_s'] / 1e9:,.1f} "
+                     f"GFLOP/s over all its runs (each half second's: {samples})")
     return "\n".join(lines)

@@ -6,14 +6,16 @@ of :mod:`ipuft.engine.flops`; ``--profile`` (where a step's time goes, :mod:`ipu
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from omegaconf import DictConfig
 
 from ipuft.data.batch import Batch
 from ipuft.data.tokens import data_source
-from ipuft.engine.flops import phase_rates, run_matmul_peak, step_flops, utilisation
+from ipuft.engine.flops import matmul_rate, phase_rates, run_matmul_peak, run_matmul_shape, step_flops, utilisation
 from ipuft.engine.phased import PhasedEngine
+from ipuft.engine.precision import compute_dtype
 from ipuft.engine.profiling import PhaseLabels, StepProfile, profiling
 from ipuft.errors import ConfigError
 from ipuft.plugins import PluginHooks
@@ -26,8 +28,11 @@ def benchmark(cfg: DictConfig, hooks: PluginHooks, timed_steps: int = 5, profile
     """The reference's ``main()``: one untimed step, then ``timed_steps`` timed steps.
 
     ``profile``: then as many profiled steps, whose breakdown by category (:mod:`ipuft.engine.profiling`) is
-    ``"profile"``; the throughput figures stay those of the plain steps. ``trace``: then one step recorded
-    by ``torch.profiler``, with a range per phase, written there as a Chrome trace."""
+    ``"profile"``; the throughput figures stay those of the plain steps. Before each profiled step and after
+    the last, the run's matmul (that of the peak) runs for half a second: their rate over all that time is the
+    profile's ``"matmul_rate"``, the matmul's speed in the same minutes as the phases it is set against.
+    ``trace``: then one step recorded by ``torch.profiler``, with a range per phase, written there as a Chrome
+    trace."""
     data = data_source(cfg)
     engine = build_engine(cfg, hooks)
     batch = replica_batch(cfg, data, 0, engine.layout)
@@ -50,24 +55,40 @@ def benchmark(cfg: DictConfig, hooks: PluginHooks, timed_steps: int = 5, profile
            "model_flops_per_step": flops.model, "recompute_flops_per_step": flops.recompute,
            **utilisation(flops, duration, peak["flops_per_s"]), "matmul_peak": peak}
     if profile:
-        out["profile"] = profile_steps(engine, batch, lr, timed_steps)
-        out["profile"]["phase_flops"] = phase_rates(flops, out["profile"]["phases"], peak["flops_per_s"])
+        shape, dtype = run_matmul_shape(cfg), compute_dtype(cfg)
+        out["profile"] = profile_steps(engine, batch, lr, timed_steps,
+                                       reference=lambda: matmul_rate(dtype, engine.device, *shape, seconds=0.5))
+        out["profile"]["phase_flops"] = phase_rates(flops, out["profile"]["phases"], peak["flops_per_s"],
+                                                    out["profile"]["matmul_rate"]["flops_per_s"])
     if trace is not None:
         trace_step(engine, batch, lr, trace)
     return out
 
 
-def profile_steps(engine: PhasedEngine, batch: Batch, lr: float, steps: int) -> dict:
+def profile_steps(engine: PhasedEngine, batch: Batch, lr: float, steps: int,
+                  reference: Callable[[], tuple[float, float]] | None = None) -> dict:
     """Run ``steps`` steps with a profile active; its report (:meth:`ipuft.engine.profiling.StepProfile.report`)
-    against each step's measured time, the device synchronised at both ends."""
+    against each step's measured time, the device synchronised at both ends.
+
+    ``reference()`` (``(flops, seconds)`` of some work, :func:`ipuft.engine.flops.matmul_rate`) runs before each
+    step and after the last, outside the profile; the report's ``"matmul_rate"`` is then their FLOP/s over all
+    that time, with each run's own (``"samples"``)."""
     profile = StepProfile(engine.device)
-    total = 0.0
-    with profiling(profile):
-        for _ in range(steps):
+    total, samples = 0.0, []
+    if reference is not None:
+        samples.append(reference())
+    for _ in range(steps):
+        with profiling(profile):
             start = profile.now()
             engine.step(batch, lr)
             total += profile.now() - start
-    return profile.report(total, steps)
+        if reference is not None:
+            samples.append(reference())
+    report = profile.report(total, steps)
+    if samples:
+        report["matmul_rate"] = {"flops_per_s": sum(f for f, _ in samples) / sum(s for _, s in samples),
+                                 "samples": [f / s for f, s in samples]}
+    return report
 
 
 def trace_step(engine: PhasedEngine, batch: Batch, lr: float, path: Path) -> None:

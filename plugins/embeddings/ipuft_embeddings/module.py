@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ipuft.components import Init, VariableSpec, specs_from_module
+from ipuft.ops import Embedding
 from ipuft.parallel import vocab_parallel_embedding
 from ipuft.sharding import VOCAB_SHARDED
 
@@ -20,7 +21,7 @@ class GPTJEmbeddings(torch.nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, dropout_prob: float = 0.0, tensor_parallel: int = 1):
         super().__init__()
         local_rows = VOCAB_SHARDED.local_shape((vocab_size, hidden_size), tensor_parallel)[0]
-        self.wte = torch.nn.Embedding(local_rows, hidden_size)
+        self.wte = Embedding(local_rows, hidden_size)  # its gradient taken over micro-batches (ipuft.ops)
         self.dropout_prob = dropout_prob
         self.tensor_parallel = tensor_parallel
 

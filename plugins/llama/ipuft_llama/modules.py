@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ipuft.components import IGNORE_INDEX, Init, VariableSpec, specs_from_module
-from ipuft.ops import Linear, attention_in_float32, linear, output_projection
+from ipuft.ops import Embedding, Linear, attention_in_float32, linear, output_projection
 from ipuft.parallel import (
     copy_to_tensor_parallel,
     reduce_from_tensor_parallel,
@@ -228,7 +228,7 @@ class LlamaEmbeddings(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, dropout_prob: float = 0.0, tensor_parallel: int = 1):
         super().__init__()
         rows = VOCAB_SHARDED.local_shape((vocab_size, hidden_size), tensor_parallel)[0]
-        self.embed_tokens = nn.Embedding(rows, hidden_size)
+        self.embed_tokens = Embedding(rows, hidden_size)  # its gradient taken over micro-batches (ipuft.ops)
         self.dropout_prob, self.tensor_parallel = dropout_prob, tensor_parallel
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
