@@ -1,6 +1,10 @@
-"""The Adam update of a GPT-J-6B-wide embedding ([50400, 4096], float32 state) as the engine runs it on the CPU
-(``ipuft.engine.update``'s pieces), with and without ``adamw``'s floor under ``v`` before its square root
-(:meth:`ipuft_optim_adam.adamw.AdamW.sqrt_floor`), in one process.
+"""The optimizer step's elementwise work at GPT-J-6B's width on the CPU, in the engine's pieces
+(``ipuft.engine.update``), in one process:
+
+- the Adam update of an embedding ([50400, 4096], float32 state), with and without ``adamw``'s floor under ``v``
+  before its square root (:meth:`ipuft_optim_adam.adamw.AdamW.sqrt_floor`);
+- stochastic rounding of a float32 update into bfloat16 weights as many as the embedding's, on the float32 bit
+  patterns (``ipuft.engine.precision``'s path) and by the float formulation it equals bit for bit.
 
     python bench/update.py [--rows 50400] [--touched 512] [--repeats 3]
 
@@ -18,6 +22,7 @@ import time
 
 import torch
 
+from ipuft.engine.precision import _range_bits32, _round_by_neighbours, rounding_key, stochastic_round_
 from ipuft.engine.update import update_chunk, update_groups
 from ipuft.optim import StepContext
 from ipuft_optim_adam.adamw import AdamW
@@ -33,6 +38,20 @@ def update(opt: AdamW, weight: torch.Tensor, grad: torch.Tensor, m: torch.Tensor
         for name, start, stop in group:
             w, g, mm, vv = (t[start:stop] for t in flat)
             opt.step_unit([name], [w], [g.clone()], [{"m": mm, "v": vv}], ctx)
+    return time.perf_counter() - start_time
+
+
+def rounding(value: torch.Tensor, weight: torch.Tensor, step: int, float_formulation: bool) -> float:
+    """Stochastic rounding of ``value`` into ``weight`` in the engine's pieces; its seconds."""
+    key, chunk = rounding_key(0, "embeddings", "wte.weight", step), update_chunk("cpu")
+    flat_v, flat_w = value.view(-1), weight.view(-1)
+    start_time = time.perf_counter()
+    for start in range(0, flat_w.numel(), chunk):
+        piece_v, piece_w = flat_v[start : start + chunk], flat_w[start : start + chunk]
+        if float_formulation:
+            piece_w.copy_(_round_by_neighbours(piece_v, weight.dtype, _range_bits32(key, start, piece_v.numel())))
+        else:
+            stochastic_round_(piece_w, piece_v, key, lambda first, count, start=start: start + first)
     return time.perf_counter() - start_time
 
 
@@ -63,6 +82,15 @@ def main() -> None:
           f"with a gradient")
     print(f"  without the floor {p:.3f} s ({p / n * 1e9:.2f} ns a weight); with it {f:.3f} s "
           f"({f / n * 1e9:.2f} ns): {p / f:.2f}x")
+    del m, v, grad
+    half = weight.bfloat16()
+    times = {"bits": [], "float": []}
+    for step in range(1, args.repeats + 1):
+        for name in times:
+            times[name].append(rounding(weight, half, step, name == "float"))
+    b, f = statistics.median(times["bits"]), statistics.median(times["float"])
+    print(f"  stochastic rounding into bfloat16: by the float formulation {f:.3f} s ({f / n * 1e9:.2f} ns a weight); "
+          f"on the bit patterns {b:.3f} s ({b / n * 1e9:.2f} ns): {f / b:.2f}x")
 
 
 if __name__ == "__main__":

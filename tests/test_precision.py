@@ -128,14 +128,12 @@ def test_rounding_on_bit_patterns_is_the_float_formulation_bit_for_bit(dtype):
                             3.4028235e38, 65504.0, 65519.0, 65520.0, -65520.0, 6e-5, 6.1e-5, -3e-8, 1.0 + 2**-8,
                             1.0 + 3 * 2**-8, 1.0 + 2**-11, 2.0 - 2**-20, -(2.0 - 2**-20), 1.0 + 2**-9])
     # Every dropped low part (in steps, from 0), at each base, with the 24-bit draws on either side of the
-    # threshold (low·2^(24-d) where the nearest is toward zero, (2^d - low)·2^(24-d) where it is away) and at
-    # the extremes.
+    # threshold where the neighbour away from zero starts being taken, (2^d - low)·2^(24-d), and at the extremes.
     dropped = {torch.bfloat16: 16, torch.float16: 13}[dtype]
     low = torch.arange(0, 1 << dropped, 3, dtype=torch.int64).repeat_interleave(8)
     edges = (torch.tensor(EDGE_BASES[dtype])[:, None] | low[None, :]).flatten().to(torch.int32)
     lows = edges & ((1 << dropped) - 1)
-    nearest_away = lows + ((edges >> dropped) & 1) > 1 << (dropped - 1)
-    threshold = torch.where(nearest_away, (1 << dropped) - lows, lows) << (24 - dropped)
+    threshold = ((1 << dropped) - lows) << (24 - dropped)
     offset = torch.tensor([-1, 0, 1, -(1 << 24), (1 << 24) - 1, 2, -2, 0], dtype=torch.int32).repeat(edges.numel() // 8)
     draws = ((threshold + offset).clamp(0, (1 << 24) - 1) << 8) | 0x5A  # the low 8 bits are never used
     for value, bits in ((wide, random_bits(11, torch.arange(n)).to(torch.int32)),
@@ -144,6 +142,22 @@ def test_rounding_on_bit_patterns_is_the_float_formulation_bit_for_bit(dtype):
         ours, reference = round_stochastically(value, dtype, bits), _round_by_neighbours(value, dtype, bits)
         same = (ours.view(torch.int16) == reference.view(torch.int16)) | (ours.isnan() & reference.isnan())
         assert bool(same.all()), value[~same][:5]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_the_draw_from_which_the_neighbour_away_from_zero_is_taken(dtype):
+    """A quarter of a step past 1 (and past -1): the neighbour away from zero exactly where the draw's top d bits
+    reach 2^d - low = 3·2^(d-2), whatever the bits under them; so with probability 1/4."""
+    d = {torch.bfloat16: 16, torch.float16: 13}[dtype]
+    step = 2.0 ** -(23 - d)
+    value = torch.tensor([1.0 + step / 4, -1.0 - step / 4] * 2)
+    first = 3 << (d - 2)
+    below = ((first - 1) << (32 - d)) | ((1 << (32 - d)) - 1)  # just under: every lower bit set
+    at = first << (32 - d)  # exactly there: no lower bit set
+    bits = torch.tensor([below, below, at, at], dtype=torch.int64)
+    rounded = round_stochastically(value, dtype, bits).float().tolist()
+    assert rounded == [1.0, -1.0, 1.0 + step, -1.0 - step]
+    assert torch.equal(_round_by_neighbours(value, dtype, bits.to(torch.int32)).float(), torch.tensor(rounded))
 
 
 # -- training ---------------------------------------------------------------------------------------------

@@ -173,17 +173,21 @@ def round_stochastically(value: torch.Tensor, dtype: torch.dtype, bits: torch.Te
 
 
 def _round_by_neighbours(value: torch.Tensor, dtype: torch.dtype, bits: torch.Tensor) -> torch.Tensor:
-    """The neighbour of ``value`` that is not its nearest in ``dtype`` is taken where the top 24 of the int32
-    ``bits``, as a fraction of 2^24, fall under that neighbour's probability; otherwise the nearest. NaN,
-    infinities and values whose other neighbour would be infinite round to nearest."""
+    """``value``'s neighbour away from zero in ``dtype`` is taken with the probability ``p`` that makes the
+    expectation ``value`` itself, where the top 24 of the int32 ``bits``, as a fraction ``u`` of 2^24, reach
+    ``1 - p`` (both are exact in float32); otherwise its neighbour toward zero. NaN, infinities and values whose
+    neighbour away would be infinite round to nearest."""
     nearest = value.to(dtype)
     near = nearest.float()
-    away = torch.where(near > value, float("-inf"), float("inf")).to(dtype)
-    other = torch.nextafter(nearest, away)
-    gap = other.float() - near
-    p_other = torch.where(gap.isfinite() & (gap != 0), (value - near) / gap, 0.0)
+    beyond = near.abs() > value.abs()  # the nearest is the neighbour away from zero
+    zero = torch.zeros((), dtype=dtype, device=value.device)
+    toward = torch.where(beyond, torch.nextafter(nearest, zero), nearest)
+    away = torch.nextafter(toward, torch.where(value < 0, float("-inf"), float("inf")).to(dtype))
+    low, gap = toward.float(), away.float() - toward.float()
+    p_away = torch.where(gap.isfinite() & (gap != 0), (value - low) / gap, 0.0)
     uniform = _shr32(bits, 8).float() * 2.0**-24  # 24 bits: exact in float32
-    return torch.where(uniform < p_other, other, nearest)
+    chosen = torch.where(uniform >= 1.0 - p_away, away, toward)
+    return torch.where(gap.isfinite() & value.isfinite(), chosen, nearest)
 
 
 # Per 16-bit dtype: the float32 mantissa bits it drops, and the float32 magnitudes (bit patterns) between
@@ -200,37 +204,35 @@ def _round_by_bits(value: torch.Tensor, dtype: torch.dtype, bits: torch.Tensor,
 
     Where a 16-bit value is a float32 with its low ``d`` mantissa bits cleared (bfloat16: d = 16; float16
     in its normal range: d = 13), the neighbours of ``value`` are its bits with those cleared (toward zero)
-    and that plus one step ``2^d`` (away from zero), and ``low``, the bits cleared, is how far it lies from
-    the first in ``2^-d`` of a step. Round-to-nearest-even goes away where ``low + (last kept bit) > 2^(d-1)``.
-    Away is taken with probability ``low / 2^d``: where the nearest is toward zero, where the 24-bit draw
-    ``u < low·2^(24-d)`` (the other neighbour's chance, as in the float formulation); where the nearest is
-    away, where ``u ≥ (2^d - low)·2^(24-d)``, that is ``(2^24 - 1 - u) < low·2^(24-d)``: the draw mirrored.
-    Both are exact, so the choice is the float formulation's. Elements outside that range (float16
-    subnormals, NaN, infinities, the largest finite values) take the float formulation itself.
+    and that plus one step ``2^d`` (away from zero, for either sign), and ``low``, the bits cleared, is how far
+    it lies from the first in ``2^-d`` of a step: ``p = low / 2^d``. Away is taken where ``u ≥ 1 - p``, that is
+    where the top ``d`` bits of the draw, ``t``, reach ``2^d - low`` (``u·2^24`` and ``(2^d - low)·2^(24-d)``
+    are integers, the second a multiple of ``2^(24-d)``): where ``low + t`` carries into the kept bits. So the
+    rounding is the integer sum ``bits(value) + t`` with the low ``d`` bits cleared, exactly, a carry out of
+    the mantissa stepping into the next binade as it should. Elements outside that range (NaN, infinities,
+    the largest finite values, float16's subnormals) take the float formulation itself.
 
-    Every step is an int32 op in place on one of three chunk-sized buffers (no bool tensor, no other
-    allocation): about twenty passes, where each one costs as much as a float32 add.
+    Six passes for bfloat16 (the draw's top bits, the sum, the mask, the cast, one min/max to find the elements
+    outside), a few more for float16, in int32 ops into a chunk-sized buffer.
     """
     dropped, smallest, largest = _DROPPED_BITS[dtype]
     v = value.view(torch.int32)
-    low = v & ((1 << dropped) - 1)
-    work = torch.bitwise_right_shift(v, dropped)
-    # 1 where round-to-nearest-even goes away, times 0xFFFFFF: the mask that mirrors the 24-bit draw there.
-    work.bitwise_and_(1).add_(low).add_((1 << (dropped - 1)) - 1).bitwise_right_shift_(dropped).mul_(0xFFFFFF)
-    draw = torch.bitwise_right_shift(bits.to(torch.int32), 8).bitwise_and_(0xFFFFFF).bitwise_xor_(work)
-    # away = 2^d where draw < low·2^(24-d): their difference (both under 2^24) is negative just there.
-    torch.bitwise_left_shift(low, 24 - dropped, out=work)
-    away = draw.sub_(work).bitwise_right_shift_(31).bitwise_and_(1 << dropped)
-    rounded = torch.sub(v, low, out=work).add_(away).view(torch.float32)  # the dropped bits are now zero
+    work = torch.bitwise_right_shift(bits.to(torch.int32), 32 - dropped).bitwise_and_((1 << dropped) - 1)
+    rounded = work.add_(v).bitwise_and_(-(1 << dropped)).view(torch.float32)  # the dropped bits are now zero
     out = rounded.to(dtype) if out is None else out.copy_(rounded)  # exact
-    magnitude = low.copy_(v).bitwise_and_(0x7FFFFFFF)
-    if not magnitude.numel():
+    if not value.numel():
         return out
-    outside = int(magnitude.max()) >= largest
-    # float16's subnormals are not float32s with bits cleared; zero (magnitude - 1 wraps high) is its own neighbour.
-    if smallest and not outside:
-        outside = int(torch.sub(magnitude, 1, out=draw).bitwise_and_(0x7FFFFFFF).min()) < smallest - 1
+    if smallest:  # float16: the magnitudes' bit patterns, for both ends of the range
+        magnitude = work.copy_(v).bitwise_and_(0x7FFFFFFF)
+        outside = int(magnitude.max()) >= largest
+        # zero (magnitude - 1 wraps high) is its own neighbour; float16's subnormals are not float32s with bits cleared
+        outside = outside or int(magnitude.sub_(1).bitwise_and_(0x7FFFFFFF).min()) < smallest - 1
+    else:  # bfloat16: only the largest magnitudes, NaN and infinities (NaN makes both NaN, and is caught)
+        low_end, high_end = torch.aminmax(value)
+        edge = torch.tensor(largest, dtype=torch.int32).view(torch.float32).item()
+        outside = not (-edge < float(low_end) and float(high_end) < edge)
     if outside:
+        magnitude = v & 0x7FFFFFFF
         where = magnitude >= largest
         if smallest:
             where |= (magnitude < smallest) & (magnitude != 0)
