@@ -75,16 +75,18 @@ def step_flops(cfg: DictConfig, parts: ModelParts, costs: dict[str, UnitCost] | 
 
 def _matmul_timer(dtype: torch.dtype, device: torch.device | str, m: int, k: int, n: int) -> Callable[[], float]:
     """A function that runs one ``[m, k] × [k, n]`` matmul in ``dtype`` on ``device`` and returns its seconds
-    (the device synchronised at both ends), after one warm-up run."""
+    (the device synchronised at both ends), after one warm-up run. Into the same output each time: the kernel's
+    own rate, not that of a fresh output, which a CPU faults in page by page at a cost that varies run to run."""
     device = torch.device(device)
     a = torch.randn(m, k, device=device).to(dtype)
     b = torch.randn(k, n, device=device).to(dtype)
+    out = torch.empty(m, n, device=device, dtype=dtype)
 
     def run() -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        torch.mm(a, b)
+        torch.mm(a, b, out=out)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return time.perf_counter() - start
