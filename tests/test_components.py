@@ -125,6 +125,27 @@ def test_gelu_new_in_bfloat16_is_correctly_rounded_with_atens_16_bit_gradient():
     assert torch.equal(ours, aten)  # ATen's bfloat16 gelu_backward, as F.gelu's
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_gelu_new_in_chunks_is_the_whole_tensor_formula_bit_for_bit(monkeypatch, dtype):
+    """A tensor of several chunks (the last one partial, the input not contiguous) gets the same values as the
+    sigmoid form over the whole tensor at once, and the same gradient. (A chunk is a multiple of any vector
+    width, as the real one is: ATen's scalar loop, which takes an odd tail, can differ from its vector loop in
+    the last bit of float32.)"""
+    import ipuft_decoder.block as block
+
+    monkeypatch.setattr(block, "GELU_CHUNK", 1024)
+    x = (torch.randn(37, 130) * 4).to(dtype).t().requires_grad_()  # 4810 elements: 4 whole chunks and a part
+    k, a = math.sqrt(2 / math.pi), 0.044715
+    x32 = x.detach().float().contiguous()
+    whole = torch.addcmul(torch.tensor(2 * k), x32, x32, value=2 * k * a).mul_(x32).sigmoid_().mul_(x32).to(dtype)
+    y = gelu_new(x)
+    assert y.dtype == dtype and y.is_contiguous() and torch.equal(y.detach(), whole)
+    seed = torch.randn(x.shape).to(dtype)
+    (ours,) = torch.autograd.grad(y, x, seed)
+    (aten,) = torch.autograd.grad(F.gelu(x, approximate="tanh"), x, seed)
+    assert torch.equal(ours, aten)
+
+
 def test_bfloat16_block_on_the_cpu_tracks_a_float64_reference():
     """With its attention computed in float32 and rounded once, the bfloat16 block (output and every
     gradient) stays within a few bfloat16 roundings of the same block in float64: each of the block's

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 _GELU_K, _GELU_A = math.sqrt(2.0 / math.pi), 0.044715
 _16_BIT = (torch.bfloat16, torch.float16)  # gelu_new computes them in float32 on the CPU
+GELU_CHUNK = 1 << 18  # elements: 1 MiB of float32 a pass, in cache; a multiple of every vector width
 
 
 class _CpuGeluNew(torch.autograd.Function):
@@ -51,20 +52,44 @@ class _CpuGeluNew(torch.autograd.Function):
     in float32, against float64). A 16-bit ``x`` is computed in float32 and rounded once, as ATen's own
     16-bit kernel does (0.28 against 0.51 ms in bfloat16). The backward is ATen's own ``gelu_backward``, in
     ``x``'s dtype, exactly as ``F.gelu`` would give; composing it from elementwise ops measured slower.
+
+    A tensor larger than :data:`GELU_CHUNK` elements is taken that many at a time, so that the float32
+    intermediates stay in cache (``python bench/gelu.py``, 2-core Sapphire Rapids, three runs): at GPT-J-6B's
+    width, ``[256, 16384]`` and ``[1024, 16384]`` in bfloat16, 4.7–7.8 and 25–35 ms against 5.4–22 and 66–92 ms
+    over the whole tensor at once (whose time varies with the fresh float32 temporaries it faults in) and
+    6.2–9.5 and 30–40 ms for ATen's bfloat16 kernel; in float32 1.04–1.17× faster. The same values, element
+    by element (a chunk is a multiple of every vector width, so ATen's loops split the work as before).
     """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x)
-        x32 = x.float()
-        k = torch.tensor(2.0 * _GELU_K)
-        z2 = torch.addcmul(k, x32, x32, value=2.0 * _GELU_K * _GELU_A).mul_(x32)  # 2·√(2/π)·(x + 0.044715·x³)
-        return z2.sigmoid_().mul_(x32).to(x.dtype)
+        if x.numel() <= GELU_CHUNK:
+            return _sigmoid_form(x.float()).to(x.dtype)
+        out = torch.empty(x.shape, dtype=x.dtype)
+        flat, flat_out = x.reshape(-1), out.view(-1)
+        wide = x.dtype != torch.float32
+        x32_buffer = torch.empty(GELU_CHUNK) if wide else None  # a 16-bit chunk in float32
+        z_buffer = torch.empty(GELU_CHUNK) if wide else None  # its result before the rounding
+        for start in range(0, flat.numel(), GELU_CHUNK):
+            piece, piece_out = flat[start : start + GELU_CHUNK], flat_out[start : start + GELU_CHUNK]
+            n = piece.numel()
+            if wide:
+                piece_out.copy_(_sigmoid_form(x32_buffer[:n].copy_(piece), out=z_buffer[:n]))
+            else:
+                _sigmoid_form(piece, out=piece_out)
+        return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         (x,) = ctx.saved_tensors
         return torch.ops.aten.gelu_backward(grad, x, approximate="tanh")
+
+
+def _sigmoid_form(x32: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x·σ(2·√(2/π)·(x + 0.044715·x³))`` of float32 ``x32`` (into ``out`` when given)."""
+    k = torch.tensor(2.0 * _GELU_K)
+    return torch.addcmul(k, x32, x32, value=2.0 * _GELU_K * _GELU_A, out=out).mul_(x32).sigmoid_().mul_(x32)
 
 
 def gelu_new(x: torch.Tensor) -> torch.Tensor:
