@@ -12,29 +12,25 @@ are against the whole-tensor form. The results of the first two are equal bit fo
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
-from ipuft_decoder.block import _CpuGeluNew
+from ipuft_decoder.block import _CpuGeluNew, _sigmoid_form
 
 SHAPES = [(512, 1024), (256, 16384), (1024, 16384)]  # a toy MLP's activations; GPT-J-6B's at 256 and 1024 tokens
 
 
 class _Whole(torch.autograd.Function):
-    """The sigmoid form over the whole tensor, ``x·σ(2·√(2/π)·(x + 0.044715·x³))`` in float32 rounded once, as
-    an autograd function like the one it is set against."""
+    """The sigmoid form over the whole tensor at once, in float32 rounded once, as an autograd function like the
+    one it is set against."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x)
-        k = math.sqrt(2.0 / math.pi)
-        x32 = x.float()
-        z2 = torch.addcmul(torch.tensor(2.0 * k), x32, x32, value=2.0 * k * 0.044715).mul_(x32)
-        return z2.sigmoid_().mul_(x32).to(x.dtype)
+        return _sigmoid_form(x.float()).to(x.dtype)
 
 
 def main() -> None:

@@ -53,20 +53,25 @@ class WeightGradients:
 
     def __init__(self, leaves: Iterable[torch.Tensor]) -> None:
         self._leaves = {id(t) for t in leaves}
-        self._pieces: dict[int, tuple[torch.Tensor, torch.Tensor | None, Pieces]] = {}
+        self._pieces: dict[int, tuple[torch.Tensor, torch.Tensor | object | None, Pieces]] = {}
 
     def takes(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether the gradients of ``weight`` (and of ``bias``, when trainable) are taken here."""
         return id(weight) in self._leaves and (bias is None or not bias.requires_grad or id(bias) in self._leaves)
 
     def add(self, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, g: torch.Tensor) -> None:
-        """Keep one call's input ``x[..., in]`` and output gradient ``g[..., out]``; for an embedding (``bias`` is
-        :data:`ROWS`), its ids ``x`` and the gradient ``g[..., dim]`` of the rows it looked up."""
-        kept = bias if bias is ROWS or (bias is not None and bias.requires_grad) else None
-        entry = self._pieces.setdefault(id(weight), (weight, kept, []))
+        """Keep one call's input ``x[..., in]`` and output gradient ``g[..., out]``."""
+        kept = bias if bias is not None and bias.requires_grad else None
         # Detached: a kept input must not keep the autograd graph that made it.
-        x = x.reshape(-1) if bias is ROWS else x.detach().reshape(-1, x.shape[-1])
-        entry[2].append((x, g.detach().reshape(-1, g.shape[-1])))
+        self._keep(weight, kept, x.detach().reshape(-1, x.shape[-1]), g)
+
+    def add_rows(self, weight: torch.Tensor, ids: torch.Tensor, g: torch.Tensor) -> None:
+        """Keep one embedding lookup's ``ids`` and the gradient ``g[..., dim]`` of the rows it looked up."""
+        self._keep(weight, ROWS, ids.reshape(-1), g)
+
+    def _keep(self, weight: torch.Tensor, kind: torch.Tensor | object | None, x: torch.Tensor, g: torch.Tensor) -> None:
+        """``kind``: the trainable bias taken with ``weight``, None, or :data:`ROWS` for an embedding."""
+        self._pieces.setdefault(id(weight), (weight, kind, []))[2].append((x, g.detach().reshape(-1, g.shape[-1])))
 
     def held(self) -> list[torch.Tensor]:
         """The tensors kept so far (for the plan's measurement of what they hold)."""
@@ -99,7 +104,7 @@ class WeightGradients:
                 yield bias, torch.sum(g, 0, out=home(bias, g.dtype))
 
 
-ROWS = object()  # WeightGradients.add's ``bias`` for an embedding: ``x`` holds the ids of the rows looked up
+ROWS = object()  # what WeightGradients keeps for an embedding where a projection keeps its bias: ``x`` holds ids
 
 
 def _rows_gradient(weight: torch.Tensor, ids: torch.Tensor, g: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -199,7 +204,7 @@ class _Embedding(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (ids,) = ctx.saved_tensors
-        ctx.taken.add(ctx.leaf, ROWS, ids, grad)
+        ctx.taken.add_rows(ctx.leaf, ids, grad)
         return None, None, None
 
 

@@ -20,6 +20,7 @@ uninterrupted one.
 
 from __future__ import annotations
 
+import struct
 import zlib
 from collections.abc import Callable
 from enum import Enum
@@ -195,6 +196,7 @@ def _round_by_neighbours(value: torch.Tensor, dtype: torch.dtype, bits: torch.Te
 # normal (0 for bfloat16, which shares float32's exponents, subnormals included) to under its largest
 # finite value (whose step away is infinite).
 _DROPPED_BITS = {torch.bfloat16: (16, 0, 0x7F7F0000), torch.float16: (13, 0x38800000, 0x477FE000)}
+_BFLOAT16_LARGEST = struct.unpack("<f", struct.pack("<I", 0x7F7F0000))[0]  # as a float: bfloat16's largest finite
 
 
 def _round_by_bits(value: torch.Tensor, dtype: torch.dtype, bits: torch.Tensor,
@@ -229,8 +231,7 @@ def _round_by_bits(value: torch.Tensor, dtype: torch.dtype, bits: torch.Tensor,
         outside = outside or int(magnitude.sub_(1).bitwise_and_(0x7FFFFFFF).min()) < smallest - 1
     else:  # bfloat16: only the largest magnitudes, NaN and infinities (NaN makes both NaN, and is caught)
         low_end, high_end = torch.aminmax(value)
-        edge = torch.tensor(largest, dtype=torch.int32).view(torch.float32).item()
-        outside = not (-edge < float(low_end) and float(high_end) < edge)
+        outside = not (float(low_end) > -_BFLOAT16_LARGEST and float(high_end) < _BFLOAT16_LARGEST)
     if outside:
         magnitude = v & 0x7FFFFFFF
         where = magnitude >= largest

@@ -55,6 +55,8 @@ def benchmark(cfg: DictConfig, hooks: PluginHooks, timed_steps: int = 5, profile
            "model_flops_per_step": flops.model, "recompute_flops_per_step": flops.recompute,
            **utilisation(flops, duration, peak["flops_per_s"]), "matmul_peak": peak}
     if profile:
+        # Each sample makes its operands afresh and lets them go: held between the steps, they would add to the
+        # process's peak memory, which width benches set against the plan.
         shape, dtype = run_matmul_shape(cfg), compute_dtype(cfg)
         out["profile"] = profile_steps(engine, batch, lr, timed_steps,
                                        reference=lambda: matmul_rate(dtype, engine.device, *shape, seconds=0.5))

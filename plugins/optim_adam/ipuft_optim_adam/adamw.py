@@ -30,6 +30,7 @@ class AdamW(Optimizer):
     def __init__(self, beta1: float, beta2: float, eps: float, weight_decay: float):
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
         self.weight_decay = weight_decay
+        self._eps32 = float(torch.tensor(eps, dtype=torch.float32))  # what add_ adds to float32 (sqrt_floor)
 
     def state_specs(self, variable: VariableSpec) -> list[VariableSpec]:
         zeros = Init("zeros")
@@ -49,8 +50,7 @@ class AdamW(Optimizer):
         ulp of a normal float32 ``eps`` is at least ``eps·2^-25``, and ``2^-62 / √bias2`` bounds the rounded
         quotient, so ``eps·√bias2 ≥ 2^-37`` is enough: with the default ``eps`` 1e-6 and β2 0.999 it holds from
         the first step, when ``√bias2`` is smallest (0.032)."""
-        eps = float(torch.tensor(self.eps, dtype=torch.float32))  # what add_ adds to float32
-        return SMALLEST_NORMAL if eps * math.sqrt(bias2) >= 2.0**-37 else None
+        return SMALLEST_NORMAL if self._eps32 * math.sqrt(bias2) >= 2.0**-37 else None
 
     @torch.no_grad()
     def step(self, name: str, weight: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor],
