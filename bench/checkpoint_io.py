@@ -3,7 +3,7 @@ and Adam state (CPU, float32).
 
     python bench/checkpoint_io.py [--repeats R] [--dir DIR] [KEY=VALUE ...]
 
-Save: ``ipuft.run.train.save`` (each variable gathered, written and hashed as it comes, every file fsynced,
+Save: ``ipuft.run.resume.save`` (each variable gathered, written and hashed as it comes, every file fsynced,
 the manifest from the digests) against the raw write speed of the same bytes: one
 ``safetensors.torch.save_file`` per file (weights, optimizer state) and an ``os.fsync``. Load: a resume
 (the engine built from model.safetensors, then optimizer state and RNG restored, every byte read hashed and
@@ -28,7 +28,9 @@ from pathlib import Path
 from ipuft.config import load_config
 from ipuft.io.checkpoint import OPTIM, WEIGHTS, checkpoint_initializer
 from ipuft.plugins import create_plugin_manager
-from ipuft.run.train import build_engine, checkpoint_bytes, restore, save
+from ipuft.run.resume import restore, save
+from ipuft.run.runtime import build_engine
+from ipuft.run.train import checkpoint_bytes
 
 # 7 decoder layers of 1024 × 4096 (151 MB each with Adam's two moments) and a 2048-token vocabulary: 1.1 GB.
 DEFAULTS = ["model.layers=7", "model.hidden_size=1024", "model.intermediate_size=4096", "model.attention.heads=16",

@@ -17,7 +17,7 @@ import click
 from click.core import ParameterSource
 
 from ipuft.cli.main import fail
-from ipuft.config import load_config, preset_names, to_yaml
+from ipuft.config import checkpoint_config, load_config, preset_names, to_yaml
 from ipuft.config.rules import check_plugins
 from ipuft.errors import IpuftError
 from ipuft.io.hf_names import DEFAULT_SHARD_BYTES
@@ -46,8 +46,6 @@ def config_arguments(command: Callable) -> Callable:
             if chosen:
                 raise click.UsageError(f"--config {preset} and --checkpoint {checkpoint}: a checkpoint's config is "
                                        f"the preset; give one of the two (and KEY=VALUE overrides)")
-            from ipuft.io.checkpoint import checkpoint_config
-
             cfg = checkpoint_config(checkpoint, sections, overrides)
         else:
             cfg = load_config(preset, overrides, sections, default_preset=not chosen)

@@ -167,7 +167,8 @@ def save_memory(rank: int, overrides: list[str], out: str) -> None:
     from ipuft.engine.precision import Recipe
     from ipuft.engine.variables import optimizer_state_specs
     from ipuft.plugins import create_plugin_manager
-    from ipuft.run.train import build_engine, save
+    from ipuft.run.resume import save
+    from ipuft.run.runtime import build_engine
 
     hooks = create_plugin_manager()
     cfg = load_config("tiny", overrides, hooks.registrations.config_sections)

@@ -24,7 +24,9 @@ from ipuft.data.tokens import data_source
 from ipuft.errors import CheckpointError
 from ipuft.io.checkpoint import OPTIM, WEIGHTS, open_tensors, read_manifest, verify
 from ipuft.io.safetensors import SafetensorsReader, SafetensorsWriter
-from ipuft.run.train import build_engine, replica_batch, save
+from ipuft.run.resume import save
+from ipuft.run.runtime import build_engine
+from ipuft.run.train import replica_batch
 
 TESTS = Path(__file__).parent
 

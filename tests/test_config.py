@@ -118,7 +118,8 @@ def test_a_checkpoint_saved_with_retired_or_moved_keys_still_loads(hooks, traine
     import json
     import shutil
 
-    from ipuft.io.checkpoint import checkpoint_config, find_checkpoint
+    from ipuft.config import checkpoint_config
+    from ipuft.io.checkpoint import find_checkpoint
 
     old = tmp_path / "old"
     shutil.copytree(find_checkpoint(trained / "run"), old)
@@ -149,7 +150,8 @@ def test_a_checkpoint_config_whose_plugins_node_is_not_a_mapping_is_one_line(hoo
 
     import yaml
 
-    from ipuft.io.checkpoint import checkpoint_config, find_checkpoint
+    from ipuft.config import checkpoint_config
+    from ipuft.io.checkpoint import find_checkpoint
 
     forged = tmp_path / "forged"
     shutil.copytree(find_checkpoint(trained / "run"), forged)

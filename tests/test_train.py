@@ -9,8 +9,8 @@ import yaml
 from cli_helpers import run_cli as cli
 from omegaconf import OmegaConf
 
+from ipuft.config import checkpoint_config
 from ipuft.data.synthetic import SampleData
-from ipuft.io.checkpoint import checkpoint_config
 from ipuft.plugins import create_plugin_manager
 from ipuft.run.schedule import learning_rate
 

@@ -1,7 +1,9 @@
 """Config: an OmegaConf structured config built from dataclasses, merged schema ← preset ← overrides."""
 
-from ipuft.config.load import load_config, preset_names, read_config_data, to_yaml
+from ipuft.config.load import checkpoint_config, load_config, preset_names, to_yaml
+from ipuft.config.safe_yaml import read_config_data
 from ipuft.config.schema import Config
 from ipuft.config.sections import ConfigSectionRegistry
 
-__all__ = ["Config", "ConfigSectionRegistry", "load_config", "preset_names", "read_config_data", "to_yaml"]
+__all__ = ["Config", "ConfigSectionRegistry", "checkpoint_config", "load_config", "preset_names", "read_config_data",
+           "to_yaml"]

@@ -1,6 +1,9 @@
-"""Build the resolved config: schema ← preset ← ``key=value`` overrides, then derived values and checks.
+"""Build the resolved config: schema ← preset (or a checkpoint's saved config) ← ``key=value`` overrides, then
+the shapes a checkpoint fixes, derived values and checks.
 
-Every mistake becomes a :class:`ConfigError` whose message names the key and what would be right.
+Every mistake becomes a :class:`ConfigError` whose message names the key and what would be right. The modules
+that read checkpoints and Hugging Face directories are imported only when a config names one: they import
+torch, which ``ipuft config show`` and every ``--help`` never need.
 """
 
 from __future__ import annotations
@@ -16,60 +19,16 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from ipuft.config.rules import derive_and_validate, derived_gradient_accumulation
+from ipuft.config.safe_yaml import parse_config_mapping, parse_yaml_value, read_config_data
 from ipuft.config.schema import Config
 from ipuft.config.sections import ConfigSectionRegistry
-from ipuft.errors import ConfigError, choices
+from ipuft.errors import CheckpointError, ConfigError, choices
 
 
 def preset_names() -> list[str]:
     """The presets shipped with ipuft."""
     root = resources.files("ipuft.presets")
     return sorted(p.name[: -len(".yaml")] for p in root.iterdir() if p.name.endswith(".yaml"))
-
-
-_PRESET_LIMIT = 1 << 20  # bytes: a config is a few kB; more is not a config
-
-
-def read_config_data(path: Path, source: str) -> dict:
-    """The mapping in YAML file ``path`` (a preset or a checkpoint's config.yaml); ``source`` names it in
-    errors. Size-bounded, and parsed with PyYAML's safe loader: no object is constructed."""
-    try:
-        if path.stat().st_size > _PRESET_LIMIT:
-            raise ConfigError(f"{source}: {path} is larger than {_PRESET_LIMIT} bytes; a config is a few kB")
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{source}: {path} does not exist") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{source}: {path} cannot be read as UTF-8 text ({type(exc).__name__})") from None
-    return _parse_yaml(text, source)
-
-
-class _ConfigLoader(yaml.SafeLoader):
-    """PyYAML's safe loader without aliases: a config never needs them, and nested aliases (a "billion
-    laughs") expand exponentially once the config is merged."""
-
-    def compose_node(self, parent, index):
-        if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
-            raise yaml.YAMLError(f"YAML aliases (*{event.anchor}) are not allowed in a config")
-        return super().compose_node(parent, index)
-
-
-def parse_yaml_value(text: str):
-    """A YAML scalar, list or mapping, parsed safely and without aliases."""
-    return yaml.load(text, Loader=_ConfigLoader)  # a SafeLoader subclass
-
-
-def _parse_yaml(text: str, source: str) -> dict:
-    try:
-        data = parse_yaml_value(text) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{source} is not valid YAML: {str(exc).splitlines()[0]}") from None
-    except RecursionError:
-        raise ConfigError(f"{source} nests too deeply to be a config") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{source} must be a YAML mapping of config keys")
-    return data
 
 
 def _read_preset(preset: str) -> tuple[str, Any]:
@@ -83,7 +42,7 @@ def _read_preset(preset: str) -> tuple[str, Any]:
     if not resource.is_file():
         raise ConfigError(f"--config: unknown preset {preset!r}; presets: {choices(preset_names())} "
                           f"(or a path to a .yaml file)")
-    return preset, _parse_yaml(resource.read_text(), f"--config: preset {preset}")
+    return preset, parse_config_mapping(resource.read_text(), f"--config: preset {preset}")
 
 
 def _schema(sections: ConfigSectionRegistry | None) -> DictConfig:
@@ -183,8 +142,6 @@ def load_config(
     except OmegaConfBaseException as exc:
         raise _explain(exc, schema, "config") from None
     if cfg.checkpoint.load == "latest":
-        from ipuft.io.checkpoint import latest_of_run
-
         cfg.checkpoint.load = str(latest_of_run(cfg))
     if cfg.model.hf_checkpoint is not None:
         from ipuft.io.hf_import import apply_hf_shapes, resolve_hf_directory
@@ -192,8 +149,6 @@ def load_config(
         cfg.model.hf_checkpoint = str(resolve_hf_directory(cfg.model.hf_checkpoint))
         apply_hf_shapes(cfg, typed, sections.families if sections is not None else None)
     if cfg.model.init_checkpoint is not None:
-        from ipuft.io.checkpoint import apply_checkpoint_shapes
-
         apply_checkpoint_shapes(cfg, typed)
     if default_preset and "data.tokenizer" not in typed and (cfg.model.hf_checkpoint or cfg.model.init_checkpoint):
         cfg.data.tokenizer = None  # the checkpoint's own tokenizer, not the default preset's sample one
@@ -206,6 +161,68 @@ def load_config(
 
 
 _MISSING = object()
+
+
+def checkpoint_config(path: str | Path, sections: ConfigSectionRegistry | None,
+                      overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
+    """The config a checkpoint (or a run directory's latest) was saved with, set to load that checkpoint
+    (``checkpoint.load``), then ``overrides``; ``sections`` are the plugins' config sections.
+
+    The file is untrusted data: it may hold no interpolation (none is ever resolved), and it never
+    chooses where the new run writes: ``output_dir`` and ``checkpoint.save`` fall back to their defaults
+    unless ``overrides`` set them (:func:`ipuft.config.migrate.migrate`).
+    """
+    from ipuft.config.migrate import migrate, saved_config_data
+    from ipuft.io.checkpoint import find_checkpoint
+
+    found = find_checkpoint(path)
+    data = saved_config_data(found)
+    migrate(data, sections)
+    return load_config((str(found / "config.yaml"), data), [f"checkpoint.load={found}", *overrides], sections)
+
+
+def latest_of_run(cfg: DictConfig) -> Path:
+    """``checkpoint.load=latest``: the newest checkpoint of the run ``output_dir`` (or ``checkpoint.save``)."""
+    from ipuft.io.checkpoint import DEFAULT_SAVE, checkpoint_root, find_checkpoint
+
+    if cfg.output_dir is None and cfg.checkpoint.save in (None, DEFAULT_SAVE):
+        raise ConfigError("checkpoint.load=latest: set output_dir to the run to resume (or checkpoint.save)")
+    root = checkpoint_root(cfg, Path(cfg.output_dir or ".")) or Path(cfg.output_dir) / "checkpoints"
+    return find_checkpoint(root)
+
+
+# The model's shape, which a checkpoint's weights fix.
+SHAPE_KEYS = (
+    "model.layers", "model.hidden_size", "model.intermediate_size", "model.embedding.vocab_size",
+    "model.attention.heads", "model.attention.rotary_dim", "model.layer_norm_epsilon",
+)  # fmt: skip
+
+
+def apply_checkpoint_shapes(cfg: DictConfig, typed: set[str]) -> None:
+    """Take the model's shapes from ``model.init_checkpoint``'s config, as a Hugging Face checkpoint's come
+    from its config.json: keys the user did not type take the checkpoint's value, and every typed key that
+    differs is listed in one error."""
+    from ipuft.config.migrate import saved_config_data, saved_value
+    from ipuft.io.checkpoint import find_checkpoint
+
+    found = find_checkpoint(cfg.model.init_checkpoint)
+    saved = saved_config_data(found)
+    mismatches = []
+    for key in SHAPE_KEYS:
+        value, current = saved_value(saved, key), OmegaConf.select(cfg, key)
+        if value is None or value == current:
+            continue
+        if key in typed:
+            mismatches.append(f"{key}={current} but the checkpoint has {str(value)[:40]}")
+            continue
+        try:
+            OmegaConf.update(cfg, key, value)
+        except OmegaConfBaseException:
+            raise CheckpointError(f"checkpoint {found}: config.yaml: {key} is {str(value)[:40]!r}, not a "
+                                  f"{type(current).__name__}") from None
+    if mismatches:
+        raise ConfigError(f"model.init_checkpoint {found}: {'; '.join(mismatches)} (drop those settings: the "
+                          f"checkpoint's weights fix the model's shape)")
 
 
 def _is_default(schema: DictConfig, data: dict, key: str) -> bool:

@@ -26,6 +26,10 @@ compared with the manifest, and a mismatch raises before the caller can use any 
 
 It is written into a temporary directory, fsynced, then renamed, so a crash at any moment leaves the
 previous checkpoint intact and never a half-written one under a final name. Nothing is unpickled.
+
+This module is the format alone: what is written, and how what is read is checked. A checkpoint's config as a
+config is :mod:`ipuft.config.migrate` (read safely, migrated) and :func:`ipuft.config.load.checkpoint_config`;
+what a run saves in one and what resuming it restores and may not change is :mod:`ipuft.run.resume`.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ipuft import __version__
 from ipuft.components import VariableSpec
-from ipuft.errors import CheckpointError, ConfigError
+from ipuft.errors import CheckpointError
 from ipuft.io.safetensors import SafetensorsReader, SafetensorsWriter
 
 FORMAT = "ipuft-checkpoint"
@@ -157,14 +161,6 @@ def save_checkpoint(contents: Contents, cfg: DictConfig, root: Path, step: int, 
     return final
 
 
-def latest_of_run(cfg: DictConfig) -> Path:
-    """``checkpoint.load=latest``: the newest checkpoint of the run ``output_dir`` (or ``checkpoint.save``)."""
-    if cfg.output_dir is None and cfg.checkpoint.save in (None, DEFAULT_SAVE):
-        raise ConfigError("checkpoint.load=latest: set output_dir to the run to resume (or checkpoint.save)")
-    root = checkpoint_root(cfg, Path(cfg.output_dir or ".")) or Path(cfg.output_dir) / "checkpoints"
-    return find_checkpoint(root)
-
-
 def _write_files(contents: Contents, cfg: DictConfig, tmp: Path, step: int, tokenizer: Path | None,
                  state: dict | None) -> None:
     """Write every file of a checkpoint into ``tmp``, each fsynced and hashed as it is written; the manifest
@@ -220,145 +216,6 @@ def find_checkpoint(path: str | Path) -> Path:
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist")
     raise CheckpointError(f"{path} is neither an ipuft checkpoint (no meta.json) nor a run directory with checkpoints")
-
-
-# What a checkpoint's config may not decide for the run that reads it: where that run writes, and where
-# its weights come from (the checkpoint itself).
-_PLACEMENT = ("output_dir", "checkpoint.save", "model.init_checkpoint")
-
-
-# Keys that earlier versions saved and that no longer exist: dropped from a checkpoint's config, so that its
-# checkpoints stay loadable; and keys that moved, carried to their new place.
-RETIRED = ("model.eval",)
-MOVED = {f"training.optimizer.{key}": f"plugins.adamw.{key}" for key in ("beta1", "beta2", "eps", "weight_decay")}
-
-
-# The model's shape, which a checkpoint's weights fix.
-SHAPE_KEYS = (
-    "model.layers", "model.hidden_size", "model.intermediate_size", "model.embedding.vocab_size",
-    "model.attention.heads", "model.attention.rotary_dim", "model.layer_norm_epsilon",
-)  # fmt: skip
-# What a resumed run must keep from the run it resumes (unless checkpoint.allow_changes lists the key).
-RESUME_KEYS = (
-    *SHAPE_KEYS, "model.precision", "training.global_batch_size", "training.optimizer.name",
-    "training.master_weights", "training.stochastic_rounding", "execution.loss_scaling",
-)  # fmt: skip
-
-
-def _saved(saved: dict, key: str):
-    node = saved
-    for part in key.split("."):
-        node = node.get(part) if isinstance(node, dict) else None
-    return node
-
-
-def apply_checkpoint_shapes(cfg: DictConfig, typed: set[str]) -> None:
-    """Take the model's shapes from ``model.init_checkpoint``'s config, as a Hugging Face checkpoint's come
-    from its config.json: keys the user did not type take the checkpoint's value, and every typed key that
-    differs is listed in one error."""
-    from omegaconf.errors import OmegaConfBaseException
-
-    found = find_checkpoint(cfg.model.init_checkpoint)
-    saved = saved_config_data(found)
-    mismatches = []
-    for key in SHAPE_KEYS:
-        value, current = _saved(saved, key), OmegaConf.select(cfg, key)
-        if value is None or value == current:
-            continue
-        if key in typed:
-            mismatches.append(f"{key}={current} but the checkpoint has {str(value)[:40]}")
-            continue
-        try:
-            OmegaConf.update(cfg, key, value)
-        except OmegaConfBaseException:
-            raise CheckpointError(f"checkpoint {found}: config.yaml: {key} is {str(value)[:40]!r}, not a "
-                                  f"{type(current).__name__}") from None
-    if mismatches:
-        raise ConfigError(f"model.init_checkpoint {found}: {'; '.join(mismatches)} (drop those settings: the "
-                          f"checkpoint's weights fix the model's shape)")
-
-
-def resume_differences(cfg: DictConfig, checkpoint: Path, meta: dict) -> list[str]:
-    """What would silently change if ``cfg`` resumed ``checkpoint``: each of :data:`RESUME_KEYS` that differs
-    from the checkpoint's config, and optimizer state the checkpoint lacks."""
-    saved = saved_config_data(checkpoint)
-    allowed = set(cfg.checkpoint.allow_changes)
-    found = []
-    for key in RESUME_KEYS:
-        node = _saved(saved, key)
-        mine = OmegaConf.select(cfg, key)
-        mine = mine.value if hasattr(mine, "value") else mine
-        if key not in allowed and node is not None and node != mine:
-            found.append(f"{key} {str(node)[:40]} -> {mine}")
-    if cfg.checkpoint.optim_state and not meta["optim_state"] and "checkpoint.optim_state" not in allowed:
-        found.append("checkpoint.optim_state: the checkpoint has no optimizer state (Adam would restart from zero)")
-    return found
-
-
-def checkpoint_config(path: str | Path, sections, overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
-    """The config a checkpoint (or a run directory's latest) was saved with, set to load that checkpoint
-    (``checkpoint.load``), then ``overrides``; ``sections`` are the plugins' config sections.
-
-    The file is untrusted data: it may hold no interpolation (none is ever resolved), and it never
-    chooses where the new run writes: ``output_dir`` and ``checkpoint.save`` fall back to their defaults
-    unless ``overrides`` set them.
-    """
-    from ipuft.config import load_config
-
-    found = find_checkpoint(path)
-    data = saved_config_data(found)
-    for old, new in MOVED.items():
-        value = _pop(data, old)
-        if value is None or _saved(data, new) is not None or _saved(data, "training.optimizer.name") != "adamw":
-            continue
-        plugins = data.setdefault("plugins", {})
-        section = plugins.setdefault(new.split(".")[1], {}) if isinstance(plugins, dict) else None
-        if isinstance(section, dict):  # else the file is malformed there, and loading it says so in one line
-            section[new.rpartition(".")[2]] = value
-    for key in (*_PLACEMENT, *RETIRED):
-        _pop(data, key)
-    # A saved config holds every plugin section installed when it was saved; one whose used_when that run did not
-    # meet (plugins.adamw in a run of another optimizer) did nothing, and is not a setting of this config.
-    saved_sections = data.get("plugins")
-    for name in sections or ():
-        when = sections.used_when(name)
-        if isinstance(saved_sections, dict) and any(
-                _saved(data, key) is not None and str(_saved(data, key)) != value for key, value in when.items()):
-            saved_sections.pop(name, None)
-    return load_config((str(found / "config.yaml"), data), [f"checkpoint.load={found}", *overrides], sections)
-
-
-def _pop(data: dict, key: str):
-    """Remove dotted ``key`` from nested ``data``; its value, or None."""
-    parent = _saved(data, key.rpartition(".")[0]) if "." in key else data
-    return parent.pop(key.rpartition(".")[2], None) if isinstance(parent, dict) else None
-
-
-def saved_config_data(checkpoint: Path) -> dict:
-    """A checkpoint's config.yaml as data: checked against its manifest first, parsed safely, and refused if
-    it holds an interpolation."""
-    from ipuft.config import read_config_data
-
-    source = checkpoint / "config.yaml"
-    if sha256_file(source) != read_manifest(checkpoint)["config.yaml"]:
-        raise CheckpointError(f"checkpoint {checkpoint}: config.yaml does not match its checksum (corrupted)")
-    data = read_config_data(source, f"checkpoint {checkpoint}: config.yaml")
-    refuse_interpolations(data, str(source))
-    return data
-
-
-def refuse_interpolations(data, source: str, key: str = "") -> None:
-    """Raise a :class:`CheckpointError` if any string in ``data`` (parsed YAML or JSON) holds an OmegaConf
-    interpolation (``${...}``): a file we read is data, and resolving it could read the environment."""
-    if isinstance(data, dict):
-        for k, v in data.items():
-            refuse_interpolations(v, source, f"{key}.{k}" if key else str(k))
-    elif isinstance(data, list):
-        for i, v in enumerate(data):
-            refuse_interpolations(v, source, f"{key}[{i}]")
-    elif isinstance(data, str) and "${" in data:
-        raise CheckpointError(f"{source}: {key or 'a value'} holds an interpolation ({data[:40]!r}); files read "
-                              f"from checkpoints are data and are never resolved: remove it")
 
 
 REQUIRED = (WEIGHTS, STATE, "config.yaml", "meta.json")

@@ -20,6 +20,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from ipuft.components import VariableSpec
+from ipuft.config import checkpoint_config
 from ipuft.data.tokenizer import EOS, TOKENIZER_LIMIT, tokenizer_from_bytes
 from ipuft.engine.model import build_model
 from ipuft.engine.precision import DTYPES
@@ -27,7 +28,6 @@ from ipuft.errors import CheckpointError, first_line
 from ipuft.families import HFConfigError, ModelFamily
 from ipuft.io.checkpoint import (
     WEIGHTS,
-    checkpoint_config,
     find_checkpoint,
     open_tensors,
     read_manifest,

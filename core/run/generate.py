@@ -9,12 +9,12 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from ipuft.config import load_config
+from ipuft.config import checkpoint_config, load_config
 from ipuft.data.tokenizer import EOS, TOKENIZER_LIMIT, load_tokenizer, tokenizer_from_bytes
 from ipuft.engine.inference import LayerMajor
 from ipuft.errors import DataError
 from ipuft.generate import generate
-from ipuft.io.checkpoint import checkpoint_config, read_verified
+from ipuft.io.checkpoint import read_verified
 from ipuft.plugins import PluginHooks
 from ipuft.run.evaluate import Measured, batches
 from ipuft.run.runtime import inference_engine

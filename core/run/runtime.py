@@ -2,7 +2,7 @@
 the tests share.
 
 The config arrives resolved and validated (:func:`ipuft.config.load_config`, or a checkpoint's through
-:func:`ipuft.io.checkpoint.checkpoint_config`); nothing here changes it. It picks the device, joins the
+:func:`ipuft.config.load.checkpoint_config`); nothing here changes it. It picks the device, joins the
 process layout, builds the components and, for training, the optimizer, and fills the variable store
 from ``checkpoint.load``, ``model.init_checkpoint``, ``model.hf_checkpoint`` or the seeded random init.
 """

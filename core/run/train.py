@@ -16,7 +16,7 @@ import tempfile
 import threading
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
 
@@ -27,84 +27,21 @@ from tqdm import tqdm
 
 from ipuft.config import to_yaml
 from ipuft.data.synthetic import SampleData
-from ipuft.data.tokenizer import tokenizer_path, tokenizer_source
 from ipuft.data.tokens import TokenDataset, data_source, validation_source
 from ipuft.engine.flops import StepFlops, step_flops, utilisation
 from ipuft.engine.inference import dataset_loss
 from ipuft.engine.model import ModelParts, build_model
-from ipuft.engine.phased import PhasedEngine, StepResult
+from ipuft.engine.phased import StepResult
 from ipuft.engine.precision import Recipe, recipe
 from ipuft.engine.variables import optimizer_state_specs
 from ipuft.errors import ConfigError, Stopped, TrainingError
-from ipuft.io.checkpoint import (
-    OPTIM,
-    WEIGHTS,
-    Contents,
-    checkpoint_initializer,
-    checkpoint_root,
-    checkpoints,
-    find_checkpoint,
-    read_meta,
-    restore_rng,
-    resume_differences,
-    save_checkpoint,
-)
+from ipuft.io.checkpoint import checkpoint_root, checkpoints, find_checkpoint
 from ipuft.loggers import Backends
 from ipuft.parallel import Layout, collective_errors
 from ipuft.plugins import PluginHooks
+from ipuft.run.resume import checkpoint_to_resume, restore, save
 from ipuft.run.runtime import build_engine
 from ipuft.run.schedule import learning_rate
-
-
-def tokenizer_file(cfg: DictConfig) -> Path | None:
-    """The tokenizer.json the run's data was tokenized with, if any, else the Hugging Face checkpoint's own
-    (copied into checkpoints, so that an export or ``generate`` has the model's tokenizer)."""
-    if cfg.data.path is None:  # synthetic tokens: no tokenizer made them
-        own = Path(cfg.model.hf_checkpoint) / "tokenizer.json" if cfg.model.hf_checkpoint else None
-        return own if own is not None and own.is_file() else None
-    source = tokenizer_source(cfg)
-    return None if source is None else tokenizer_path(source[0])
-
-
-def save(engine: PhasedEngine, cfg: DictConfig, root: Path | None, step: int, data=None) -> Path | None:
-    """Every rank takes part in gathering the full weights (and optimizer state), one tensor at a time; rank 0
-    writes each into the checkpoint as it arrives (see :mod:`ipuft.io.checkpoint`)."""
-    if root is None:
-        return None
-    groups = ("fwd", "optim") if cfg.checkpoint.optim_state else ("fwd",)
-    tensors = engine.full_tensors(groups)
-    if not engine.layout.is_main:
-        for _ in tensors:  # this rank's part of each gather; rank 0 writes
-            pass
-        return None
-    files = {"fwd": WEIGHTS, "optim": OPTIM}
-    units = engine.program.units()
-    contents = Contents(
-        units=units,
-        files={files[g]: [replace(s, name=f"{u}.{s.name}") for u in units for s in engine.full_specs(u, g)]
-               for g in groups},
-        tensors=((files[group], f"{unit}.{spec.name}", t) for unit, group, spec, t in tensors))
-    state = {"updates": engine.updates, "loss_scale": engine.scale.state_dict(),
-             "data": data.state_dict() if hasattr(data, "state_dict") else {"step": step}}
-    return save_checkpoint(contents, cfg, root, step, tokenizer_file(cfg), keep=cfg.checkpoint.to_keep, state=state)
-
-
-def restore(engine: PhasedEngine, cfg: DictConfig, checkpoint: Path, data) -> int:
-    """Resume a run's state from ``checkpoint`` (weights are already loaded); return its step."""
-    meta = read_meta(checkpoint)
-    if cfg.checkpoint.optim_state and meta.get("optim_state"):
-        units = engine.program.units()
-        state_of = checkpoint_initializer(checkpoint, OPTIM, units=units)  # verified as it is read
-        for unit in units:
-            specs = engine.full_specs(unit, "optim")
-            engine.load_full("optim", {unit: state_of(unit, specs, engine.full_homes(unit, "optim"))})
-    engine.updates = int(meta.get("updates", meta["step"]))
-    if "loss_scale" in meta:
-        engine.scale.load_state_dict(meta["loss_scale"])
-    if hasattr(data, "load_state_dict") and "rows" in meta.get("data", {}):
-        data.load_state_dict(meta["data"])
-    restore_rng(checkpoint)
-    return int(meta["step"])
 
 
 class _Signals:
@@ -290,15 +227,7 @@ def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[di
     A non-finite loss or gradient norm skips the update; ``training.max_consecutive_skips`` in a row stop
     the run. SIGINT or SIGTERM saves a checkpoint (when saving is on) and stops with exit code 130 or 143.
     """
-    resumed = find_checkpoint(cfg.checkpoint.load) if cfg.checkpoint.load is not None else None
-    if resumed is not None:
-        meta = read_meta(resumed)
-        if meta["step"] >= cfg.training.steps:
-            raise ConfigError(f"training.steps: {resumed} is at step {meta['step']} and training.steps="
-                              f"{cfg.training.steps}, so there is nothing to train; raise training.steps")
-        if differences := resume_differences(cfg, resumed, meta):
-            raise ConfigError(f"checkpoint.load: resuming {resumed} would change {'; '.join(differences)}; keep "
-                              f"them, or list the keys in checkpoint.allow_changes to accept the change")
+    resumed = checkpoint_to_resume(cfg)
     data = data_source(cfg)
     validation = validation_source(cfg, data) if cfg.training.eval_steps else None
     check_output_dir(cfg)

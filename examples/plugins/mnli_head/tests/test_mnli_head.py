@@ -127,8 +127,8 @@ def test_five_steps_through_the_engine_equal_a_plain_reference(hooks):
 
 def test_training_through_the_command_line_improves_accuracy_on_the_sample(hooks, tmp_path, capsys):
     from ipuft.cli.main import main
+    from ipuft.config import checkpoint_config
     from ipuft.data.tokens import data_source
-    from ipuft.io.checkpoint import checkpoint_config
     from ipuft.run.runtime import inference_engine
     from ipuft_mnli_head.module import accuracy
 

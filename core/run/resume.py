@@ -1,0 +1,121 @@
+"""A run's state in its checkpoints: what :func:`save` writes of a training run, what :func:`restore` takes back
+when it resumes, and the resume policy: a checkpoint whose run has nothing left to train, or whose config
+differs from the resuming one in a key that would silently change the run (:data:`RESUME_KEYS`), is refused
+before anything is built. The files themselves are :mod:`ipuft.io.checkpoint`'s format.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from omegaconf import DictConfig, OmegaConf
+
+from ipuft.config.load import SHAPE_KEYS
+from ipuft.config.migrate import saved_config_data, saved_value
+from ipuft.data.tokenizer import tokenizer_path, tokenizer_source
+from ipuft.errors import ConfigError
+from ipuft.io.checkpoint import (
+    OPTIM,
+    WEIGHTS,
+    Contents,
+    checkpoint_initializer,
+    find_checkpoint,
+    read_meta,
+    restore_rng,
+    save_checkpoint,
+)
+
+if TYPE_CHECKING:
+    from ipuft.engine.phased import PhasedEngine
+
+# What a resumed run must keep from the run it resumes (unless checkpoint.allow_changes lists the key).
+RESUME_KEYS = (
+    *SHAPE_KEYS, "model.precision", "training.global_batch_size", "training.optimizer.name",
+    "training.master_weights", "training.stochastic_rounding", "execution.loss_scaling",
+)  # fmt: skip
+
+
+def resume_differences(cfg: DictConfig, checkpoint: Path, meta: dict) -> list[str]:
+    """What would silently change if ``cfg`` resumed ``checkpoint``: each of :data:`RESUME_KEYS` that differs
+    from the checkpoint's config, and optimizer state the checkpoint lacks."""
+    saved = saved_config_data(checkpoint)
+    allowed = set(cfg.checkpoint.allow_changes)
+    found = []
+    for key in RESUME_KEYS:
+        node = saved_value(saved, key)
+        mine = OmegaConf.select(cfg, key)
+        mine = mine.value if hasattr(mine, "value") else mine
+        if key not in allowed and node is not None and node != mine:
+            found.append(f"{key} {str(node)[:40]} -> {mine}")
+    if cfg.checkpoint.optim_state and not meta["optim_state"] and "checkpoint.optim_state" not in allowed:
+        found.append("checkpoint.optim_state: the checkpoint has no optimizer state (Adam would restart from zero)")
+    return found
+
+
+def checkpoint_to_resume(cfg: DictConfig) -> Path | None:
+    """The checkpoint ``checkpoint.load`` resumes, if any, once the resume policy accepts it: it is short of
+    ``training.steps`` and :func:`resume_differences` finds nothing."""
+    if cfg.checkpoint.load is None:
+        return None
+    resumed = find_checkpoint(cfg.checkpoint.load)
+    meta = read_meta(resumed)
+    if meta["step"] >= cfg.training.steps:
+        raise ConfigError(f"training.steps: {resumed} is at step {meta['step']} and training.steps="
+                          f"{cfg.training.steps}, so there is nothing to train; raise training.steps")
+    if differences := resume_differences(cfg, resumed, meta):
+        raise ConfigError(f"checkpoint.load: resuming {resumed} would change {'; '.join(differences)}; keep "
+                          f"them, or list the keys in checkpoint.allow_changes to accept the change")
+    return resumed
+
+
+def tokenizer_file(cfg: DictConfig) -> Path | None:
+    """The tokenizer.json the run's data was tokenized with, if any, else the Hugging Face checkpoint's own
+    (copied into checkpoints, so that an export or ``generate`` has the model's tokenizer)."""
+    if cfg.data.path is None:  # synthetic tokens: no tokenizer made them
+        own = Path(cfg.model.hf_checkpoint) / "tokenizer.json" if cfg.model.hf_checkpoint else None
+        return own if own is not None and own.is_file() else None
+    source = tokenizer_source(cfg)
+    return None if source is None else tokenizer_path(source[0])
+
+
+def save(engine: PhasedEngine, cfg: DictConfig, root: Path | None, step: int, data=None) -> Path | None:
+    """Every rank takes part in gathering the full weights (and optimizer state), one tensor at a time; rank 0
+    writes each into the checkpoint as it arrives (see :mod:`ipuft.io.checkpoint`)."""
+    if root is None:
+        return None
+    groups = ("fwd", "optim") if cfg.checkpoint.optim_state else ("fwd",)
+    tensors = engine.full_tensors(groups)
+    if not engine.layout.is_main:
+        for _ in tensors:  # this rank's part of each gather; rank 0 writes
+            pass
+        return None
+    files = {"fwd": WEIGHTS, "optim": OPTIM}
+    units = engine.program.units()
+    contents = Contents(
+        units=units,
+        files={files[g]: [replace(s, name=f"{u}.{s.name}") for u in units for s in engine.full_specs(u, g)]
+               for g in groups},
+        tensors=((files[group], f"{unit}.{spec.name}", t) for unit, group, spec, t in tensors))
+    state = {"updates": engine.updates, "loss_scale": engine.scale.state_dict(),
+             "data": data.state_dict() if hasattr(data, "state_dict") else {"step": step}}
+    return save_checkpoint(contents, cfg, root, step, tokenizer_file(cfg), keep=cfg.checkpoint.to_keep, state=state)
+
+
+def restore(engine: PhasedEngine, cfg: DictConfig, checkpoint: Path, data) -> int:
+    """Resume a run's state from ``checkpoint`` (weights are already loaded); return its step."""
+    meta = read_meta(checkpoint)
+    if cfg.checkpoint.optim_state and meta.get("optim_state"):
+        units = engine.program.units()
+        state_of = checkpoint_initializer(checkpoint, OPTIM, units=units)  # verified as it is read
+        for unit in units:
+            specs = engine.full_specs(unit, "optim")
+            engine.load_full("optim", {unit: state_of(unit, specs, engine.full_homes(unit, "optim"))})
+    engine.updates = int(meta.get("updates", meta["step"]))
+    if "loss_scale" in meta:
+        engine.scale.load_state_dict(meta["loss_scale"])
+    if hasattr(data, "load_state_dict") and "rows" in meta.get("data", {}):
+        data.load_state_dict(meta["data"])
+    restore_rng(checkpoint)
+    return int(meta["step"])
