@@ -16,7 +16,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from ipuft.cli.main import fail
+from ipuft.cli.exit import fail
 from ipuft.config import checkpoint_config, load_config, preset_names, to_yaml
 from ipuft.config.rules import check_plugins
 from ipuft.errors import IpuftError
@@ -352,7 +352,7 @@ def _in_process_group() -> bool:
     """Whether this process joined a torch.distributed process group (checked without importing torch).
 
     A command that completed leaves the group on every rank. One that failed while in a group ends the
-    process at once instead (as a Ctrl-C does, see :func:`ipuft.cli.main.fail`): a peer may still be in a
+    process at once instead (as a Ctrl-C does, see :func:`ipuft.cli.exit.fail`): a peer may still be in a
     collective with this rank, or, after a timed-out collective, Gloo's thread may still wait in it, and
     tearing the group down would then hang or abort."""
     dist = sys.modules.get("torch.distributed")

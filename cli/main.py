@@ -8,25 +8,12 @@ once; nothing has been written yet.
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
 
+from ipuft.cli.exit import fail
 from ipuft.engine.hostmem import huge_pages_for_torch
-
-
-def fail(message: str, code: int = 2, at_once: bool = False) -> None:
-    """Print one line naming what is wrong, and exit; ``at_once`` ends the process without the interpreter's
-    teardown (every ``finally`` on the way here has run; buffered output is flushed). A Ctrl-C ends so: a
-    KeyboardInterrupt that landed in code Python ran for an extension (as torch's import does) makes the
-    interpreter kill itself by SIGINT at exit, whatever code it was given (exit -2)."""
-    sys.stderr.write(f"ipuft: error: {message}\n")
-    sys.stderr.flush()
-    if at_once:
-        sys.stdout.flush()
-        os._exit(code)
-    sys.exit(code)
 
 
 def _interrupted_while_starting(signum, frame) -> None:

@@ -10,15 +10,18 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from ipuft.components import Init, VariableSpec
-from ipuft.engine.model import ModelParts
 from ipuft.engine.placement import Placement
 from ipuft.engine.store import Tensors
 from ipuft.optim import Optimizer
 from ipuft.parallel import Layout
+
+if TYPE_CHECKING:  # an annotation only: engine.model runs config.rules, whose model rule reads optimizer state here
+    from ipuft.engine.model import ModelParts
 
 # ``initializer(unit, specs)``: a unit's full initial weights, float32, by variable name.
 Initializer = Callable[[str, list[VariableSpec]], Tensors]
