@@ -29,8 +29,8 @@ from ipuft.config import load_config
 from ipuft.io.checkpoint import OPTIM, WEIGHTS, checkpoint_initializer
 from ipuft.plugins import create_plugin_manager
 from ipuft.run.resume import restore, save
+from ipuft.run.rundir import checkpoint_bytes
 from ipuft.run.runtime import build_engine
-from ipuft.run.train import checkpoint_bytes
 
 # 7 decoder layers of 1024 × 4096 (151 MB each with Adam's two moments) and a 2048-token vocabulary: 1.1 GB.
 DEFAULTS = ["model.layers=7", "model.hidden_size=1024", "model.intermediate_size=4096", "model.attention.heads=16",
@@ -92,7 +92,7 @@ def main() -> None:
     sections = hooks.registrations.config_sections
     cfg = load_config("tiny", [*DEFAULTS, *args.overrides], sections)
     engine = build_engine(cfg, hooks)
-    size = checkpoint_bytes(cfg, engine.parts, hooks)
+    size = checkpoint_bytes(cfg, engine.parts, engine.optimizer)
     work = Path(tempfile.mkdtemp(prefix="ipuft-bench-", dir=args.dir))
     times: dict[str, list[float]] = {"save": [], "save_base": [], "load": [], "read": [], "load_base": []}
     try:

@@ -26,7 +26,7 @@ def run_cli(argv, capsys):
 
 def test_a_disk_without_room_for_a_checkpoint_is_refused_before_training(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("ipuft.run.train.shutil.disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+    monkeypatch.setattr("ipuft.run.rundir.shutil.disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
     code, err = run_cli(["train", "--config", "tiny", f"output_dir={tmp_path}/run"], capsys)
     assert code == 2
     assert err.startswith("ipuft: error: checkpoint.save: ") and "free, but one checkpoint of this model takes" in err

@@ -38,6 +38,20 @@ def test_train_writes_config_and_metrics(tmp_path, capsys):
     assert saved["gradient_accumulation"] == 16
 
 
+def test_a_run_builds_its_optimizer_once(hooks, make_config, tmp_path, monkeypatch):
+    # The model rules, the check that a checkpoint of the optimizer's state fits, and the engine share the run's
+    # one optimizer: counted where the registrations build it.
+    from ipuft.run.train import train
+
+    registrations, built = hooks.registrations, []
+    build = registrations.build_optimizer
+    monkeypatch.setattr(registrations, "build_optimizer", lambda cfg: built.append(build(cfg)) or built[-1])
+    cfg = make_config("training.steps=1", "training.global_batch_size=2", "checkpoint.optim_state=true",
+                      f"output_dir={tmp_path / 'run'}")
+    records = train(cfg, hooks, progress=False)
+    assert len(built) == 1 and [r["step"] for r in records] == [1]
+
+
 def test_train_refuses_a_directory_holding_a_run(tmp_path, capsys):
     out = tmp_path / "run"
     out.mkdir()

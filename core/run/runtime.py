@@ -20,6 +20,7 @@ from ipuft.engine.phased import Initializer, PhasedEngine, initial_values
 from ipuft.errors import ConfigError
 from ipuft.io.checkpoint import checkpoint_initializer, find_checkpoint
 from ipuft.io.hf_import import hf_initializer
+from ipuft.optim import Optimizer
 from ipuft.parallel import init_layout
 from ipuft.plugins import PluginHooks
 
@@ -53,11 +54,14 @@ def initializer(cfg: DictConfig, parts: ModelParts) -> Initializer:
     return lambda unit, specs: initial_values(unit, specs, cfg.model.seed)
 
 
-def build_engine(cfg: DictConfig, hooks: PluginHooks, parts: ModelParts | None = None) -> PhasedEngine:
-    """Join the process layout, then build the components (unless given), the optimizer and the engine."""
+def build_engine(cfg: DictConfig, hooks: PluginHooks, parts: ModelParts | None = None,
+                 optimizer: Optimizer | None = None) -> PhasedEngine:
+    """Join the process layout, then build the optimizer and the components (unless given: ``parts`` built with
+    that ``optimizer``, as :func:`ipuft.run.train.train` does) and the engine."""
     device = select_device(cfg)
     layout = init_layout(cfg, device)
-    optimizer = hooks.registrations.build_optimizer(cfg)
+    if optimizer is None:
+        optimizer = hooks.registrations.build_optimizer(cfg)
     parts = parts or build_model(cfg, hooks, optimizer)
     torch.manual_seed(cfg.model.seed)
     return PhasedEngine(cfg, parts, optimizer, device, layout, initializer(cfg, parts))
