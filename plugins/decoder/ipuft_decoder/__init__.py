@@ -41,19 +41,21 @@ class DecoderOptions:
 
 
 def block_arguments(cfg: DictConfig) -> dict:
-    """The block's constructor arguments for this tensor-parallel rank's share of the heads and of the MLP
-    width (for plugins that build on the block, such as a LoRA decoder)."""
+    """The block's constructor arguments: the model's sizes and ``tensor_parallel``, of which the block takes
+    this rank's share of the heads and of the MLP width (for plugins that build on the block, such as a LoRA
+    decoder)."""
     m, tp = cfg.model, cfg.execution.tensor_parallel
     return {
         "hidden_size": m.hidden_size,
-        "heads": m.attention.heads // tp,
+        "heads": m.attention.heads,
         "head_dim": m.hidden_size // m.attention.heads,
-        "intermediate_size": m.intermediate_size // tp,
+        "intermediate_size": m.intermediate_size,
         "rotary_dim": m.attention.rotary_dim,
         "rotary_base": m.attention.rotary_positional_embeddings_base,
         "layer_norm_epsilon": m.layer_norm_epsilon,
         "dropout_prob": m.dropout_prob,
         "attention_kernel": cfg.plugins[SECTION].attention_kernel.value,
+        "tensor_parallel": tp,
     }
 
 
