@@ -16,7 +16,7 @@ from ipuft import hookimpl
 from ipuft.components import ComponentRegistry
 from ipuft.config import ConfigSectionRegistry
 from ipuft.families import ModelFamilyRegistry
-from ipuft.sharding import ShardSpec
+from ipuft.sharding import COLUMN, REPLICATED, ROW
 from ipuft_decoder.family import GPTJ
 
 if TYPE_CHECKING:
@@ -66,20 +66,19 @@ def build(cfg: DictConfig) -> GPTJDecoderBlock:
     return GPTJDecoderBlock(**block_arguments(cfg))
 
 
-_COLUMN, _ROW, _REPLICATED = ShardSpec(tp_dim=0), ShardSpec(tp_dim=1), ShardSpec()
 SHARD_SPECS = {
-    "norm.weight": _REPLICATED,
-    "norm.bias": _REPLICATED,
+    "norm.weight": REPLICATED,
+    "norm.bias": REPLICATED,
     # Attention is sharded by heads: q, k, v by output rows, out_proj by input columns.
-    "attn.q_proj.weight": _COLUMN,
-    "attn.k_proj.weight": _COLUMN,
-    "attn.v_proj.weight": _COLUMN,
-    "attn.out_proj.weight": _ROW,
-    "mlp.fc_in.weight": _COLUMN,
-    "mlp.fc_in.bias": _COLUMN,
-    "mlp.fc_out.weight": _ROW,
+    "attn.q_proj.weight": COLUMN,
+    "attn.k_proj.weight": COLUMN,
+    "attn.v_proj.weight": COLUMN,
+    "attn.out_proj.weight": ROW,
+    "mlp.fc_in.weight": COLUMN,
+    "mlp.fc_in.bias": COLUMN,
+    "mlp.fc_out.weight": ROW,
     # Added once, after the all-reduce that attention and MLP share.
-    "mlp.fc_out.bias": _REPLICATED,
+    "mlp.fc_out.bias": REPLICATED,
 }
 
 

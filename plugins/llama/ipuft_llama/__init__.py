@@ -21,7 +21,7 @@ from ipuft.components import ComponentRegistry, VariableSpec
 from ipuft.config import ConfigSectionRegistry
 from ipuft.errors import ConfigError
 from ipuft.families import ModelFamilyRegistry
-from ipuft.sharding import VOCAB_SHARDED, ShardSpec
+from ipuft.sharding import COLUMN, REPLICATED, ROW, VOCAB_SHARDED, ShardSpec
 from ipuft_llama.family import FAMILIES, NAME, SECTION, head_dim, kv_heads
 
 if TYPE_CHECKING:
@@ -115,20 +115,17 @@ def build_head(cfg: DictConfig) -> LlamaLMHead:
     return LlamaLMHead(m.hidden_size, m.embedding.vocab_size, m.layer_norm_epsilon, cfg.execution.tensor_parallel)
 
 
-_COLUMN, _ROW, _REPLICATED = ShardSpec(tp_dim=0), ShardSpec(tp_dim=1), ShardSpec()
-
-
 def decoder_shard_specs(variables: list[VariableSpec], tensor_parallel: int, cfg: DictConfig) -> dict[str, ShardSpec]:
     """q and the MLP's gate and up by output rows, o and down by input columns; k and v by output rows when
     TP divides the key/value heads, else whole on every rank (see :mod:`ipuft_llama.modules`); the norms and
     o's bias whole."""
-    kv = _COLUMN if kv_heads(cfg) % tensor_parallel == 0 else _REPLICATED
-    specs = {"input_layernorm.weight": _REPLICATED, "post_attention_layernorm.weight": _REPLICATED,
-             "self_attn.q_proj.weight": _COLUMN, "self_attn.q_proj.bias": _COLUMN,
+    kv = COLUMN if kv_heads(cfg) % tensor_parallel == 0 else REPLICATED
+    specs = {"input_layernorm.weight": REPLICATED, "post_attention_layernorm.weight": REPLICATED,
+             "self_attn.q_proj.weight": COLUMN, "self_attn.q_proj.bias": COLUMN,
              "self_attn.k_proj.weight": kv, "self_attn.k_proj.bias": kv,
              "self_attn.v_proj.weight": kv, "self_attn.v_proj.bias": kv,
-             "self_attn.o_proj.weight": _ROW, "self_attn.o_proj.bias": _REPLICATED,
-             "mlp.gate_proj.weight": _COLUMN, "mlp.up_proj.weight": _COLUMN, "mlp.down_proj.weight": _ROW}
+             "self_attn.o_proj.weight": ROW, "self_attn.o_proj.bias": REPLICATED,
+             "mlp.gate_proj.weight": COLUMN, "mlp.up_proj.weight": COLUMN, "mlp.down_proj.weight": ROW}
     return {v.name: specs[v.name] for v in variables}
 
 
@@ -140,7 +137,7 @@ def ipuft_register_components(registry: ComponentRegistry) -> None:
                  "Llama block: RMSNorm, rotate-half rotary, grouped-query attention, SwiGLU MLP",
                  shard_specs=decoder_shard_specs)
     registry.add("head", NAME, build_head, "Llama LM head: RMSNorm, untied projection without bias",
-                 shard_specs={"norm.weight": _REPLICATED, "lm_head.weight": VOCAB_SHARDED})
+                 shard_specs={"norm.weight": REPLICATED, "lm_head.weight": VOCAB_SHARDED})
 
 
 @hookimpl
