@@ -25,7 +25,8 @@ from ipuft.sharding import COLUMN, REPLICATED, ROW, VOCAB_SHARDED, ShardSpec
 from ipuft_llama.family import FAMILIES, NAME, SECTION, head_dim, kv_heads
 
 if TYPE_CHECKING:
-    from ipuft_llama.modules import LlamaDecoderBlock, LlamaEmbeddings, LlamaLMHead
+    from ipuft.embeddings import TokenEmbeddings
+    from ipuft_llama.modules import LlamaDecoderBlock, LlamaLMHead
 
 
 @dataclass
@@ -87,11 +88,13 @@ def _check(cfg: DictConfig) -> None:
         raise ConfigError(f"plugins.llama.rope_scaling.rope_type={scaling.rope_type!r}: one of llama3, linear")
 
 
-def build_embeddings(cfg: DictConfig) -> LlamaEmbeddings:
-    from ipuft_llama.modules import LlamaEmbeddings
+def build_embeddings(cfg: DictConfig) -> TokenEmbeddings:
+    """Core's token embeddings with Llama's names (``embed_tokens``, ``model.embed_tokens.weight``)."""
+    from ipuft.embeddings import TokenEmbeddings
 
     m = cfg.model
-    return LlamaEmbeddings(m.embedding.vocab_size, m.hidden_size, m.dropout_prob, cfg.execution.tensor_parallel)
+    return TokenEmbeddings(m.embedding.vocab_size, m.hidden_size, m.dropout_prob, cfg.execution.tensor_parallel,
+                           table_name="embed_tokens", hf_name="model.embed_tokens.weight")
 
 
 def build_decoder(cfg: DictConfig) -> LlamaDecoderBlock:

@@ -1,4 +1,5 @@
-"""The Llama architecture's components in plain PyTorch: token embeddings, one decoder layer, the LM head.
+"""The Llama architecture's components in plain PyTorch: one decoder layer and the LM head (its token
+embeddings are core's, :class:`ipuft.embeddings.TokenEmbeddings`).
 
 A layer is ``h = x + o(attention(rms(x)))``, then ``h + down(silu(gate(rms(h))) · up(rms(h)))``, without
 biases (Qwen2's q/k/v biases, and Llama's optional attention biases, as options). Attention is core's
@@ -31,11 +32,10 @@ from torch import nn
 
 from ipuft.attention import CausalSelfAttention, HalvesRotary
 from ipuft.components import IGNORE_INDEX, Init, VariableSpec, specs_from_module
-from ipuft.ops import Embedding, Linear, output_projection
+from ipuft.ops import Linear, output_projection
 from ipuft.parallel import (
     copy_to_tensor_parallel,
     reduce_from_tensor_parallel,
-    vocab_parallel_embedding,
     vocab_parallel_head,
 )
 from ipuft.sharding import VOCAB_SHARDED
@@ -106,27 +106,6 @@ class LlamaDecoderBlock(nn.Module):
 
     def hf_mapping(self, layer: int | None) -> dict[str, str]:
         return {name: f"model.layers.{layer}.{name}" for name, _ in self.named_parameters()}
-
-
-class LlamaEmbeddings(nn.Module):
-    """``input_ids[B, T] -> hidden[B, T, H]``; under TP a contiguous block of the (padded) vocabulary per rank,
-    the partial lookups summed over the group."""
-
-    def __init__(self, vocab_size: int, hidden_size: int, dropout_prob: float = 0.0, tensor_parallel: int = 1):
-        super().__init__()
-        rows = VOCAB_SHARDED.local_shape((vocab_size, hidden_size), tensor_parallel)[0]
-        self.embed_tokens = Embedding(rows, hidden_size)  # its gradient taken over micro-batches (ipuft.ops)
-        self.dropout_prob, self.tensor_parallel = dropout_prob, tensor_parallel
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        hidden = vocab_parallel_embedding(self.embed_tokens, input_ids, self.tensor_parallel)
-        return F.dropout(hidden, self.dropout_prob, self.training)
-
-    def variable_specs(self) -> list[VariableSpec]:
-        return specs_from_module(self, {"embed_tokens.weight": Init("normal", 0.02)})
-
-    def hf_mapping(self, layer: int | None = None) -> dict[str, str]:
-        return {"embed_tokens.weight": "model.embed_tokens.weight"}
 
 
 class LlamaLMHead(nn.Module):
