@@ -2,11 +2,12 @@
 it may be replica-sharded (RTS, ZeRO-style) over the data-parallel ranks.
 
 A component plugin gives its components' specs with their registration (``registry.add(...,
-shard_specs=...)``), or answers the ``ipuft_shard_spec`` hook (for components of other plugins); core turns
-the answer into local shapes and shards. :data:`COLUMN`, :data:`ROW`, :data:`REPLICATED` and
-:data:`VOCAB_SHARDED` are the layouts the shipped components are made of. A component with no answer is fully
-replicated, which is only allowed at ``tensor_parallel == 1``; :func:`replicated` states it explicitly, for a
-component every TP rank computes whole.
+shard_specs={name: spec})``), or, for a layout computed from the variables or the run's config, answers the
+``ipuft_shard_spec`` hook (for its own components or other plugins'); core turns the answer into local
+shapes and shards. :data:`COLUMN`, :data:`ROW`, :data:`REPLICATED` and :data:`VOCAB_SHARDED` are the layouts
+the shipped components are made of. A component with no answer is fully replicated, which is only
+allowed at ``tensor_parallel == 1``; :func:`replicated` states it explicitly, for a component every TP rank
+computes whole.
 """
 
 from __future__ import annotations
@@ -121,7 +122,8 @@ def resolve_shard_specs(
         if tensor_parallel > 1:
             raise ConfigError(
                 f"{component} declares no tensor-parallel sharding; set execution.tensor_parallel=1, or register "
-                f"it with shard_specs (ipuft.sharding.replicated if every TP rank computes it whole)"
+                f"it with shard_specs (ipuft.sharding.REPLICATED for every variable if every TP rank computes it "
+                f"whole)"
             )
         return {n: REPLICATED for n in names}
     missing = sorted(set(names) - set(answer))

@@ -76,6 +76,22 @@ def test_duplicate_component_is_refused(fake_dist):
         _ = create_plugin_manager().registrations
 
 
+def test_shard_specs_that_are_not_a_mapping_are_refused_naming_the_plugin_and_the_hook(fake_dist):
+    """A registration's shard specs are a mapping; a computed layout is an answer to ipuft_shard_spec."""
+    fake_dist("ipuft-computed", {"computed": "computed_plugin"}, {"computed_plugin": """
+        from ipuft import hookimpl
+        from ipuft.sharding import replicated
+        @hookimpl
+        def ipuft_register_components(registry):
+            registry.add("head", "computed", lambda cfg: None, shard_specs=lambda variables, tp: replicated(variables))
+    """})
+    with pytest.raises(PluginError) as info:
+        _ = create_plugin_manager().registrations
+    assert str(info.value) == ("plugin 'computed' registers head component 'computed' with shard_specs of type "
+                               "function: give a mapping of variable name to ShardSpec, or answer the "
+                               "ipuft_shard_spec hook for a layout computed from the variables or the config")
+
+
 def test_plugin_that_fails_to_import(fake_dist, monkeypatch):
     fake_dist("ipuft-broken", {"broken": "broken_plugin"}, {"broken_plugin": "raise RuntimeError('boom')\n"})
     with pytest.raises(PluginError) as info:

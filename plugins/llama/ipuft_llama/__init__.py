@@ -120,8 +120,8 @@ def build_head(cfg: DictConfig) -> LlamaLMHead:
 
 def decoder_shard_specs(variables: list[VariableSpec], tensor_parallel: int, cfg: DictConfig) -> dict[str, ShardSpec]:
     """q and the MLP's gate and up by output rows, o and down by input columns; k and v by output rows when
-    TP divides the key/value heads, else whole on every rank (see :mod:`ipuft_llama.modules`); the norms and
-    o's bias whole."""
+    TP divides the key/value heads, else whole on every rank (see :mod:`ipuft.attention`); the norms and o's
+    bias whole. It depends on the run's config, so the plugin gives it by ``ipuft_shard_spec``."""
     kv = COLUMN if kv_heads(cfg) % tensor_parallel == 0 else REPLICATED
     specs = {"input_layernorm.weight": REPLICATED, "post_attention_layernorm.weight": REPLICATED,
              "self_attn.q_proj.weight": COLUMN, "self_attn.q_proj.bias": COLUMN,
@@ -137,10 +137,18 @@ def ipuft_register_components(registry: ComponentRegistry) -> None:
     registry.add("embeddings", NAME, build_embeddings, "Llama token embedding (embed_tokens)",
                  shard_specs={"embed_tokens.weight": VOCAB_SHARDED})
     registry.add("decoder", NAME, build_decoder,
-                 "Llama block: RMSNorm, rotate-half rotary, grouped-query attention, SwiGLU MLP",
-                 shard_specs=decoder_shard_specs)
+                 "Llama block: RMSNorm, rotate-half rotary, grouped-query attention, SwiGLU MLP")
     registry.add("head", NAME, build_head, "Llama LM head: RMSNorm, untied projection without bias",
                  shard_specs={"norm.weight": REPLICATED, "lm_head.weight": VOCAB_SHARDED})
+
+
+@hookimpl
+def ipuft_shard_spec(role: str, name: str, variables: list[VariableSpec], tensor_parallel: int,
+                     cfg: DictConfig) -> dict[str, ShardSpec] | None:
+    """The Llama decoder's layout (:func:`decoder_shard_specs`); ``None`` for every other component."""
+    if (role, name) != ("decoder", NAME):
+        return None
+    return decoder_shard_specs(variables, tensor_parallel, cfg)
 
 
 @hookimpl
