@@ -22,7 +22,6 @@ Every component also implements ``variable_specs()`` and ``hf_mapping(layer)``.
 from __future__ import annotations
 
 import contextvars
-import inspect
 import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -185,10 +184,10 @@ def specs_from_module(module: torch.nn.Module, inits: dict[str, Init]) -> list[V
 
 
 ComponentFactory = Callable[["DictConfig"], "torch.nn.Module"]
-# A component's TP layout, given with its registration: a mapping of variable name to ShardSpec, or a
-# function of (full variable specs, tensor_parallel) returning one, or of (specs, tensor_parallel, cfg) for a
-# layout that depends on the run's config.
-ShardSpecs = Mapping[str, "ShardSpec"] | Callable[..., Mapping[str, "ShardSpec"]]
+# A component's TP layout, given with its registration: one ShardSpec per variable name. It is data, the same
+# for every run; a layout computed from the variables or the run's config is a plugin's answer to the
+# ipuft_shard_spec hook instead (the one other way).
+ShardSpecs = Mapping[str, "ShardSpec"]
 
 
 @dataclass(frozen=True)
@@ -204,12 +203,10 @@ class ComponentBuilder:
 
     def shard_specs_for(self, variables: list[VariableSpec], tensor_parallel: int,
                         cfg: DictConfig) -> Mapping[str, ShardSpec] | None:
-        """The registered TP layout of this component's variables, or ``None`` if none was registered."""
-        if self.shard_specs is None or isinstance(self.shard_specs, Mapping):
-            return self.shard_specs
-        if len(inspect.signature(self.shard_specs).parameters) >= 3:
-            return self.shard_specs(variables, tensor_parallel, cfg)
-        return self.shard_specs(variables, tensor_parallel)
+        """The registered TP layout of this component's variables, or ``None`` if none was registered (the
+        engine then asks ``ipuft_shard_spec``). A registered layout is data: it is the same whatever the
+        variables, ``tensor_parallel`` and ``cfg`` (the hook's arguments, which the engine passes alike)."""
+        return self.shard_specs
 
 
 class ComponentRegistry(Registry):
@@ -226,16 +223,21 @@ class ComponentRegistry(Registry):
             shard_specs: ShardSpecs | None = None) -> None:
         """Register ``build`` as component ``name`` for ``role`` (one of :data:`ROLES`).
 
-        ``shard_specs``: how its variables split over tensor-parallel ranks (``{name: ShardSpec}``, or a
-        function of the full variable specs and ``tensor_parallel``, and optionally the run's config).
-        Without it, a plugin may still answer ``ipuft_shard_spec`` for it; else every variable is replicated
-        (``tensor_parallel`` must be 1).
+        ``shard_specs``: how its variables split over tensor-parallel ranks, ``{name: ShardSpec}``. Without
+        it, a plugin (its own, or another) may answer ``ipuft_shard_spec`` for it, with a layout computed from
+        the variables or the run's config; else every variable is replicated (``tensor_parallel`` must be 1).
         """
         origin = self.origin()
         if role not in ROLES:
             raise PluginError(
                 f"plugin {origin.plugin!r} registers component {name!r} for unknown role {role!r}; "
                 f"roles: {', '.join(ROLES)}"
+            )
+        if shard_specs is not None and not isinstance(shard_specs, Mapping):
+            raise PluginError(
+                f"plugin {origin.plugin!r} registers {role} component {name!r} with shard_specs of type "
+                f"{type(shard_specs).__name__}: give a mapping of variable name to ShardSpec, or answer the "
+                f"ipuft_shard_spec hook for a layout computed from the variables or the config"
             )
         if self._claim((role, name), f"{role} component {name!r}", origin):
             self._builders[(role, name)] = ComponentBuilder(role, name, build, description, origin.plugin,

@@ -88,12 +88,14 @@ def ipuft_register_commands(cli: click.Group) -> None:
 def ipuft_shard_spec(
     role: str, name: str, variables: list[VariableSpec], tensor_parallel: int, cfg: DictConfig
 ) -> dict[str, ShardSpec] | None:
-    """Say how the variables of component ``name`` (of ``role``) split over the tensor-parallel ranks.
+    """Say how the variables of component ``name`` (of ``role``), registered without ``shard_specs``, split
+    over the tensor-parallel ranks: a layout computed from the variables or the run's config (a registration's
+    ``shard_specs`` is a fixed mapping), for your own component or another plugin's.
 
     ``cfg`` is the run's resolved config, for a layout that depends on more than the shapes (say, whether
     TP divides the key/value heads); like every hook argument, an implementation may leave it out.
 
-    Answer only for your own components, with one :class:`ipuft.sharding.ShardSpec` per variable name;
+    Answer only for the components you mean, with one :class:`ipuft.sharding.ShardSpec` per variable name;
     return ``None`` otherwise. A component nobody answers for is fully replicated (``tensor_parallel``
     must then be 1).
 

@@ -3,21 +3,24 @@
 
 Plugins are found only through the ``ipuft`` entry-point group; core never imports a plugin package.
 Every hook is called through pluggy, once, so ``wrapper=True`` (and old-style ``hookwrapper``),
-``tryfirst`` and ``trylast`` behave as pluggy documents them. An exception a plugin raises in a hook is one
-line naming the plugin and the hook (:class:`~ipuft.errors.PluginError`); ``IPUFT_DEBUG=1`` (or ``ipuft
---debug``) adds the full traceback, for import failures too.
+``tryfirst`` and ``trylast`` behave as pluggy documents them.
+
+Each plugin is registered with its hook implementations bound to its name (:class:`BoundPlugin`): while an
+implementation runs, core knows which plugin's it is, without looking at call stacks. So a registry
+attributes each registration to its plugin (:func:`ipuft.registry.registering`), and an exception a plugin
+raises in a hook is one line naming the plugin and the hook (:class:`~ipuft.errors.PluginError`);
+``IPUFT_DEBUG=1`` (or ``ipuft --debug``) adds the full traceback, for import failures too.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
-import sys
-import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import metadata
-from types import CodeType, TracebackType
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -30,7 +33,7 @@ from ipuft.errors import IpuftError, PluginError, described
 from ipuft.families import ModelFamilyRegistry
 from ipuft.loggers import LoggerRegistry
 from ipuft.optim import Optimizer, OptimizerRegistry
-from ipuft.registry import PLAIN, TRYFIRST, TRYLAST, Origin
+from ipuft.registry import PLAIN, TRYFIRST, TRYLAST, Origin, current_origin, registering
 from ipuft.sharding import ShardSpec
 
 if TYPE_CHECKING:
@@ -134,10 +137,57 @@ def builtin_plugins() -> list[tuple[str, object]]:
 
 
 def _register(pm: pluggy.PluginManager, plugin: object, name: str) -> None:
+    # pluggy refuses one plugin object under two names; a BoundPlugin is new each time, so core checks.
+    twice = [p for p in pm.get_plugins() if isinstance(p, BoundPlugin) and p.plugin is plugin]
     try:
-        pm.register(plugin, name=name)
+        if twice:
+            raise ValueError(f"already registered as {pm.get_name(twice[0])!r}")
+        pm.register(BoundPlugin(pm, plugin, name), name=name)
     except (pluggy.PluginValidationError, ValueError) as exc:
         raise PluginError(f"plugin {name!r} cannot be registered: {exc}") from None
+
+
+class BoundPlugin:
+    """A plugin as core registers it with pluggy: each of ``plugin``'s hook implementations (found as pluggy
+    finds them) in its place, bound to the plugin's ``name`` (:func:`bind_hook_implementation`). pluggy reads
+    them from this object's attributes; ``plugin`` is the module or object itself."""
+
+    def __init__(self, pm: pluggy.PluginManager, plugin: object, name: str) -> None:
+        self.plugin = plugin
+        for attr in dir(plugin):
+            opts = pm.parse_hookimpl_opts(plugin, attr)
+            if opts is not None:
+                origin = Origin(name, TRYFIRST if opts.get("tryfirst") else TRYLAST if opts.get("trylast") else PLAIN)
+                setattr(self, attr, bind_hook_implementation(getattr(plugin, attr), opts.get("specname") or attr,
+                                                             origin))
+
+
+def bind_hook_implementation(function: Callable, hook_name: str, origin: Origin) -> Callable:
+    """``function``, an implementation of ``hook_name`` by ``origin``'s plugin, run so that what it registers
+    is attributed to that plugin (:func:`ipuft.registry.registering`) and an exception it raises is one line
+    naming the plugin and the hook (an :class:`IpuftError` passes as it is).
+
+    The result has ``function``'s signature and marker (pluggy reads both), and is a generator function where
+    ``function`` is one, so that a wrapper stays a wrapper: the other implementations it yields to run with
+    their own plugins' names, nested inside its own."""
+    def failed(exc: Exception) -> str:
+        return (f"plugin {origin.plugin!r} failed in {hook_name}: {described(exc)} ({DEBUG_ENV}=1 shows the "
+                f"traceback)")
+
+    if inspect.isgeneratorfunction(function):
+        @functools.wraps(function)
+        def wrapper(*args: Any) -> Any:
+            with registering(origin), plugin_errors(failed):
+                return (yield from function(*args))
+
+        return wrapper
+
+    @functools.wraps(function)
+    def implementation(*args: Any) -> Any:
+        with registering(origin), plugin_errors(failed):
+            return function(*args)
+
+    return implementation
 
 
 @dataclass
@@ -163,10 +213,6 @@ class Registrations:
         return optimizer
 
 
-def _priority(impl: pluggy.HookImpl) -> int:
-    return TRYFIRST if impl.tryfirst else TRYLAST if impl.trylast else PLAIN
-
-
 class PluginHooks:
     """The typed face of the plugin manager: one method per hook, each calling it through ``pm.hook``."""
 
@@ -178,45 +224,17 @@ class PluginHooks:
 
     # ---- calling hooks ----
 
-    def _impls(self, hook_name: str) -> dict[CodeType, pluggy.HookImpl]:
-        """The code object of each implementation of ``hook_name``, to recognise it on a stack."""
-        return {impl.function.__code__: impl for impl in getattr(self.pm.hook, hook_name).get_hookimpls()}
-
-    def origin_in(self, hook_name: str):
-        """A callback naming the implementation of ``hook_name`` that is running (the innermost on the call
-        stack): how a registry learns who registers, with pluggy calling every implementation itself."""
-        def origin() -> Origin:
-            impls = self._impls(hook_name)
-            frame = sys._getframe(1)
-            while frame is not None:
-                impl = impls.get(frame.f_code)
-                if impl is not None:
-                    return Origin(impl.plugin_name, _priority(impl))
-                frame = frame.f_back
-            return Origin("(unknown)", PLAIN)
-
-        return origin
-
-    def _culprit(self, hook_name: str, tb: TracebackType | None) -> str:
-        """The plugin whose implementation of ``hook_name`` raised: the innermost one in the traceback."""
-        impls = self._impls(hook_name)
-        found = "(unknown)"
-        for frame, _ in traceback.walk_tb(tb):
-            if frame.f_code in impls:
-                found = impls[frame.f_code].plugin_name
-        return found
-
     def call(self, hook_name: str, **kwargs: Any) -> Any:
         """Call hook ``hook_name`` through pluggy. An :class:`IpuftError` a plugin raises passes as it is; any
-        other exception becomes one :class:`PluginError` line naming the plugin and the hook."""
-        with plugin_errors(lambda exc: f"plugin {self._culprit(hook_name, exc.__traceback__)!r} failed in "
-                                       f"{hook_name}: {described(exc)} ({DEBUG_ENV}=1 shows the traceback)"):
+        other exception is one :class:`PluginError` line naming the plugin and the hook (each implementation
+        is bound to its plugin, :func:`bind_hook_implementation`); where pluggy itself refuses what an
+        implementation did (a wrapper that does not yield), one line with pluggy's message."""
+        with plugin_errors(lambda exc: f"{hook_name}: {described(exc)} ({DEBUG_ENV}=1 shows the traceback)"):
             return getattr(self.pm.hook, hook_name)(**kwargs)
 
     # ---- registration hooks ----
 
     def _register(self, hook_name: str, registry: Any) -> None:
-        registry.origin = self.origin_in(hook_name)
         self.call(hook_name, registry=registry)
 
     @property
@@ -235,13 +253,12 @@ class PluginHooks:
 
     def register_commands(self, cli: click.Group) -> dict[str, list[str]]:
         """Let plugins add subcommands; returns (and keeps) the commands each plugin added."""
-        origin = self.origin_in("ipuft_register_commands")
         add_command = cli.add_command
         added: dict[str, list[str]] = {}
 
         def attributed(command, name=None):
             add_command(command, name)
-            added.setdefault(origin().plugin, []).append(name or command.name)
+            added.setdefault(current_origin().plugin, []).append(name or command.name)
 
         cli.add_command = attributed  # type: ignore[method-assign]
         try:

@@ -3,9 +3,9 @@ config sections): core owns them, so it can list every name, attribute each to i
 duplicates.
 
 Core calls a registration hook once, through pluggy (``pm.hook``), so wrappers, ``tryfirst`` and
-``trylast`` work as pluggy defines them. A registry learns which plugin is registering from its
-:attr:`Registry.origin` callback, which :class:`ipuft.plugins.PluginHooks` sets to find the hook
-implementation running on the call stack.
+``trylast`` work as pluggy defines them. A registry learns which plugin is registering from
+:meth:`Registry.origin`: core registers each plugin with its hook implementations bound to its name
+(:class:`ipuft.plugins.BoundPlugin`), and each runs inside :func:`registering` with its origin.
 
 **Overriding by ordering.** A name registered twice is an error, unless the two registrations come from
 hook implementations of different priority (``tryfirst`` > plain > ``trylast``): pluggy calls the higher
@@ -16,7 +16,9 @@ without uninstalling anything.
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,15 +35,39 @@ class Origin:
     priority: int = PLAIN
 
 
+_REGISTERING: contextvars.ContextVar[Origin | None] = contextvars.ContextVar("ipuft_registering", default=None)
+
+
+@contextmanager
+def registering(origin: Origin) -> Iterator[None]:
+    """Attribute what is registered inside the block to ``origin`` (core runs each plugin's hook
+    implementations so; blocks nest, as a wrapper's yield runs the other implementations inside it)."""
+    token = _REGISTERING.set(origin)
+    try:
+        yield
+    finally:
+        _REGISTERING.reset(token)
+
+
+def current_origin() -> Origin:
+    """Who is registering now: the origin of the innermost :func:`registering` block (an anonymous
+    :class:`Origin` outside any)."""
+    origin = _REGISTERING.get()
+    return Origin() if origin is None else origin
+
+
 class Registry:
-    """What every registry shares: the origin callback and the duplicate rule."""
+    """What every registry shares: who is registering, and the duplicate rule."""
 
     kind = "builder"
 
     def __init__(self) -> None:
-        self.origin: Callable[[], Origin] = Origin
         self.shadowed: list[tuple[str, Origin, Origin]] = []  # (name, the winner's origin, the shadowed one's)
         self._origins: dict[Any, Origin] = {}  # who registered each key
+
+    def origin(self) -> Origin:
+        """The plugin registering now, and its hook implementation's priority (:func:`current_origin`)."""
+        return current_origin()
 
     def _claim(self, key: Any, label: str, origin: Origin) -> bool:
         """Whether ``origin``'s registration of ``key`` (``label`` in messages, say ``decoder component 'gptj'``)

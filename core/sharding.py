@@ -2,8 +2,10 @@
 it may be replica-sharded (RTS, ZeRO-style) over the data-parallel ranks.
 
 A component plugin gives its components' specs with their registration (``registry.add(...,
-shard_specs=...)``), or answers the ``ipuft_shard_spec`` hook (for components of other plugins); core turns
-the answer into local shapes and shards. A component with no answer is fully replicated, which is only
+shard_specs={name: spec})``), or, for a layout computed from the variables or the run's config, answers the
+``ipuft_shard_spec`` hook (for its own components or other plugins'); core turns the answer into local
+shapes and shards. :data:`COLUMN`, :data:`ROW`, :data:`REPLICATED` and :data:`VOCAB_SHARDED` are the layouts
+the shipped components are made of. A component with no answer is fully replicated, which is only
 allowed at ``tensor_parallel == 1``; :func:`replicated` states it explicitly, for a component every TP rank
 computes whole.
 """
@@ -88,10 +90,24 @@ class ShardSpec:
         return full
 
 
+# The layouts every shipped component is made of (torch ``Linear`` weights are ``[out, in]``):
+# A column-parallel projection's weight (and bias): split by output rows, each rank computing its share of the
+# outputs (q, k, v, an MLP's first projections).
+COLUMN = ShardSpec(tp_dim=0)
+# A row-parallel projection's weight: split by input columns, each rank's output partial until the all-reduce
+# (attention's output projection, an MLP's last).
+ROW = ShardSpec(tp_dim=1)
+# Whole on every TP rank: norms, and a row-parallel projection's bias, added once after the all-reduce.
+REPLICATED = ShardSpec()
+# A vocabulary-indexed variable (embedding table, LM projection): rows sharded over TP, the vocabulary
+# padded up to a multiple of TP × 16 first, as the reference pads it.
+VOCAB_SHARDED = ShardSpec(tp_dim=0, pad_multiple=16)
+
+
 def replicated(variables: list[VariableSpec]) -> dict[str, ShardSpec]:
     """Every variable whole on every TP rank (and RTS-shardable): for a component each TP rank computes in
     full, with no tensor-parallel collective."""
-    return {v.name: ShardSpec() for v in variables}
+    return {v.name: REPLICATED for v in variables}
 
 
 def resolve_shard_specs(
@@ -106,9 +122,10 @@ def resolve_shard_specs(
         if tensor_parallel > 1:
             raise ConfigError(
                 f"{component} declares no tensor-parallel sharding; set execution.tensor_parallel=1, or register "
-                f"it with shard_specs (ipuft.sharding.replicated if every TP rank computes it whole)"
+                f"it with shard_specs (ipuft.sharding.REPLICATED for every variable if every TP rank computes it "
+                f"whole)"
             )
-        return {n: ShardSpec() for n in names}
+        return {n: REPLICATED for n in names}
     missing = sorted(set(names) - set(answer))
     extra = sorted(set(answer) - set(names))
     if missing or extra:
@@ -122,8 +139,3 @@ def resolve_shard_specs(
             raise PluginError(f"{component}: shard spec of {var.name} splits dim {spec.tp_dim} of {var.shape}")
         spec.local_shape(var.shape, tensor_parallel)  # raises when it does not divide
     return {n: answer[n] for n in names}
-
-
-# A vocabulary-indexed variable (embedding table, LM projection): rows sharded over TP, the vocabulary
-# padded up to a multiple of TP × 16 first, as the reference pads it.
-VOCAB_SHARDED = ShardSpec(tp_dim=0, pad_multiple=16)

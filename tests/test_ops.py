@@ -116,7 +116,7 @@ def test_a_bfloat16_block_with_long_heads_attends_in_bfloat16_as_accurately(monk
     attending in float32: the 16-bit kernel adds no more than bfloat16's own rounding."""
     import copy
 
-    from ipuft import ops
+    from ipuft import attention, ops
     from ipuft_decoder import block as gptj
 
     torch.manual_seed(0)
@@ -144,7 +144,7 @@ def test_a_bfloat16_block_with_long_heads_attends_in_bfloat16_as_accurately(monk
     seen.clear()
     in_bfloat16 = errors(run(torch.bfloat16), exact)
     assert seen == [torch.bfloat16]
-    monkeypatch.setattr(gptj, "attention_in_float32", lambda *args: True)
+    monkeypatch.setattr(attention, "attention_in_float32", lambda *args: True)
     seen.clear()
     in_float32 = errors(run(torch.bfloat16), exact)
     assert seen == [torch.float32]

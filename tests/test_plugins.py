@@ -76,6 +76,22 @@ def test_duplicate_component_is_refused(fake_dist):
         _ = create_plugin_manager().registrations
 
 
+def test_shard_specs_that_are_not_a_mapping_are_refused_naming_the_plugin_and_the_hook(fake_dist):
+    """A registration's shard specs are a mapping; a computed layout is an answer to ipuft_shard_spec."""
+    fake_dist("ipuft-computed", {"computed": "computed_plugin"}, {"computed_plugin": """
+        from ipuft import hookimpl
+        from ipuft.sharding import replicated
+        @hookimpl
+        def ipuft_register_components(registry):
+            registry.add("head", "computed", lambda cfg: None, shard_specs=lambda variables, tp: replicated(variables))
+    """})
+    with pytest.raises(PluginError) as info:
+        _ = create_plugin_manager().registrations
+    assert str(info.value) == ("plugin 'computed' registers head component 'computed' with shard_specs of type "
+                               "function: give a mapping of variable name to ShardSpec, or answer the "
+                               "ipuft_shard_spec hook for a layout computed from the variables or the config")
+
+
 def test_plugin_that_fails_to_import(fake_dist, monkeypatch):
     fake_dist("ipuft-broken", {"broken": "broken_plugin"}, {"broken_plugin": "raise RuntimeError('boom')\n"})
     with pytest.raises(PluginError) as info:
@@ -171,6 +187,59 @@ def test_a_wrapper_runs_around_the_other_implementations(fake_dist):
 
     create_plugin_manager().registrations  # noqa: B018
     assert wrap_plugin.seen == {"before": [], "after": ["gptj", "llama"]}
+
+
+def _optimizer_plugin(name):
+    """A plugin object registering optimizer ``name``: every one made here runs the same code object."""
+    from ipuft import hookimpl
+
+    class Plugin:
+        @hookimpl
+        def ipuft_register_optimizers(self, registry):
+            registry.add(name, lambda cfg: None)
+
+        @hookimpl
+        def ipuft_register_components(self, registry):
+            if name == "broken":
+                raise ValueError(f"{name} plugin's bug")
+
+    return Plugin()
+
+
+def test_registrations_are_attributed_by_each_plugins_bound_hooks_even_when_they_share_code():
+    """Each plugin's hook implementations are bound to its name when it is registered: two plugins running one
+    code object (here, one class body) are still told apart, in what they register and in what they raise."""
+    hooks = create_plugin_manager(extra_plugins=[("first", _optimizer_plugin("one")),
+                                                 ("second", _optimizer_plugin("two"))])
+    described = {p["name"]: p for p in hooks.describe()}
+    assert (described["first"]["optimizers"], described["second"]["optimizers"]) == (["one"], ["two"])
+    assert hooks.registrations.optimizers.get("two").plugin == "second"
+    hooks = create_plugin_manager(extra_plugins=[("fine", _optimizer_plugin("one")),
+                                                 ("faulty", _optimizer_plugin("broken"))])
+    with pytest.raises(PluginError) as info:
+        _ = hooks.registrations
+    assert str(info.value) == ("plugin 'faulty' failed in ipuft_register_components: ValueError: broken plugin's "
+                               "bug (IPUFT_DEBUG=1 shows the traceback)")
+
+
+def test_a_wrappers_own_registrations_are_its_and_those_it_yields_to_are_the_others(fake_dist):
+    fake_dist("ipuft-wrap-add", {"wrap_add": "wrap_add_plugin"}, {"wrap_add_plugin": """
+        from ipuft import hookimpl
+        @hookimpl(wrapper=True)
+        def ipuft_register_optimizers(registry):
+            registry.add("before", lambda cfg: None)
+            result = yield
+            registry.add("after", lambda cfg: None)
+            return result
+    """})
+    optimizers = {b.name: b.plugin for b in create_plugin_manager().registrations.optimizers}
+    assert optimizers == {"before": "wrap_add", "adamw": "optim_adam", "after": "wrap_add"}
+
+
+def test_one_plugin_object_under_two_names_is_refused():
+    plugin = _optimizer_plugin("one")
+    with pytest.raises(PluginError, match=r"^plugin 'again' cannot be registered: already registered as 'once'$"):
+        create_plugin_manager(extra_plugins=[("once", plugin), ("again", plugin)])
 
 
 def test_a_stock_component_is_overridden_by_ordering_not_by_uninstalling(fake_dist, make_config):

@@ -16,7 +16,7 @@ from ipuft import hookimpl
 from ipuft.components import ComponentRegistry
 from ipuft.config import ConfigSectionRegistry
 from ipuft.families import ModelFamilyRegistry
-from ipuft.sharding import ShardSpec
+from ipuft.sharding import COLUMN, REPLICATED, ROW
 from ipuft_decoder.family import GPTJ
 
 if TYPE_CHECKING:
@@ -41,19 +41,21 @@ class DecoderOptions:
 
 
 def block_arguments(cfg: DictConfig) -> dict:
-    """The block's constructor arguments for this tensor-parallel rank's share of the heads and of the MLP
-    width (for plugins that build on the block, such as a LoRA decoder)."""
+    """The block's constructor arguments: the model's sizes and ``tensor_parallel``, of which the block takes
+    this rank's share of the heads and of the MLP width (for plugins that build on the block, such as a LoRA
+    decoder)."""
     m, tp = cfg.model, cfg.execution.tensor_parallel
     return {
         "hidden_size": m.hidden_size,
-        "heads": m.attention.heads // tp,
+        "heads": m.attention.heads,
         "head_dim": m.hidden_size // m.attention.heads,
-        "intermediate_size": m.intermediate_size // tp,
+        "intermediate_size": m.intermediate_size,
         "rotary_dim": m.attention.rotary_dim,
         "rotary_base": m.attention.rotary_positional_embeddings_base,
         "layer_norm_epsilon": m.layer_norm_epsilon,
         "dropout_prob": m.dropout_prob,
         "attention_kernel": cfg.plugins[SECTION].attention_kernel.value,
+        "tensor_parallel": tp,
     }
 
 
@@ -64,20 +66,19 @@ def build(cfg: DictConfig) -> GPTJDecoderBlock:
     return GPTJDecoderBlock(**block_arguments(cfg))
 
 
-_COLUMN, _ROW, _REPLICATED = ShardSpec(tp_dim=0), ShardSpec(tp_dim=1), ShardSpec()
 SHARD_SPECS = {
-    "norm.weight": _REPLICATED,
-    "norm.bias": _REPLICATED,
+    "norm.weight": REPLICATED,
+    "norm.bias": REPLICATED,
     # Attention is sharded by heads: q, k, v by output rows, out_proj by input columns.
-    "attn.q_proj.weight": _COLUMN,
-    "attn.k_proj.weight": _COLUMN,
-    "attn.v_proj.weight": _COLUMN,
-    "attn.out_proj.weight": _ROW,
-    "mlp.fc_in.weight": _COLUMN,
-    "mlp.fc_in.bias": _COLUMN,
-    "mlp.fc_out.weight": _ROW,
+    "attn.q_proj.weight": COLUMN,
+    "attn.k_proj.weight": COLUMN,
+    "attn.v_proj.weight": COLUMN,
+    "attn.out_proj.weight": ROW,
+    "mlp.fc_in.weight": COLUMN,
+    "mlp.fc_in.bias": COLUMN,
+    "mlp.fc_out.weight": ROW,
     # Added once, after the all-reduce that attention and MLP share.
-    "mlp.fc_out.bias": _REPLICATED,
+    "mlp.fc_out.bias": REPLICATED,
 }
 
 

@@ -1,7 +1,8 @@
-"""GPT-J token embeddings: a lookup table and dropout (no position embeddings: GPT-J is rotary).
+"""GPT-J's token embeddings: core's :class:`ipuft.embeddings.TokenEmbeddings` with GPT-J's names (the table
+``wte``, ``transformer.wte.weight`` in a Hugging Face checkpoint).
 
-This module holds the hooks only and imports no torch, so that discovering the plugin (``ipuft --help``)
-stays fast; the module itself is in :mod:`ipuft_embeddings.module`, imported when a run builds it.
+The hooks import no torch, so that discovering the plugin (``ipuft --help``) stays fast: the module is imported
+when a run builds it.
 """
 
 from __future__ import annotations
@@ -15,16 +16,17 @@ from ipuft.components import ComponentRegistry
 from ipuft.sharding import VOCAB_SHARDED
 
 if TYPE_CHECKING:
-    from ipuft_embeddings.module import GPTJEmbeddings
+    from ipuft.embeddings import TokenEmbeddings
 
 NAME = "gptj"
 
 
-def build(cfg: DictConfig) -> GPTJEmbeddings:
-    from ipuft_embeddings.module import GPTJEmbeddings
+def build(cfg: DictConfig) -> TokenEmbeddings:
+    from ipuft.embeddings import TokenEmbeddings
 
     m = cfg.model
-    return GPTJEmbeddings(m.embedding.vocab_size, m.hidden_size, m.dropout_prob, cfg.execution.tensor_parallel)
+    return TokenEmbeddings(m.embedding.vocab_size, m.hidden_size, m.dropout_prob, cfg.execution.tensor_parallel,
+                           table_name="wte", hf_name="transformer.wte.weight")
 
 
 @hookimpl

@@ -21,11 +21,12 @@ from ipuft.components import ComponentRegistry, VariableSpec
 from ipuft.config import ConfigSectionRegistry
 from ipuft.errors import ConfigError
 from ipuft.families import ModelFamilyRegistry
-from ipuft.sharding import VOCAB_SHARDED, ShardSpec
+from ipuft.sharding import COLUMN, REPLICATED, ROW, VOCAB_SHARDED, ShardSpec
 from ipuft_llama.family import FAMILIES, NAME, SECTION, head_dim, kv_heads
 
 if TYPE_CHECKING:
-    from ipuft_llama.modules import LlamaDecoderBlock, LlamaEmbeddings, LlamaLMHead
+    from ipuft.embeddings import TokenEmbeddings
+    from ipuft_llama.modules import LlamaDecoderBlock, LlamaLMHead
 
 
 @dataclass
@@ -87,11 +88,13 @@ def _check(cfg: DictConfig) -> None:
         raise ConfigError(f"plugins.llama.rope_scaling.rope_type={scaling.rope_type!r}: one of llama3, linear")
 
 
-def build_embeddings(cfg: DictConfig) -> LlamaEmbeddings:
-    from ipuft_llama.modules import LlamaEmbeddings
+def build_embeddings(cfg: DictConfig) -> TokenEmbeddings:
+    """Core's token embeddings with Llama's names (``embed_tokens``, ``model.embed_tokens.weight``)."""
+    from ipuft.embeddings import TokenEmbeddings
 
     m = cfg.model
-    return LlamaEmbeddings(m.embedding.vocab_size, m.hidden_size, m.dropout_prob, cfg.execution.tensor_parallel)
+    return TokenEmbeddings(m.embedding.vocab_size, m.hidden_size, m.dropout_prob, cfg.execution.tensor_parallel,
+                           table_name="embed_tokens", hf_name="model.embed_tokens.weight")
 
 
 def build_decoder(cfg: DictConfig) -> LlamaDecoderBlock:
@@ -115,20 +118,17 @@ def build_head(cfg: DictConfig) -> LlamaLMHead:
     return LlamaLMHead(m.hidden_size, m.embedding.vocab_size, m.layer_norm_epsilon, cfg.execution.tensor_parallel)
 
 
-_COLUMN, _ROW, _REPLICATED = ShardSpec(tp_dim=0), ShardSpec(tp_dim=1), ShardSpec()
-
-
 def decoder_shard_specs(variables: list[VariableSpec], tensor_parallel: int, cfg: DictConfig) -> dict[str, ShardSpec]:
     """q and the MLP's gate and up by output rows, o and down by input columns; k and v by output rows when
-    TP divides the key/value heads, else whole on every rank (see :mod:`ipuft_llama.modules`); the norms and
-    o's bias whole."""
-    kv = _COLUMN if kv_heads(cfg) % tensor_parallel == 0 else _REPLICATED
-    specs = {"input_layernorm.weight": _REPLICATED, "post_attention_layernorm.weight": _REPLICATED,
-             "self_attn.q_proj.weight": _COLUMN, "self_attn.q_proj.bias": _COLUMN,
+    TP divides the key/value heads, else whole on every rank (see :mod:`ipuft.attention`); the norms and o's
+    bias whole. It depends on the run's config, so the plugin gives it by ``ipuft_shard_spec``."""
+    kv = COLUMN if kv_heads(cfg) % tensor_parallel == 0 else REPLICATED
+    specs = {"input_layernorm.weight": REPLICATED, "post_attention_layernorm.weight": REPLICATED,
+             "self_attn.q_proj.weight": COLUMN, "self_attn.q_proj.bias": COLUMN,
              "self_attn.k_proj.weight": kv, "self_attn.k_proj.bias": kv,
              "self_attn.v_proj.weight": kv, "self_attn.v_proj.bias": kv,
-             "self_attn.o_proj.weight": _ROW, "self_attn.o_proj.bias": _REPLICATED,
-             "mlp.gate_proj.weight": _COLUMN, "mlp.up_proj.weight": _COLUMN, "mlp.down_proj.weight": _ROW}
+             "self_attn.o_proj.weight": ROW, "self_attn.o_proj.bias": REPLICATED,
+             "mlp.gate_proj.weight": COLUMN, "mlp.up_proj.weight": COLUMN, "mlp.down_proj.weight": ROW}
     return {v.name: specs[v.name] for v in variables}
 
 
@@ -137,10 +137,18 @@ def ipuft_register_components(registry: ComponentRegistry) -> None:
     registry.add("embeddings", NAME, build_embeddings, "Llama token embedding (embed_tokens)",
                  shard_specs={"embed_tokens.weight": VOCAB_SHARDED})
     registry.add("decoder", NAME, build_decoder,
-                 "Llama block: RMSNorm, rotate-half rotary, grouped-query attention, SwiGLU MLP",
-                 shard_specs=decoder_shard_specs)
+                 "Llama block: RMSNorm, rotate-half rotary, grouped-query attention, SwiGLU MLP")
     registry.add("head", NAME, build_head, "Llama LM head: RMSNorm, untied projection without bias",
-                 shard_specs={"norm.weight": _REPLICATED, "lm_head.weight": VOCAB_SHARDED})
+                 shard_specs={"norm.weight": REPLICATED, "lm_head.weight": VOCAB_SHARDED})
+
+
+@hookimpl
+def ipuft_shard_spec(role: str, name: str, variables: list[VariableSpec], tensor_parallel: int,
+                     cfg: DictConfig) -> dict[str, ShardSpec] | None:
+    """The Llama decoder's layout (:func:`decoder_shard_specs`); ``None`` for every other component."""
+    if (role, name) != ("decoder", NAME):
+        return None
+    return decoder_shard_specs(variables, tensor_parallel, cfg)
 
 
 @hookimpl

@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 
 from ipuft import hookimpl
 from ipuft.components import ComponentRegistry
-from ipuft.sharding import VOCAB_SHARDED, ShardSpec
+from ipuft.sharding import REPLICATED, VOCAB_SHARDED
 
 if TYPE_CHECKING:
     from ipuft_lm_head.module import GPTJLMHead
@@ -28,7 +28,7 @@ def build(cfg: DictConfig) -> GPTJLMHead:
 
 
 # The projection is sharded by vocabulary; the final layer norm is replicated.
-SHARD_SPECS = {"norm.weight": ShardSpec(), "norm.bias": ShardSpec(), "proj.weight": VOCAB_SHARDED,
+SHARD_SPECS = {"norm.weight": REPLICATED, "norm.bias": REPLICATED, "proj.weight": VOCAB_SHARDED,
                "proj.bias": VOCAB_SHARDED}
 
 

@@ -22,6 +22,7 @@ from ipuft import hookimpl
 from ipuft.components import ComponentRegistry, VariableSpec
 from ipuft.config import ConfigSectionRegistry
 from ipuft.errors import ConfigError
+from ipuft.sharding import ShardSpec, replicated
 
 NAME = "gptj_lora"
 SECTION = "lora"
@@ -64,21 +65,23 @@ def build(cfg: DictConfig):
     return LoRADecoderBlock.from_config(cfg, options(cfg))
 
 
-def shard_specs(variables: list[VariableSpec], tensor_parallel: int):
+@hookimpl
+def ipuft_shard_spec(role: str, name: str, variables: list[VariableSpec],
+                     tensor_parallel: int) -> dict[str, ShardSpec] | None:
     """Every variable whole (the adapters' A would need its gradient summed over TP ranks, which core's
-    replicated variables do not do): LoRA runs at tensor_parallel=1, with DP and RTS as usual."""
+    replicated variables do not do): LoRA runs at tensor_parallel=1, with DP and RTS as usual. An answer by
+    the hook, not a mapping with the registration: the variables' names depend on ``plugins.lora.targets``."""
+    if (role, name) != ("decoder", NAME):
+        return None
     if tensor_parallel > 1:
         raise ConfigError(f"model.decoder: {NAME} runs at execution.tensor_parallel=1 (got {tensor_parallel}); use "
                           f"data parallelism (execution.data_parallel, with execution.rts) instead")
-    from ipuft.sharding import replicated
-
     return replicated(variables)
 
 
 @hookimpl
 def ipuft_register_components(registry: ComponentRegistry) -> None:
-    registry.add("decoder", NAME, build, "GPT-J block, frozen, with trainable LoRA adapters (plugins.lora)",
-                 shard_specs=shard_specs)
+    registry.add("decoder", NAME, build, "GPT-J block, frozen, with trainable LoRA adapters (plugins.lora)")
 
 
 @hookimpl

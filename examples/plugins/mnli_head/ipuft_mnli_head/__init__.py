@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Optional
 from omegaconf import DictConfig
 
 from ipuft import hookimpl
-from ipuft.components import ComponentRegistry, VariableSpec
+from ipuft.components import ComponentRegistry
 from ipuft.config import ConfigSectionRegistry
 from ipuft.errors import ConfigError
-from ipuft.sharding import ShardSpec, replicated
+from ipuft.sharding import REPLICATED
 
 if TYPE_CHECKING:
     from ipuft_mnli_head.module import MNLIClassifier
@@ -82,16 +82,15 @@ def build(cfg: DictConfig) -> MNLIClassifier:
     return MNLIClassifier(m.hidden_size, label_token_ids(cfg), m.layer_norm_epsilon)
 
 
-def shard_specs(variables: list[VariableSpec], tensor_parallel: int) -> dict[str, ShardSpec]:
-    """Every TP rank computes the whole (tiny) head from the replicated hidden state: no collective, and each
-    rank's input gradient is the full one the decoder's backward expects."""
-    return replicated(variables)
+# Every TP rank computes the whole (tiny) head from the replicated hidden state: no collective, and each
+# rank's input gradient is the full one the decoder's backward expects.
+SHARD_SPECS = dict.fromkeys(("norm.weight", "norm.bias", "proj.weight", "proj.bias"), REPLICATED)
 
 
 @hookimpl
 def ipuft_register_components(registry: ComponentRegistry) -> None:
     registry.add("head", NAME, build, "MNLI classifier: ln_f and a [3, hidden] projection at the label position",
-                 shard_specs=shard_specs)
+                 shard_specs=SHARD_SPECS)
 
 
 @hookimpl

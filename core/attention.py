@@ -1,0 +1,310 @@
+"""Causal self-attention with rotary position embeddings, one module for every decoder family.
+
+:class:`CausalSelfAttention` projects ``h[B, T, hidden]`` to queries, keys and values, rotates the first
+``rotary_dim`` dimensions of each query and key head by its position, attends causally, and projects back.
+What differs between families is a parameter:
+
+- the rotation: :class:`InterleavedRotary` (GPT-J: each adjacent pair ``(x[2i], x[2i+1])`` turns) or
+  :class:`HalvesRotary` (Llama, GPT-NeoX: dimension ``i`` pairs with ``i + rotary_dim / 2``), over the whole
+  head or its first ``rotary_dim`` dimensions;
+- biases on q, k, v and on the output projection, and that projection's name (``out_proj``, ``o_proj``), so
+  that every family keeps its weights' names;
+- grouped-query attention: ``kv_heads`` key/value heads, each read by ``heads / kv_heads`` query heads;
+- the kernel: ``sdpa`` (``F.scaled_dot_product_attention``) or ``eager`` (matmul, softmax, matmul).
+
+**Tensor parallelism.** The module is built with the whole model's head counts and ``tensor_parallel``, and
+holds this rank's ``heads / TP`` query heads and their key/value heads: q, k and v column-sharded, the output
+projection row-sharded (its output partial, summed by the block's all-reduce, which then adds the output bias
+once). When TP does not divide ``kv_heads``, the key/value projections are replicated instead: every rank
+computes all key/value heads and reads those its query heads use; their gradients are partial on each rank
+and summed over TP (:func:`ipuft.parallel.copy_to_tensor_parallel` on the weights).
+
+**16-bit on the CPU.** A training attention (no cache) on 16-bit activations computes its rotary and attention
+in float32 where ATen's 16-bit CPU kernel is the slower (:func:`ipuft.ops.attention_in_float32`), and casts
+its output back before the output projection. A cache keeps its dtype.
+
+**Generation.** ``forward(h, cache)`` takes an optional per-layer key/value cache
+(:class:`ipuft.generate.LayerKVCache`): the new tokens' positions start at ``cache.length``, their keys (after
+rotary, ``kv_heads`` wide) and values are appended to it, and the queries attend over every cached and new
+key. A batch of rows of different lengths is left-padded: the cache then carries each row's padding, which
+sets the row's positions (its first real token is position 0) and hides its pad keys from every query.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ipuft.ops import Linear, attention_in_float32, linear, output_projection
+from ipuft.parallel import copy_to_tensor_parallel, tensor_parallel_rank
+
+if TYPE_CHECKING:
+    from ipuft.generate import LayerKVCache
+
+KERNELS = ("sdpa", "eager")
+
+
+def inverse_frequencies(rotary_dim: int, base: float, scaling: dict | None = None) -> torch.Tensor:
+    """``base^(-2i/rotary_dim)`` for each pair ``i`` (float32, on the CPU), scaled as ``scaling`` says:
+    ``linear`` divides every frequency by ``factor``; ``llama3`` divides the low frequencies (wavelengths past
+    the original context over ``low_freq_factor``) by ``factor``, keeps the high ones, and blends in between."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    inv = 1.0 / (base**exponents)
+    if scaling is None:
+        return inv
+    factor = scaling["factor"]
+    if scaling["rope_type"] == "linear":
+        return inv / factor
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    context = scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv
+    scaled = torch.where(wavelength > context / low, inv / factor, inv)
+    smooth = (context / wavelength - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelength < context / high) & ~(wavelength > context / low)
+    return torch.where(medium, blended, scaled)
+
+
+def rotary_angles(positions: int, rotary_dim: int, base: float, scaling: dict | None,
+                  device: torch.device) -> torch.Tensor:
+    """``[positions, rotary_dim / 2]`` float32: position ``p``'s angle for pair ``i``, ``p`` times its frequency."""
+    inv = inverse_frequencies(rotary_dim, base, scaling).to(device)
+    return torch.outer(torch.arange(positions, device=device).float(), inv)
+
+
+def rotary_rotor(positions: int, rotary_dim: int, head_dim: int, base: float, device: torch.device) -> torch.Tensor:
+    """Unit complex numbers ``[positions, 1, head_dim // 2]``: pair ``i`` of a head turns by
+    ``position · base^(-2i/rotary_dim)`` when ``i < rotary_dim / 2``, and by angle 0 (times exactly 1)
+    past it, so that one contiguous complex multiply covers every pair of a head."""
+    angles = F.pad(rotary_angles(positions, rotary_dim, base, None, device), (0, head_dim // 2 - rotary_dim // 2))
+    return torch.polar(torch.ones_like(angles), angles)[:, None, :]
+
+
+def _as_pairs(x: torch.Tensor) -> torch.Tensor:
+    """The last dimension of float32 ``x`` as complex numbers, one per adjacent pair (a view)."""
+    return torch.view_as_complex(x.unflatten(-1, (-1, 2)))
+
+
+def apply_interleaved_rotary(x: torch.Tensor, rotor: torch.Tensor) -> torch.Tensor:
+    """Rotate each adjacent pair ``(x[2i], x[2i+1])`` of ``x[B, T, heads, head_dim]`` by its angle (the
+    ``rotor`` of :func:`rotary_rotor`): GPT-J's interleaved ("rotate every two") rotary, as one complex
+    multiplication of the whole head; the pairs past ``rotary_dim`` are multiplied by exactly 1.
+
+    With autograd the product is a new tensor, and autograd turns the gradient back by the conjugate rotor:
+    views and one multiply each way. ``x`` is a projection's fresh output, which nothing else reads:
+    without autograd, float32 is rotated in place.
+    """
+    if x.dtype != torch.float32:
+        return apply_interleaved_rotary(x.float(), rotor).to(x.dtype)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return torch.view_as_real(_as_pairs(x) * rotor).flatten(-2)
+    _as_pairs(x).mul_(rotor)
+    return x
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``(-x[d/2:], x[:d/2])`` along the last dimension ``d``: the rotation's sine partner of each dimension."""
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+class Rotary(Protocol):
+    """A rotary position embedding, as :class:`CausalSelfAttention` uses one: a table of every position below a
+    size, the rows of some positions taken from it, and the rotation of a query or key by those rows. ``Rows``
+    is whatever the rotation reads (a tensor, a pair of tensors)."""
+
+    def table(self, size: int, device: torch.device) -> Any:
+        """The rows of positions ``0 … size - 1``."""
+
+    def span(self, table: Any, start: int, length: int) -> Any:
+        """The rows of positions ``start … start + length - 1`` of ``table``, the same for every batch row."""
+
+    def at(self, table: Any, positions: torch.Tensor) -> Any:
+        """The rows of ``positions[B, T]`` (each batch row its own), from ``table``."""
+
+    def rotate(self, x: torch.Tensor, rows: Any) -> torch.Tensor:
+        """``x[B, T, heads, head_dim]`` rotated by ``rows``, as ``[B, heads, T, head_dim]``."""
+
+
+@dataclass(frozen=True)
+class InterleavedRotary:
+    """GPT-J's rotary: each adjacent pair ``(x[2i], x[2i+1])`` of the first ``rotary_dim`` dimensions turns by
+    ``position · base^(-2i/rotary_dim)``; the rows are unit complex numbers (:func:`rotary_rotor`), and the
+    rotation one complex multiply, in float32, before the heads are transposed."""
+
+    head_dim: int
+    rotary_dim: int
+    base: float = 10000.0
+
+    def table(self, size: int, device: torch.device) -> torch.Tensor:
+        return rotary_rotor(size, self.rotary_dim, self.head_dim, self.base, device)  # [size, 1, head_dim / 2]
+
+    def span(self, table: torch.Tensor, start: int, length: int) -> torch.Tensor:
+        return table[start : start + length]  # [T, 1, head_dim / 2]
+
+    def at(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return table[positions]  # [B, T, 1, head_dim / 2]
+
+    def rotate(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return apply_interleaved_rotary(x, rows).transpose(1, 2)
+
+
+@dataclass(frozen=True)
+class HalvesRotary:
+    """Llama's and GPT-NeoX's rotary ("rotate_half"): dimension ``i`` of the first ``rotary_dim`` pairs with
+    ``i + rotary_dim / 2`` and turns by ``position · base^(-2i/rotary_dim)`` (frequencies scaled by
+    ``scaling``, see :func:`inverse_frequencies`); the rows are float32 cos and sin, each frequency twice, cast
+    to the activations' dtype, and the rotation is computed in that dtype after the heads are transposed, as
+    transformers does."""
+
+    head_dim: int
+    rotary_dim: int
+    base: float = 10000.0
+    scaling: dict | None = None
+
+    def table(self, size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = rotary_angles(size, self.rotary_dim, self.base, self.scaling, device)
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos(), angles.sin()  # each [size, rotary_dim]
+
+    def span(self, table: tuple[torch.Tensor, torch.Tensor], start: int,
+             length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = table
+        return cos[start : start + length], sin[start : start + length]  # [T, rotary_dim]
+
+    def at(self, table: tuple[torch.Tensor, torch.Tensor],
+           positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = table
+        return cos[positions][:, None], sin[positions][:, None]  # [B, 1, T, rotary_dim]
+
+    def rotate(self, x: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x = x.transpose(1, 2)
+        cos, sin = (t.to(x.dtype) for t in rows)
+        if self.rotary_dim == self.head_dim:
+            return x * cos + rotate_half(x) * sin
+        turned, kept = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        return torch.cat((turned * cos + rotate_half(turned) * sin, kept), dim=-1)
+
+
+class CausalSelfAttention(nn.Module):
+    """``h[B, T, hidden] -> [B, T, hidden]``: this rank's heads' attention, its output projection's result
+    partial under TP and without the output bias (the block adds it once, after the all-reduce).
+
+    ``heads`` and ``kv_heads`` (default ``heads``) are the whole model's; ``rotary`` one of
+    :class:`InterleavedRotary` and :class:`HalvesRotary`; ``output_name`` the output projection's attribute
+    (and so its weights' names). ``skip_output_in_recompute``: the output is read by nothing but the layer's
+    output (GPT-J's parallel block), so while the engine recomputes the layer for its gradient the output
+    projection's forward matmul is skipped (:func:`ipuft.ops.output_projection`).
+    """
+
+    def __init__(self, hidden_size: int, heads: int, head_dim: int, rotary: Rotary, *, kv_heads: int | None = None,
+                 tensor_parallel: int = 1, qkv_bias: bool = False, output_bias: bool = False,
+                 output_name: str = "o_proj", kernel: str = "sdpa", skip_output_in_recompute: bool = False) -> None:
+        super().__init__()
+        if kernel not in KERNELS:
+            raise ValueError(f"attention kernel {kernel!r}: one of {', '.join(KERNELS)}")
+        kv_heads = heads if kv_heads is None else kv_heads
+        self.heads = heads // tensor_parallel  # this rank's query heads
+        self.group = heads // kv_heads  # query heads per key/value head
+        self.kv_replicated = kv_heads % tensor_parallel != 0
+        self.kv_heads = kv_heads if self.kv_replicated else kv_heads // tensor_parallel
+        self.head_dim, self.tensor_parallel = head_dim, tensor_parallel
+        self.q_proj = Linear(hidden_size, self.heads * head_dim, bias=qkv_bias)
+        self.k_proj = Linear(hidden_size, self.kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = Linear(hidden_size, self.kv_heads * head_dim, bias=qkv_bias)
+        self.output_name = output_name
+        self.add_module(output_name, Linear(self.heads * head_dim, hidden_size, bias=output_bias))
+        self.rotary, self.kernel, self.skip_output_in_recompute = rotary, kernel, skip_output_in_recompute
+        self._tables: dict[tuple, Any] = {}
+
+    @property
+    def output(self) -> nn.Linear:
+        """The output projection (``out_proj``, ``o_proj``: the name the family's weights have)."""
+        return getattr(self, self.output_name)
+
+    def _table(self, size: int, device: torch.device) -> Any:
+        key = (size, device)
+        if key not in self._tables:
+            self._tables[key] = self.rotary.table(size, device)
+        return self._tables[key]
+
+    def _rotor(self, start: int, length: int, device: torch.device) -> Any:
+        """The rotary rows of positions ``start … start + length - 1``.
+
+        Without a cache (``start`` 0) there is one small table per sequence length and device. A cached
+        step slices a table whose length is the next power of two, so that decoding makes few tables.
+        """
+        size = length if start == 0 else 1 << (start + length - 1).bit_length()
+        return self.rotary.span(self._table(size, device), start, length)
+
+    def _positions(self, new: int, cache: LayerKVCache | None,
+                   device: torch.device) -> tuple[Any, torch.Tensor | None]:
+        """The rotary rows of the next ``new`` tokens, and the mask of the keys they may see (``None``: causal)."""
+        if cache is None or cache.pad is None:
+            return self._rotor(0 if cache is None else cache.length, new, device), None
+        # Left-padded rows: per-row positions from a table that covers every position, and pad keys hidden.
+        table = self._table(1 << (cache.length + new - 1).bit_length(), device)
+        return self.rotary.at(table, cache.positions(new, device)), cache.attention_mask(new, device)
+
+    def _kv_projection(self, proj: nn.Linear, h: torch.Tensor) -> torch.Tensor:
+        if not (self.kv_replicated and self.tensor_parallel > 1):
+            return proj(h)
+        # Every rank holds the whole projection and reads only its query heads' share: its gradient is partial
+        # here, and summed over TP by the backward of the copy.
+        bias = None if proj.bias is None else copy_to_tensor_parallel(proj.bias)
+        return F.linear(h, copy_to_tensor_parallel(proj.weight), bias)
+
+    def _local_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key/value heads of each of this rank's query heads, ``[B, heads, T, head_dim]``."""
+        if self.kv_replicated and self.tensor_parallel > 1:
+            first = tensor_parallel_rank() * self.heads
+            index = torch.arange(first, first + self.heads, device=k.device) // self.group
+            return k.index_select(1, index), v.index_select(1, index)
+        if self.group == 1:
+            return k, v
+        b, kv, t, d = k.shape
+        return (k[:, :, None].expand(b, kv, self.group, t, d).reshape(b, kv * self.group, t, d),
+                v[:, :, None].expand(b, kv, self.group, t, d).reshape(b, kv * self.group, t, d))
+
+    def forward(self, h: torch.Tensor, cache: LayerKVCache | None = None) -> torch.Tensor:
+        new = h.shape[1]
+        rows, mask = self._positions(new, cache, h.device)
+        q = self.q_proj(h).unflatten(-1, (self.heads, self.head_dim))  # [B, T, heads, head_dim]
+        k = self._kv_projection(self.k_proj, h).unflatten(-1, (self.kv_heads, self.head_dim))
+        v = self._kv_projection(self.v_proj, h).unflatten(-1, (self.kv_heads, self.head_dim))
+        if cache is None and self.kernel == "sdpa" and attention_in_float32(h, self.head_dim, new):
+            # Where ATen's 16-bit CPU flash attention is the slower (ipuft.ops.attention_in_float32): the rotary
+            # and the attention stay in float32 up to the output projection. A cache keeps its dtype.
+            q, k, v = q.float(), k.float(), v.float()
+        q, k = self.rotary.rotate(q, rows), self.rotary.rotate(k, rows)  # [B, heads, T, head_dim]
+        v = v.transpose(1, 2)
+        if cache is not None:
+            k, v = cache.append(k, v)  # every key and value so far, kv_heads wide: [B, kv, T_past + T, head_dim]
+        k, v = self._local_kv(k, v)
+        out = self._attend(q, k, v, mask).to(h.dtype).transpose(1, 2).flatten(-2)
+        if self.skip_output_in_recompute:
+            return output_projection(self.output.weight, out)
+        return linear(out, self.output.weight)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Causal attention of the last ``T_q`` positions over all ``T_k``: query i sees keys ≤ T_k - T_q + i
+        (and of those only the ones ``mask[B, 1, T_q, T_k]`` allows, when given)."""
+        t_q, t_k = q.shape[-2], k.shape[-2]
+        if self.kernel == "eager":
+            if mask is None:
+                mask = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device).tril(t_k - t_q)
+            scores = (q @ k.transpose(-1, -2)) / math.sqrt(self.head_dim)
+            return scores.masked_fill(~mask, torch.finfo(scores.dtype).min).softmax(-1) @ v
+        if mask is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if t_q == t_k:  # no past: the plain causal mask
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if t_q == 1:  # one new token sees everything
+            return F.scaled_dot_product_attention(q, k, v)
+        causal = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device).tril(t_k - t_q)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal)
