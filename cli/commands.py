@@ -74,7 +74,7 @@ def warn(cfg, training: bool = True) -> None:
 @click.version_option(package_name="ipuft")
 @click.option("--debug", is_flag=True, help="Errors come with their full traceback (as IPUFT_DEBUG=1 does).")
 def cli(debug: bool) -> None:
-    """Fine-tune GPT-J-family models larger than the accelerator's memory."""
+    """Fine-tune causal language models (GPT-J, Llama, Mistral, Qwen2) larger than the accelerator's memory."""
 
 
 @cli.command()
@@ -182,7 +182,8 @@ def bench(hooks: PluginHooks, cfg, as_json: bool, profile: bool, steps: int, tra
               help="The exported weights' dtype (config.json's torch_dtype); default: the precision trained in.")
 @click.pass_obj
 def export(hooks: PluginHooks, checkpoint: str, out: str, max_shard_size: int, dtype: str | None) -> None:
-    """Write a checkpoint as a Hugging Face GPT-J directory (config.json + safetensors)."""
+    """Write a checkpoint as a Hugging Face directory of its family (GPT-J, Llama, Mistral or Qwen2):
+    config.json and safetensors, and the checkpoint's tokenizer where it has one."""
     from ipuft.io.hf_export import export_hf
 
     click.echo(f"wrote {export_hf(checkpoint, out, hooks, max_shard_size, dtype)}")
@@ -236,7 +237,7 @@ def eval_command(hooks: PluginHooks, cfg, as_json: bool, task: str, mode: str, b
 
 @cli.command()
 @click.option("--checkpoint", "path", required=True, metavar="PATH",
-              help="An ipuft checkpoint or run directory, or a Hugging Face GPT-J directory.")
+              help="An ipuft checkpoint or run directory, or a Hugging Face directory (GPT-J, Llama, Mistral, Qwen2).")
 @click.option("--prompts", "prompts_file", default=None, metavar="FILE", type=click.Path(dir_okay=False),
               help="A UTF-8 file of prompts, one per line (then every argument is a KEY=VALUE override).")
 @click.option("--batch-size", default=8, show_default=True, type=click.IntRange(min=1),
@@ -254,7 +255,8 @@ def eval_command(hooks: PluginHooks, cfg, as_json: bool, task: str, mode: str, b
 def generate(hooks: PluginHooks, path: str, prompts_file: str | None, batch_size: int, max_new_tokens: int,
              temperature: float, top_k: int, top_p: float, seed: int, as_json: bool, args: tuple[str, ...]) -> None:
     """Continue PROMPT (or every line of --prompts FILE) with a KV cache, greedily or by sampling; each
-    row stops at <|endoftext|>. Weights stay in host memory and come to the device one unit at a time.
+    row stops at an eos token (model.eos_token_ids; unset, <|endoftext|>). Weights stay in host memory and
+    come to the device one unit at a time.
 
     \b
     Examples:

@@ -142,7 +142,7 @@ class ExecutionConfig:
     # Keep weights, optimizer state and gradients in host memory and stream them per phase.
     offload: bool = True
     # Where the optimizer runs. host (with offload=true): in host memory, in place, from the stored gradient;
-    # weights, Adam state and gradients never come to the device for an update (see README, How a step runs).
+    # weights, Adam state and gradients never come to the device for an update (see docs/how-a-step-runs.md).
     optimizer_placement: OptimizerPlacement = OptimizerPlacement.device
     # Keep the x/dx activation buffers in host memory too.
     activation_offload: bool = False
