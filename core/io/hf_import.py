@@ -231,7 +231,7 @@ def hf_initializer(directory: str | Path, modules, layers: int,
     """An engine initializer that fills each unit from the checkpoint, tensor by tensor. A variable the
     component marks ``added`` (an adapter: it has no Hugging Face name) starts from its declared init,
     seeded by ``seed`` as a random start would be; any other variable without a name stops the import."""
-    from ipuft.engine.phased import initial_values
+    from ipuft.engine.variables import initial_values
 
     weights = HFWeights(directory)
     mappings = unit_mappings(modules, layers)

@@ -72,7 +72,7 @@ def save(engine: PhasedEngine, cfg: DictConfig, root: Path | None, step: int, da
     if root is None:
         return None
     groups = ("fwd", "optim") if cfg.checkpoint.optim_state else ("fwd",)
-    tensors = engine.full_tensors(groups)
+    tensors = engine.model.full_tensors(groups)
     if not engine.layout.is_main:
         for _ in tensors:  # this rank's part of each gather; rank 0 writes
             pass
@@ -81,7 +81,7 @@ def save(engine: PhasedEngine, cfg: DictConfig, root: Path | None, step: int, da
     units = engine.program.units()
     contents = Contents(
         units=units,
-        files={files[g]: [replace(s, name=f"{u}.{s.name}") for u in units for s in engine.full_specs(u, g)]
+        files={files[g]: [replace(s, name=f"{u}.{s.name}") for u in units for s in engine.model.full_specs(u, g)]
                for g in groups},
         tensors=((files[group], f"{unit}.{spec.name}", t) for unit, group, spec, t in tensors))
     state = {"updates": engine.updates, "loss_scale": engine.scale.state_dict(),
@@ -96,8 +96,8 @@ def restore(engine: PhasedEngine, cfg: DictConfig, checkpoint: Path, data) -> in
         units = engine.program.units()
         state_of = checkpoint_initializer(checkpoint, OPTIM, units=units)  # verified as it is read
         for unit in units:
-            specs = engine.full_specs(unit, "optim")
-            engine.load_full("optim", {unit: state_of(unit, specs, engine.full_homes(unit, "optim"))})
+            specs = engine.model.full_specs(unit, "optim")
+            engine.model.load_full("optim", {unit: state_of(unit, specs, engine.model.full_homes(unit, "optim"))})
     engine.updates = int(meta.get("updates", meta["step"]))
     if "loss_scale" in meta:
         engine.scale.load_state_dict(meta["loss_scale"])
@@ -193,7 +193,7 @@ def check_run_paths(cfg: DictConfig, parts: ModelParts, hooks: PluginHooks) -> N
     needed = checkpoint_bytes(cfg, parts, hooks)
     free = shutil.disk_usage(_existing_ancestor(root)).free
     if free < needed:
-        from ipuft.engine.plan import format_bytes
+        from ipuft.engine.fit import format_bytes
 
         raise ConfigError(f"checkpoint.save: {root} has {format_bytes(free)} free, but one checkpoint of this model "
                           f"takes {format_bytes(needed)}; free space or save elsewhere")
@@ -328,7 +328,7 @@ def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[di
             result = engine.step(batch, lr)
             record = metrics_record(step + 1, result, lr, tokens, time.perf_counter() - began, flops)
             if validation is not None and ((step + 1) % cfg.training.eval_steps == 0 or step + 1 == steps):
-                scored = dataset_loss(engine, validation, cfg.execution.micro_batch_size)
+                scored = dataset_loss(engine.model, validation, cfg.execution.micro_batch_size)
                 record.update({f"validation_{k}": v for k, v in scored.items()})
             records.append(record)
             if main:
