@@ -73,7 +73,7 @@ def read(engine, checkpoint: Path) -> None:
     for file, group in ((WEIGHTS, "fwd"), (OPTIM, "optim")):
         initial = checkpoint_initializer(checkpoint, file, units)
         for unit in units:
-            initial(unit, engine.full_specs(unit, group))
+            initial(unit, engine.model.full_specs(unit, group))
 
 
 def timed(fn, *args):

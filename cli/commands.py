@@ -59,7 +59,7 @@ def warn(cfg, training: bool = True) -> None:
     """The warnings of a command that computes, on rank 0: 16-bit updates that vanish (a command that trains),
     and 16-bit compute on a CPU without fast 16-bit kernels."""
     from ipuft.engine.kernels import slow_precision_warning
-    from ipuft.engine.plan import compute_device
+    from ipuft.engine.memory import compute_device
     from ipuft.engine.precision import vanishing_updates_warning
 
     if os.environ.get("RANK", "0") != "0":
@@ -114,9 +114,11 @@ def plan(hooks: PluginHooks, cfg, as_json: bool, batch_size: int) -> None:
       ipuft plan --config gptj-6b
       ipuft plan --config gptj-6b execution.data_parallel=8 --json
     """
+    from ipuft.engine.fit import fit, format_fit, format_plan
     from ipuft.engine.kernels import require_precision_support
+    from ipuft.engine.memory import compute_device
     from ipuft.engine.model import build_model
-    from ipuft.engine.plan import compute_device, estimate, fit, format_fit, format_plan
+    from ipuft.engine.plan import estimate
 
     require_precision_support(cfg, compute_device(cfg))
     parts = build_model(cfg, hooks, hooks.registrations.build_optimizer(cfg))

@@ -202,7 +202,7 @@ def assert_parity(hooks: PluginHooks, overrides: Sequence[str], update: Update, 
         module.train()
     layers, units = cfg.model.layers, engine.program.units()
     names = reference_names(parts.modules, layers, parts.variables)
-    initial = engine.full_weights()
+    initial = engine.model.full_weights()
     result = Parity(initial_weights={names[(u, n)]: t.float().clone() for u, w in initial.items()
                                      for n, t in w.items()})
     params = {u: {n: t.detach().float().clone().requires_grad_() for n, t in w.items()} for u, w in initial.items()}
@@ -227,7 +227,7 @@ def assert_parity(hooks: PluginHooks, overrides: Sequence[str], update: Update, 
                     update(names[(unit, n)], p, p.grad * factor, lrs[step], step + 1)
                     p.grad = None
 
-    final = engine.full_weights()
+    final = engine.model.full_weights()
     for unit in units:
         for n, t in final[unit].items():
             name = names[(unit, n)]

@@ -49,7 +49,7 @@ def train_configs(rank: int, configs: dict[str, list[str]], steps: int, out: str
         results = [engine.step(replica_batch(cfg, data, s, engine.layout),
                                learning_rate(s, steps, cfg.training.optimizer.learning_rate)) for s in range(steps)]
         per_step = reductions / steps
-        weights = engine.full_weights()
+        weights = engine.model.full_weights()
         planned = estimate(cfg, engine.parts, hooks)
         record = {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
                   "traffic": results[-1].traffic, "planned": planned["traffic"],
@@ -57,8 +57,8 @@ def train_configs(rank: int, configs: dict[str, list[str]], steps: int, out: str
                       planned["activation_bytes"] if cfg.execution.activation_offload else 0),
                   "activation_bytes": results[-1].activation_bytes, "planned_activation": planned["activation_bytes"],
                   "reductions_per_step": per_step,
-                  "variables": sum(len(v) for v in engine.weights().values())}
-        optim = engine.full_weights("optim")  # every rank takes part in the gathers
+                  "variables": sum(len(v) for v in engine.model.weights().values())}
+        optim = engine.model.full_weights("optim")  # every rank takes part in the gathers
         torch.save(plain({"weights": weights, "optim": optim, **record} if rank == 0 else record),
                    Path(out) / f"{name}.rank{rank}.pt")
 
@@ -70,7 +70,7 @@ def tp_logits(rank: int, overrides: list[str], hf_state: dict, ids: torch.Tensor
 
     from ipuft.config import load_config
     from ipuft.engine.model import build_model
-    from ipuft.engine.phased import placements
+    from ipuft.engine.variables import placements
     from ipuft.parallel import init_layout
     from ipuft.plugins import create_plugin_manager
 
@@ -142,8 +142,8 @@ def hf_load(rank: int, overrides: list[str], out: str) -> None:
 
     hooks = create_plugin_manager()
     engine = build_engine(load_config(None, overrides, hooks.registrations.config_sections), hooks)
-    stored = sum(t.numel() for w in engine.weights().values() for t in w.values())
-    full = engine.full_weights()
+    stored = sum(t.numel() for w in engine.model.weights().values() for t in w.values())
+    full = engine.model.full_weights()
     torch.save(plain({"stored": stored, "weights": full if rank == 0 else None}), Path(out) / f"hf.rank{rank}.pt")
 
 
@@ -177,7 +177,7 @@ def save_memory(rank: int, overrides: list[str], out: str) -> None:
 
     def unit_bytes(unit: str) -> int:
         variables = engine.parts.variables[unit.role]
-        state = optimizer_state_specs(variables, engine.optimizer, engine.recipe is Recipe.master)
+        state = optimizer_state_specs(variables, engine.optimizer, engine.model.recipe is Recipe.master)
         return sum(v.nbytes for v in variables) + sum(s.nbytes for s in state)
 
     gc.collect()

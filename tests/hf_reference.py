@@ -49,10 +49,10 @@ def hf_runner(cfg: DictConfig, hooks, state):
     store holds the Hugging Face state dict ``state``'s weights."""
     from ipuft.engine.inference import LayerMajor
     from ipuft.engine.model import build_model
-    from ipuft.engine.phased import PhasedEngine
+    from ipuft.engine.stored import StoredModel
 
     parts = build_model(cfg, hooks)
     units = hf_units(parts.modules, cfg.model.layers, state)
-    engine = PhasedEngine(cfg, parts, None, torch.device("cpu"),
-                          initializer=lambda unit, specs: {s.name: units[unit][s.name].to(s.dtype) for s in specs})
-    return LayerMajor(engine)
+    model = StoredModel(cfg, parts, torch.device("cpu"),
+                        initializer=lambda unit, specs: {s.name: units[unit][s.name].to(s.dtype) for s in specs})
+    return LayerMajor(model)

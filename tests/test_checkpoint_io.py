@@ -45,7 +45,7 @@ def test_the_files_load_with_safetensors_and_equal_the_gathered_tensors(hooks, t
     checkpoint = save(engine, cfg, tmp_path / "checkpoints", 1)
     dtype = {"float32": torch.float32, "bf16-sr": torch.bfloat16, "fp16-master": torch.float16}[recipe]
     for file, group in ((WEIGHTS, "fwd"), (OPTIM, "optim")):
-        expected = {f"{unit}.{n}": t for unit, w in engine.full_weights(group).items() for n, t in w.items()}
+        expected = {f"{unit}.{n}": t for unit, w in engine.model.full_weights(group).items() for n, t in w.items()}
         with safe_open(str(checkpoint / file), framework="pt") as f:
             assert f.metadata() == {"format": "ipuft-checkpoint"}
             assert set(f.keys()) == set(expected)

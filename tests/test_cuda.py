@@ -33,9 +33,9 @@ def test_cuda_training_matches_cpu(hooks, make_config, offload, placement):
     for a, b in zip(cpu_results, gpu_results, strict=True):
         assert abs(a.loss - b.loss) / a.loss <= 1e-5 and abs(a.grad_norm - b.grad_norm) / a.grad_norm <= 1e-5
         assert a.traffic == b.traffic  # the same bytes cross, prefetched or not
-    for unit, weights in cpu.weights().items():
+    for unit, weights in cpu.model.weights().items():
         for name, w in weights.items():
-            assert max_rel(gpu.weights()[unit][name].cpu(), w) <= 1e-5, f"{unit}.{name}"
+            assert max_rel(gpu.model.weights()[unit][name].cpu(), w) <= 1e-5, f"{unit}.{name}"
 
 
 def test_cuda_offload_keeps_variables_in_pinned_host_memory(hooks, make_config):

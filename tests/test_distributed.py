@@ -45,7 +45,7 @@ def single_process(hooks, gbs, extra=()):
     data = data_source(cfg)
     results = [engine.step(replica_batch(cfg, data, s, engine.layout),
                            learning_rate(s, STEPS, cfg.training.optimizer.learning_rate)) for s in range(STEPS)]
-    return [r.loss for r in results], [r.grad_norm for r in results], engine.full_weights()
+    return [r.loss for r in results], [r.grad_norm for r in results], engine.model.full_weights()
 
 
 def rel(a, b):
@@ -151,7 +151,7 @@ def test_dropout_seeds_agree_within_tp_and_differ_across_dp(hooks):
     for rank in range(4):  # ranks 0, 1 form DP replica 0's TP group; ranks 2, 3 replica 1's
         engine = PhasedEngine(cfg, parts, optimizer, torch.device("cpu"), Layout(2, 2, rank))
         engine.updates = 1
-        with engine._rng("decoder.0", 0):
+        with engine.compute.rng("decoder.0", 0, engine.updates):
             draws[rank] = torch.rand(8)
     assert torch.equal(draws[0], draws[1]) and torch.equal(draws[2], draws[3])
     assert not torch.equal(draws[0], draws[2])

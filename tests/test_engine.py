@@ -87,7 +87,7 @@ def reference_training(cfg, initial_hf_state, update=None, frozen=()):
 
 def initial_weights(engine, cfg):
     return hf_state(engine.modules, cfg.model.layers,
-                 {u: {n: t.clone() for n, t in w.items()} for u, w in engine.weights().items()})
+                 {u: {n: t.clone() for n, t in w.items()} for u, w in engine.model.weights().items()})
 
 
 def run_engine(engine, cfg):
@@ -100,7 +100,7 @@ def assert_matches(cfg, engine, results, reference, initial, frozen=()):
     for r, loss, norm in zip(results, ref_losses, ref_norms, strict=True):
         assert abs(r.loss - loss) / abs(loss) <= 1e-5
         assert abs(r.grad_norm - norm) / norm <= 1e-5
-    weights = hf_state(engine.modules, cfg.model.layers, engine.weights())
+    weights = hf_state(engine.modules, cfg.model.layers, engine.model.weights())
     assert set(weights) == set(ref_weights) | set(frozen)
     for name, w in weights.items():
         if name in frozen:
@@ -138,7 +138,7 @@ def test_five_steps_equal_the_plain_reference(hooks, make_config, reference, off
     assert min(ref_norms) > 4 * cfg.training.optimizer.gradient_clipping  # clipping is active on every step
     assert_matches(cfg, engine, run_engine(engine, cfg), (ref_losses, ref_norms, ref_weights), initial)
     assert len(engine.buffers) == 0  # every activation was consumed
-    assert engine.graph_bytes == 0 and not engine._graphs  # and every kept graph
+    assert engine.compute.graph_bytes == 0 and not engine.compute.graphs  # and every kept graph
 
 
 @pytest.mark.parametrize("every", [1, 3])
@@ -146,12 +146,12 @@ def test_weight_gradients_taken_a_few_micro_batches_at_a_time(hooks, make_config
     """Takes of fewer micro-batches than GA (a long sequence's, see ipuft.ops): ``every`` micro-batches at a time,
     the last take the rest; the steps still equal the plain reference, and the plan bounds what the ledger
     counts (the pieces the takes hold included)."""
-    from ipuft.engine import precision
+    from ipuft.engine import gradients
 
     cfg = make_config(*EQUIVALENCE)
     tokens = cfg.execution.micro_batch_size * cfg.model.sequence_length
-    monkeypatch.setattr(precision, "TAKE_TOKENS", every * tokens)
-    assert precision.take_every(cfg.gradient_accumulation, tokens) == every
+    monkeypatch.setattr(gradients, "TAKE_TOKENS", every * tokens)
+    assert gradients.take_every(cfg.gradient_accumulation, tokens) == every
     engine = make_engine(cfg, hooks)
     (ref_losses, ref_norms, ref_weights), initial = reference
     results = run_engine(engine, cfg)
@@ -175,9 +175,9 @@ def test_a_whole_take_reuses_the_stored_gradients_memory(hooks, make_config):
         after = {n: t.data_ptr() for n, t in engine.store.entries[unit]["grad"].items()}
         taken = {n for n in after if n.endswith("proj.weight") or n.startswith("mlp.fc_in.")}
         assert taken and all(after[n] == before[n] for n in taken), step
-    for unit, weights in engine.weights().items():
+    for unit, weights in engine.model.weights().items():
         for name, t in weights.items():
-            assert torch.equal(t, fresh.weights()[unit][name]), (unit, name)
+            assert torch.equal(t, fresh.model.weights()[unit][name]), (unit, name)
 
 
 @pytest.mark.parametrize("recompute", [True, False])
@@ -375,6 +375,35 @@ def test_device_peak_is_bounded_and_independent_of_depth(hooks, make_config):
     assert peaks[2] == peaks[16]
 
 
+@pytest.mark.parametrize("overrides", [
+    (),
+    ("execution.offload=false",),
+    ("execution.activation_offload=true", "execution.micro_batch_size=2"),
+    ("model.precision=bfloat16", "training.stochastic_rounding=true", "training.master_weights=false"),
+    ("execution.optimizer_placement=host",),
+    ("model.freeze=[embeddings]", "training.global_batch_size=2"),
+])
+def test_each_phase_holds_no_more_than_the_plan_declares_for_it(hooks, make_config, overrides):
+    """Phase by phase, the ledger's peak above what the phase found on the device stays within what the plan
+    declares the phase holds (ipuft.engine.memory.PhaseMemory, beside the buffered activations it may touch),
+    and a phase that loads variables holds at least them: the plan's holdings are per phase, as its moves are,
+    not only a bound on the step."""
+    from ipuft.engine.memory import resident_activation_bytes
+
+    cfg = make_config("training.global_batch_size=4", *overrides)
+    engine = make_engine(cfg, hooks)
+    planned = {p["phase"]: p["device"] for p in estimate(cfg, engine.parts, hooks)["program"]}
+    computes = {p.name: p.computes for p in engine.program}
+    acts = resident_activation_bytes(cfg)
+    for batch in batches(cfg)[:2]:
+        measured = engine.step(batch, 1e-3).phase_peak_bytes
+        assert set(measured) == set(planned)
+        for name, held in planned.items():
+            bound = held["loaded"] + max(acts + held["compute"] if computes[name] else 0, held["update"])
+            assert held["loaded"] <= measured[name] <= bound, (name, measured[name], held)
+    assert any(held["compute"] > 0 for held in planned.values())
+
+
 def test_dropout_masks_match_between_forward_and_recompute(hooks, make_config):
     """With dropout, the phased step's loss and gradient norm are those of the whole model run with the
     same per-unit, per-micro-batch masks: the recompute reproduces the forward's masks exactly."""
@@ -382,16 +411,16 @@ def test_dropout_masks_match_between_forward_and_recompute(hooks, make_config):
 
     cfg = make_config("model.dropout_prob=0.3", "training.global_batch_size=4", "execution.loss_scaling=8")
     engine = make_engine(cfg, hooks)
-    weights = {u: {n: t.clone().requires_grad_() for n, t in w.items()} for u, w in engine.weights().items()}
+    weights = {u: {n: t.clone().requires_grad_() for n, t in w.items()} for u, w in engine.model.weights().items()}
     batch = batches(cfg)[0]
     result = engine.step(batch, 0.0)
 
     losses = []
     for mb in range(batch.micro_batches):
-        with engine._rng("embeddings", mb):
+        with engine.compute.rng("embeddings", mb, engine.updates):
             h = functional_call(engine.modules["embeddings"], weights["embeddings"], (batch.input_ids[mb],))
         for n in range(cfg.model.layers):
-            with engine._rng(f"decoder.{n}", mb):
+            with engine.compute.rng(f"decoder.{n}", mb, engine.updates):
                 h = functional_call(engine.modules["decoder"], weights[f"decoder.{n}"], (h,))
         losses.append(functional_call(engine.modules["head"], weights["head"], (h, batch.labels[mb])))
     loss = torch.stack(losses).mean()
@@ -410,21 +439,21 @@ def test_updates_in_pieces_equal_updates_of_whole_variables(hooks, make_config, 
     """The optimizer updates a unit in pieces of at most update_chunk elements, grouped across variables: with
     pieces of 1000 elements (every variable of the tiny model cut, small ones grouped) the weights and Adam's
     state after three steps are those of one call over whole variables, bit for bit."""
-    import ipuft.engine.phased
+    import ipuft.engine.update
 
     cfg = make_config("training.global_batch_size=4", *recipe)
     states = {}
     whole = 1 << 40  # one call over every whole variable of a unit
     for chunk in (1000, whole):
-        monkeypatch.setattr(ipuft.engine.phased, "update_chunk", lambda device, c=chunk: c)
+        monkeypatch.setattr(ipuft.engine.update, "update_chunk", lambda device, c=chunk: c)
         engine = make_engine(cfg, hooks)
         for batch in batches(cfg)[:3]:
             engine.step(batch, 1e-2)
-        states[chunk] = (engine.weights(), engine.store.state("optim"))
+        states[chunk] = (engine.model.weights(), engine.store.state("optim"))
     for group in range(2):
         for unit, tensors in states[whole][group].items():
             for name, t in tensors.items():
                 assert torch.equal(states[1000][group][unit][name], t), (unit, name)
-    groups = list(ipuft.engine.phased.update_groups([("a", 2500), ("b", 300), ("c", 1200)], 1000))
+    groups = list(ipuft.engine.update.update_groups([("a", 2500), ("b", 300), ("c", 1200)], 1000))
     assert groups == [[("a", 0, 1000)], [("a", 1000, 2000)], [("a", 2000, 2500), ("b", 0, 300), ("c", 0, 200)],
                       [("c", 200, 1200)]]

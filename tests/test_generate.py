@@ -148,7 +148,7 @@ def test_max_new_tokens_is_respected(model, new):
 
 def test_dropout_is_off_while_generating_and_training_flags_are_restored(make_config, hooks):
     _, _, runner = tiny_model(make_config, hooks, "model.dropout_prob=0.5")
-    modules = runner.engine.modules
+    modules = runner.model.modules
     for module in modules.values():
         module.train()
     first = generate(runner, [PROMPTS[0]], 10)
@@ -210,7 +210,7 @@ def test_plan_inference_view_equals_the_measured_device_peak(make_config, hooks,
     runner.store.ledger.reset_peak()
     out = generate(runner, prompts, 9)
     assert all(len(tokens) == 9 for tokens in out)
-    planned = inference_estimate(cfg, runner.engine.parts, batch_size=5, prompt_tokens=6, new_tokens=9)
+    planned = inference_estimate(cfg, runner.model.parts, batch_size=5, prompt_tokens=6, new_tokens=9)
     assert planned["device_peak_bytes"] == runner.store.ledger.peak
 
 

@@ -47,7 +47,7 @@ def test_round_trip_is_bit_exact(hooks, tmp_path, how):
     engine = build_engine(cfg, hooks)
     from ipuft.io.checkpoint import Contents, save_checkpoint
 
-    ckpt = save_checkpoint(Contents.of(engine.full_weights()), cfg, tmp_path / "ckpts", 0)
+    ckpt = save_checkpoint(Contents.of(engine.model.full_weights()), cfg, tmp_path / "ckpts", 0)
     out = export_hf(ckpt, tmp_path / "exported", hooks, shard_bytes=50_000)
     assert (out / "model.safetensors.index.json").exists()  # the tiny model spans several 50 kB shards
     exported = load_state(out)
@@ -69,7 +69,7 @@ def test_a_float16_checkpoint_streams_into_any_precision_and_exports_in_any_dtyp
     dtype = getattr(torch, precision)
     from ipuft.io.checkpoint import Contents, save_checkpoint
 
-    ckpt = save_checkpoint(Contents.of(engine.full_weights()), cfg, tmp_path / "ckpts", 0)
+    ckpt = save_checkpoint(Contents.of(engine.model.full_weights()), cfg, tmp_path / "ckpts", 0)
     assert all(t.dtype == dtype for t in load_file(str(ckpt / "model.safetensors")).values())
     for exported_dtype in ("float16", "float32", None):
         out = export_hf(ckpt, tmp_path / f"out-{exported_dtype}", hooks, dtype=exported_dtype)
@@ -140,7 +140,7 @@ def test_train_from_hf_then_export_and_transformers_reloads(hooks, tmp_path):
     engine = build_engine(engine_cfg, hooks)
     from torch.func import functional_call
 
-    w = engine.weights()
+    w = engine.model.weights()
     with torch.no_grad():
         h = functional_call(engine.modules["embeddings"], w["embeddings"], (ids,))
         for n in range(2):
@@ -215,7 +215,7 @@ def test_a_hub_name_resolves_from_the_local_cache_without_network(hooks, tmp_pat
                              "training.global_batch_size=2"], hooks.registrations.config_sections)
     assert cfg.model.hf_checkpoint == str(repo / "snapshots" / revision)
     engine = build_engine(cfg, hooks)
-    assert torch.equal(engine.weights()["embeddings"]["wte.weight"], model.state_dict()["transformer.wte.weight"])
+    assert torch.equal(engine.model.weights()["embeddings"]["wte.weight"], model.state_dict()["transformer.wte.weight"])
     code, _, err = run_cli(capsys, "plan", "model.hf_checkpoint=someone/absent")
     assert code == 2
     assert err == (f"ipuft: error: model.hf_checkpoint: someone/absent is neither a directory nor in the local "

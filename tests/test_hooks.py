@@ -54,7 +54,7 @@ def test_a_plugin_emits_its_own_phases_and_the_engine_runs_them(fake_dist, make_
         results = [engine.step(b, 1e-2) for b in batches(cfg)[:3]]
         for r in results:
             assert r.traffic == planned["traffic"]
-        runs[name] = parts.program, results, engine.weights()
+        runs[name] = parts.program, results, engine.model.weights()
     program, split, weights = runs["gptj_split"]
     assert [p.name for p in program if p.role == "embeddings"] == [
         "embeddings:forward", "embeddings:backward", "embeddings:global_norm", "embeddings:optimizer_step"]

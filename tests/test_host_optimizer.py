@@ -25,7 +25,7 @@ def both_placements(make_config, hooks, *overrides):
     for placement in ("device", "host"):
         cfg = make_config(*EQUIVALENCE, *overrides, f"execution.optimizer_placement={placement}")
         engine = make_engine(cfg, hooks)
-        initial = {u: {n: t.clone() for n, t in w.items()} for u, w in engine.weights().items()}
+        initial = {u: {n: t.clone() for n, t in w.items()} for u, w in engine.model.weights().items()}
         results = run_engine(engine, cfg)
         planned = estimate(cfg, engine.parts, hooks)
         for r in results:

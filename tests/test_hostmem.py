@@ -76,12 +76,12 @@ def test_with_huge_pages_the_heap_keeps_only_blocks_under_2_mib(monkeypatch):
 
 
 def test_the_engine_retains_host_memory_unless_told_not_to(hooks, make_config, monkeypatch):
-    import ipuft.engine.phased
+    import ipuft.engine.stored
     from ipuft.engine.model import build_model
 
     calls = []
-    monkeypatch.setattr(ipuft.engine.phased, "retain_freed_memory", lambda: calls.append(1))
+    monkeypatch.setattr(ipuft.engine.stored, "retain_freed_memory", lambda: calls.append(1))
     for retain in (True, False):
         cfg = make_config(f"execution.retain_host_memory={retain}")
-        ipuft.engine.phased.PhasedEngine(cfg, build_model(cfg, hooks), None, "cpu")
+        ipuft.engine.stored.StoredModel(cfg, build_model(cfg, hooks), "cpu")
     assert calls == [1]

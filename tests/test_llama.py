@@ -124,7 +124,7 @@ def test_three_adam_steps_equal_transformers_with_torch_adamw(hooks, hf_dirs, ki
             losses.append(loss.item())
         adam.step()
         assert abs(result.loss - sum(losses) / len(losses)) <= 1e-5 * abs(result.loss)
-    ours = hf_state(engine.modules, 2, engine.full_weights())
+    ours = hf_state(engine.modules, 2, engine.model.full_weights())
     for name, p in hf.named_parameters():
         assert max_rel(ours[name], p.detach()) <= 1e-5, name
 
@@ -154,7 +154,7 @@ def test_tensor_and_data_parallel_training_equal_one_process(hooks, tmp_path):
         data = data_source(cfg)
         results = [engine.step(replica_batch(cfg, data, s, engine.layout), learning_rate(s, 5, cfg.training.optimizer.learning_rate))
                    for s in range(5)]
-        weights = engine.full_weights()
+        weights = engine.model.full_weights()
         got = torch.load(tmp_path / f"{name}.rank0.pt")
         assert results[0].grad_norm > 0.5  # clipping is active
         for a, b in zip(got["losses"], [r.loss for r in results], strict=True):
@@ -265,11 +265,11 @@ def test_phased_bfloat16_equals_a_plain_bfloat16_reference(hooks, hf_dirs):
     shapes = [o for o in EQUIVALENCE if not o.startswith("model.layers")]  # the checkpoint's 2 layers
     cfg = config(hooks, hf_dirs["llama"][1], *shapes, *BF16_SR)
     engine = build_engine(cfg, hooks)  # the checkpoint's weights, rounded to bfloat16
-    initial = {u: {n: t.clone() for n, t in w.items()} for u, w in engine.weights().items()}
+    initial = {u: {n: t.clone() for n, t in w.items()} for u, w in engine.model.weights().items()}
     step_batches = batches(cfg)
     results = [engine.step(b, learning_rate(s, cfg.training.steps, cfg.training.optimizer.learning_rate))
                for s, b in enumerate(step_batches)]
     expected = plain_16bit_reference(cfg, engine.modules, initial, step_batches)
     float32 = plain_16bit_reference(cfg, engine.modules, {u: {n: t.float() for n, t in w.items()}
                                                           for u, w in initial.items()}, step_batches)[2]
-    assert_16bit_close(cfg, results, engine.weights(), expected, float32, torch.bfloat16)
+    assert_16bit_close(cfg, results, engine.model.weights(), expected, float32, torch.bfloat16)

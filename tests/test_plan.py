@@ -52,8 +52,9 @@ def test_gptj_6b_fits_one_small_gpu_and_a_large_host(capsys):
 
 
 def test_plan_says_whether_the_run_fits_and_what_would_make_it(hooks, make_config):
+    from ipuft.engine.fit import fit, format_fit
     from ipuft.engine.model import build_model
-    from ipuft.engine.plan import estimate, fit, format_fit
+    from ipuft.engine.plan import estimate
 
     cfg = make_config("model.layers=4", "model.hidden_size=256", "execution.activation_offload=true")
     result = estimate(cfg, build_model(cfg, hooks), hooks)
@@ -125,4 +126,13 @@ def test_gptj_6b_with_the_optimizer_on_the_host(capsys):
     weights = {d: sum(n for k, n in device["traffic"][d].items() if k in ("fwd", "optim", "grad")) for d in ("h2d", "d2h")}
     assert device["h2d_bytes_per_step"] - host["h2d_bytes_per_step"] == weights["h2d"] - host["traffic"]["h2d"]["fwd"]
     assert host["host_bytes"] - device["host_bytes"] == f16 * EMB
-    assert host["device_peak_bytes"] < 0.7 * device["device_peak_bytes"]
+    assert host["device_peak_bytes"] < device["device_peak_bytes"]
+    # Phase by phase: an update-only phase in host memory holds nothing on the device and loads nothing for it;
+    # the embeddings' backward-and-update phase loads only their weights.
+    updates = [(h, d) for h, d in zip(host["program"], device["program"]) if h["host_update"]]
+    assert len(updates) == 28 + 2
+    for on_host, on_device in updates:
+        if on_device["device"]["compute"] == 0:
+            assert on_host["device"] == {"loaded": 0, "compute": 0, "update": 0} != on_device["device"]
+        else:
+            assert on_host["device"]["loaded"] == f16 * EMB < on_device["device"]["loaded"]

@@ -44,11 +44,12 @@ def test_custom_head_from_an_entry_point(fake_dist, make_config):
     assert [v.name for v in parts.variables["head"]] == ["norm_scale", "proj"]
     assert type(parts.modules["head"]).__name__ == "TinyLMHead"
 
-    from ipuft.engine.phased import Batch, PhasedEngine
+    from ipuft.data.batch import Batch
+    from ipuft.engine.phased import PhasedEngine
 
     engine = PhasedEngine(cfg, parts, hooks.registrations.optimizers.get("adamw").build(cfg), torch.device("cpu"))
     ids = torch.randint(0, 128, (cfg.gradient_accumulation, 1, 9), generator=torch.Generator().manual_seed(0))
-    w = {u: {n: t.clone() for n, t in v.items()} for u, v in engine.weights().items()}
+    w = {u: {n: t.clone() for n, t in v.items()} for u, v in engine.model.weights().items()}
     expected = []
     for mb in range(cfg.gradient_accumulation):
         h = functional_call(parts.modules["embeddings"], w["embeddings"], (ids[mb, :, :-1],))
@@ -57,7 +58,7 @@ def test_custom_head_from_an_entry_point(fake_dist, make_config):
         expected.append(functional_call(parts.modules["head"], w["head"], (h, ids[mb, :, 1:])))
     result = engine.step(Batch(ids[..., :-1], ids[..., 1:]), lr=1e-3)
     assert result.loss == pytest.approx(torch.stack(expected).mean().item(), rel=1e-6)
-    assert not torch.equal(engine.weights()["head"]["proj"], w["head"]["proj"])  # the custom head trains
+    assert not torch.equal(engine.model.weights()["head"]["proj"], w["head"]["proj"])  # the custom head trains
 
 
 def test_unknown_component_names_the_choices(hooks, make_config):

@@ -9,9 +9,9 @@ from test_engine import batches, make_engine
 
 from ipuft.config import load_config
 from ipuft.data.tokens import data_source
-from ipuft.engine.phased import MASTER
 from ipuft.engine.plan import estimate
 from ipuft.engine.precision import _round_by_neighbours, random_bits, round_stochastically, rounding_key
+from ipuft.engine.variables import MASTER
 from ipuft.ops import WeightGradients, taking_weight_gradients
 from ipuft.run.runtime import build_engine
 from ipuft.run.schedule import learning_rate
@@ -173,7 +173,7 @@ def test_16bit_training_tracks_float32(hooks, recipe):
     assert reference[0].loss - last_mean(reference) > 0.5  # float32 really learns
     assert abs(last_mean(results) - last_mean(reference)) <= 0.03 * last_mean(reference)
     assert sum(r.skipped for r in results) <= 3
-    assert all(t.dtype == engine.dtype for t in engine.weights()["decoder.0"].values())
+    assert all(t.dtype == engine.model.dtype for t in engine.model.weights()["decoder.0"].values())
 
 
 def test_stochastic_rounding_and_master_weights_learn_where_rounding_to_nearest_cannot(hooks):
@@ -186,14 +186,14 @@ def test_stochastic_rounding_and_master_weights_learn_where_rounding_to_nearest_
     steps = 60
     runs = {name: train_steps(hooks, (*common, *recipe), steps)
             for name, recipe in {"float32": (), "nearest": BF16_NEAREST, "sr": BF16_SR, "master": BF16_MASTER}.items()}
-    initial = {name: make_engine(engine.cfg, hooks).weights() for name, (_, engine) in runs.items()}
+    initial = {name: make_engine(engine.cfg, hooks).model.weights() for name, (_, engine) in runs.items()}
 
     def drop(name):
         results = runs[name][0]
         return sum(r.loss for r in results[:5]) / 5 - last_mean(results)
 
     def changed(name):
-        before, after = initial[name], runs[name][1].weights()
+        before, after = initial[name], runs[name][1].model.weights()
         total = sum(t.numel() for w in before.values() for t in w.values())
         moved = sum(int((after[u][n] != t).sum()) for u, w in before.items() for n, t in w.items())
         return moved / total
@@ -209,7 +209,7 @@ def test_stochastic_rounding_and_master_weights_learn_where_rounding_to_nearest_
 def test_master_weights_are_float32_state_and_the_weights_are_cast_from_them(hooks):
     _, engine = train_steps(hooks, BF16_MASTER, 3)
     optim = engine.store.entries["decoder.1"]["optim"]
-    for name, weight in engine.weights()["decoder.1"].items():
+    for name, weight in engine.model.weights()["decoder.1"].items():
         master = optim[f"{name}.{MASTER}"]
         assert master.dtype == torch.float32 and weight.dtype == torch.bfloat16
         assert torch.equal(weight, master.to(torch.bfloat16))
@@ -315,14 +315,14 @@ def test_phased_bfloat16_equals_a_plain_bfloat16_reference(hooks, make_config, a
 
     cfg = make_config(*EQUIVALENCE, *BF16_SR, f"execution.activation_offload={activation_offload}")
     engine = make_engine(cfg, hooks)
-    initial = {u: {n: t.clone() for n, t in w.items()} for u, w in engine.weights().items()}
+    initial = {u: {n: t.clone() for n, t in w.items()} for u, w in engine.model.weights().items()}
     step_batches = batches(cfg)
     results = [engine.step(b, learning_rate(s, cfg.training.steps, cfg.training.optimizer.learning_rate))
                for s, b in enumerate(step_batches)]
     losses, norms, weights = plain_16bit_reference(cfg, engine.modules, initial, step_batches)
     float32 = plain_16bit_reference(cfg, engine.modules, {u: {n: t.float() for n, t in w.items()}
                                                           for u, w in initial.items()}, step_batches)[2]
-    assert_16bit_close(cfg, results, engine.weights(), (losses, norms, weights), float32, torch.bfloat16)
+    assert_16bit_close(cfg, results, engine.model.weights(), (losses, norms, weights), float32, torch.bfloat16)
 
 
 BFLOAT16_ROUNDING = 2.0**-8  # the relative spacing of bfloat16 values: one rounding of a result

@@ -129,12 +129,12 @@ def test_dynamic_loss_scaling_skips_and_rescales(hooks):
     scales, skipped = [], []
     for s, batch in enumerate(batches, start=1):
         calls["step"] = s
-        before = {u: {n: t.clone() for n, t in w.items()} for u, w in engine.weights().items()}
+        before = {u: {n: t.clone() for n, t in w.items()} for u, w in engine.model.weights().items()}
         optim = {u: {n: t.clone() for n, t in w.items()} for u, w in engine.store.state("optim").items()}
         result = engine.step(batch, 1e-3)
         scales.append(result.loss_scale)
         skipped.append(result.skipped)
-        unchanged = all(torch.equal(t, before[u][n]) for u, w in engine.weights().items() for n, t in w.items())
+        unchanged = all(torch.equal(t, before[u][n]) for u, w in engine.model.weights().items() for n, t in w.items())
         optim_unchanged = all(torch.equal(t, optim[u][n]) for u, w in engine.store.state("optim").items()
                               for n, t in w.items())
         assert unchanged == optim_unchanged == result.skipped
@@ -259,7 +259,7 @@ def test_a_new_run_starts_from_a_checkpoints_weights_and_nothing_else(hooks, tmp
     assert cfg.model.layers == 3
     engine = build_engine(cfg, hooks)
     weights, _ = final_weights(tmp_path / "a")
-    for unit, tensors in engine.weights().items():
+    for unit, tensors in engine.model.weights().items():
         for name, t in tensors.items():
             assert torch.equal(t, weights[f"{unit}.{name}"]), (unit, name)
         for name, t in engine.store.entries[unit]["optim"].items():

@@ -1,7 +1,8 @@
-"""At GPT-J-6B's width: one decoder layer of hidden 4096 with GPT-J's embeddings and head (614M parameters,
-float32, Adam) trains in a process of its own, and its peak resident memory stays within what ``ipuft plan``
-says it needs, and above 80% of it (the plan is neither short nor padded). The slowest test of the suite:
-about 10 GiB and half a minute on the 2-core CI machine."""
+"""At GPT-J-6B's width: one decoder layer of hidden 4096 with GPT-J's embeddings and head (614M parameters, Adam)
+trains in a process of its own, in float32 and in bfloat16, with micro-batches of one and four rows, and its
+peak resident memory is between 90% and 100% of what ``ipuft plan`` says the run needs on this machine: the
+plan is neither short nor padded. The slowest tests of the suite: about 10 GiB and half a minute each on the
+2-core CI machine."""
 
 import json
 import os
@@ -9,10 +10,18 @@ import subprocess
 
 import pytest
 
+PARAMETERS = 614_290_656
+EMBEDDING = 50400 * 4096  # the embeddings' gradient lives only within their backward-and-update phase: not stored
 WIDE = ["--config", "tiny", "model.layers=1", "model.hidden_size=4096", "model.attention.heads=16",
         "model.attention.rotary_dim=64", "model.embedding.vocab_size=50400", "model.sequence_length=128",
-        "training.global_batch_size=2", "execution.micro_batch_size=1", "execution.device=cpu", "training.steps=1",
-        "checkpoint.save=null"]
+        "execution.device=cpu", "training.steps=1", "checkpoint.save=null"]
+PRECISIONS = {
+    # The store: weights, the decoder's and head's gradients, and Adam's m and v, all float32.
+    "float32": ([], 4 * (4 * PARAMETERS - EMBEDDING)),
+    # bfloat16 weights and gradients, float32 m and v, stochastic rounding (no master copy).
+    "bfloat16": (["model.precision=bfloat16", "training.stochastic_rounding=true"],
+                 2 * PARAMETERS + 2 * (PARAMETERS - EMBEDDING) + 8 * PARAMETERS),
+}
 
 
 def available_bytes() -> int:
@@ -23,14 +32,17 @@ def available_bytes() -> int:
 
 
 @pytest.mark.slow
-def test_a_6b_wide_layer_trains_within_the_planned_host_memory(tmp_path):
-    config = [*WIDE, f"output_dir={tmp_path}/run"]
+@pytest.mark.parametrize("micro_batch", [1, 4])
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_a_6b_wide_layer_trains_within_90_to_100_percent_of_the_planned_host_memory(tmp_path, precision, micro_batch):
+    overrides, stored = PRECISIONS[precision]
+    config = [*WIDE, *overrides, f"execution.micro_batch_size={micro_batch}",
+              f"training.global_batch_size={2 * micro_batch}", f"output_dir={tmp_path}/run"]
     plan = subprocess.run(["ipuft", "plan", *config, "--json"], capture_output=True, text=True, check=True)
     planned = json.loads(plan.stdout)
     needed = planned["machine"]["host_needed_bytes"]
-    assert planned["parameters"] == 614_290_656
-    # The store: weights, gradients of the decoder and the head, and Adam's m and v, all float32.
-    assert planned["host_bytes"] == 4 * (614_290_656 * 4 - 50400 * 4096)
+    assert planned["parameters"] == PARAMETERS
+    assert planned["host_bytes"] == stored
     if available_bytes() < needed * 1.1:
         pytest.skip(f"this machine has {available_bytes() / 2**30:.1f} GiB available; the run needs "
                     f"{needed / 2**30:.1f}")
@@ -41,6 +53,6 @@ def test_a_6b_wide_layer_trains_within_the_planned_host_memory(tmp_path):
     child.stderr.close()
     assert os.waitstatus_to_exitcode(status) == 0, err
     peak = usage.ru_maxrss * 1024
-    assert 0.8 * needed <= peak <= needed, (peak / 2**30, needed / 2**30)
+    assert 0.90 * needed <= peak <= needed, (peak / 2**30, needed / 2**30, peak / needed)
     record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert record["model_flops_per_s"] * record["step_time_s"] == pytest.approx(planned["flops_per_step"]["model"])

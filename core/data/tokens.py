@@ -94,7 +94,7 @@ class Sampler:
 
 
 class TokenDataset:
-    """Tokenized rows of ``sequence_length + 1`` tokens, served as :class:`~ipuft.engine.phased.Batch` objects.
+    """Tokenized rows of ``sequence_length + 1`` tokens, served as :class:`~ipuft.data.batch.Batch` objects.
 
     Packed, row ``i`` is chunk ``i`` of the concatenated examples and every token is in the loss.
     Unpacked, row ``i`` is example ``i``, padded with :data:`PAD_ID`; labels are ``IGNORE_INDEX`` where

@@ -1,4 +1,4 @@
-"""Forward-only passes through the engine's store, layer-major: ``eval``, ``generate`` and MNLI scoring.
+"""Forward-only passes through a stored model, layer-major: ``eval``, ``generate`` and MNLI scoring.
 
 A batch of rows runs unit by unit, as a training step's forward does: each unit's weights come to the
 device once for the whole batch (gathered over TP), and leave before the next unit's come. Between units
@@ -8,7 +8,7 @@ the device only while its layer runs). So the device holds one unit plus the bat
 the model is, and with offloaded weights a decoding step pays one load per unit for every row of the
 batch together, not one per row: the argument for batch serialisation, again.
 
-The engine's ledger counts what is on the device (``device_peak_bytes``) and its traffic counters the
+The store's ledger counts what is on the device (``device_peak_bytes``) and its traffic counters the
 host↔device copies, as in training.
 """
 
@@ -30,7 +30,7 @@ from ipuft.program import Op, Phase
 
 if TYPE_CHECKING:
     from ipuft.data.tokens import TokenDataset
-    from ipuft.engine.phased import PhasedEngine
+    from ipuft.engine.stored import StoredModel
 
 
 @contextlib.contextmanager
@@ -47,22 +47,22 @@ def evaluating(modules) -> Iterator[None]:
             m.training = training
 
 
-def forward_phases(engine: PhasedEngine) -> list[Phase]:
+def forward_phases(model: StoredModel) -> list[Phase]:
     """The program's phases that run a unit's forward (the head's is its loss phase), in order."""
-    return [p for p in engine.program if Op.FORWARD in p.ops or Op.LOSS_BACKWARD in p.ops]
+    return [p for p in model.program if Op.FORWARD in p.ops or Op.LOSS_BACKWARD in p.ops]
 
 
 class LayerMajor:
-    """Runs batches forward through an engine's units, one unit's weights on the device at a time."""
+    """Runs batches forward through a stored model's units, one unit's weights on the device at a time."""
 
-    def __init__(self, engine: PhasedEngine) -> None:
-        self.engine = engine
-        self.store = engine.store
-        self.device = engine.device
-        self.layers = engine.cfg.model.layers
-        self.offload = bool(engine.cfg.execution.activation_offload)
+    def __init__(self, model: StoredModel) -> None:
+        self.model = model
+        self.store = model.store
+        self.device = model.device
+        self.layers = model.cfg.model.layers
+        self.offload = bool(model.cfg.execution.activation_offload)
         self.pin = self.offload and self.device.type == "cuda"
-        phases = forward_phases(engine)
+        phases = forward_phases(model)
         self.body = [p for p in phases if p.role != "head"]
         self.head_phase = next(p for p in phases if p.role == "head")
 
@@ -70,13 +70,11 @@ class LayerMajor:
     def _unit(self, phase: Phase) -> Iterator[torch.nn.Module]:
         """The unit's module with its weights on the device, bound, for the block."""
         stored = self.store.load(phase.unit, "fwd")
-        weights, gathered = self.engine._gather(phase, stored)
-        module = self.engine.modules[phase.role]
+        module = self.model.modules[phase.role]
         try:
-            with bound(module, weights):
+            with self.model.gathered(phase.role, stored) as weights, bound(module, weights):
                 yield module
         finally:
-            self.store.ledger.release(gathered)
             self.store.release(stored)
 
     # ---- where the batch's buffers live ----
@@ -134,7 +132,7 @@ class LayerMajor:
         """The final hidden states ``[B, T, H]`` of ``input_ids[B, T]`` on the device, before the head (the
         caller owns their device bytes until :meth:`head`). With a ``cache`` the ids continue its positions."""
         hidden = None
-        with torch.no_grad(), evaluating(self.engine.modules):
+        with torch.no_grad(), evaluating(self.model.modules):
             for phase in self.body:
                 with self._unit(phase) as module:
                     if phase.layer is None:
@@ -156,7 +154,7 @@ class LayerMajor:
             self.store.ledger.acquire(picked.numel() * picked.element_size())
             self._done_with(hidden)
             hidden = picked
-        with torch.no_grad(), evaluating(self.engine.modules), self._unit(self.head_phase) as module:
+        with torch.no_grad(), evaluating(self.model.modules), self._unit(self.head_phase) as module:
             logits = module(hidden)
             size = logits.numel() * logits.element_size()
             self.store.ledger.acquire(size)  # counted at its peak, with the head's weights
@@ -169,7 +167,7 @@ class LayerMajor:
         ``input_ids[B, T]`` and its already shifted ``labels[B, T]`` (``IGNORE_INDEX``: not counted)."""
         hidden = self.hidden(input_ids)
         labels = labels.to(self.device)
-        with torch.no_grad(), evaluating(self.engine.modules), self._unit(self.head_phase) as module:
+        with torch.no_grad(), evaluating(self.model.modules), self._unit(self.head_phase) as module:
             mean = module(hidden, labels)
         self._done_with(hidden)
         count = int((labels != IGNORE_INDEX).sum())
@@ -187,7 +185,7 @@ class LayerMajor:
     def vocabulary(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits``, checked to be over the vocabulary: what generating text and scoring labels by their
         likelihood need, and what a classification head's scores are not."""
-        model = self.engine.cfg.model
+        model = self.model.cfg.model
         if logits.shape[-1] != model.embedding.vocab_size:
             raise ConfigError(f"model.head: {model.head} gives {logits.shape[-1]} scores per position, not logits "
                               f"over the {model.embedding.vocab_size}-token vocabulary; generating text and scoring "
@@ -196,13 +194,13 @@ class LayerMajor:
         return logits
 
 
-def dataset_loss(engine: PhasedEngine, dataset: TokenDataset, micro_batch_size: int) -> dict:
+def dataset_loss(model: StoredModel, dataset: TokenDataset, micro_batch_size: int) -> dict:
     """``{"loss", "perplexity", "tokens"}``: the mean token loss over every row of ``dataset``, once, in
-    order, layer-major through the engine's units, one micro-batch of rows per pass (each DP replica takes its
+    order, layer-major through the model's units, one micro-batch of rows per pass (each DP replica takes its
     own micro-batches)."""
-    layout = engine.layout
-    runner = LayerMajor(engine)
-    total = torch.zeros(2, dtype=torch.float64, device=engine.device)  # where the backend (NCCL) can reduce it
+    layout = model.layout
+    runner = LayerMajor(model)
+    total = torch.zeros(2, dtype=torch.float64, device=model.device)  # where the backend (NCCL) can reduce it
     for batch in dataset.eval_batches(micro_batch_size, layout.dp_rank, layout.data_parallel):
         for mb in range(batch.micro_batches):
             loss_sum, tokens = runner.loss_sum(batch.input_ids[mb], batch.labels[mb])

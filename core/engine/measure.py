@@ -113,10 +113,13 @@ class UnitCost:
       backward recomputes (less than the forward when a component skips what only the output's value needs);
     - ``saved_bytes``: what autograd saves for the backward (a graph ``execution.recompute=false`` keeps);
     - ``forward_peak_bytes``: the most bytes alive at once in a forward without autograd (the output too);
-    - ``backward_peak_bytes``: the same for a recompute and its backward, the fresh gradients included (the
-      taken weight gradients' too: taken after the micro-batch, see :mod:`ipuft.ops`);
+    - ``backward_peak_bytes``: the same for a recompute and its backward, autograd's fresh gradients included;
+      the weight gradients taken after the micro-batch (see :mod:`ipuft.ops`) are written into memory given
+      to the take, as the engine gives it the unit's stored gradients where it can (else add ``taken_bytes``);
     - ``held_bytes``: what the projections hold for their taken weight gradients after its backward, until
       they are taken (beside the next micro-batches' when a take covers several);
+    - ``taken_bytes``: the bytes of the gradients taken that way (the rest of the unit's trainable bytes are
+      autograd's);
     - ``heap_peak_bytes``: the most of those alive at once in blocks glibc's heap serves (and keeps).
     """
 
@@ -128,6 +131,7 @@ class UnitCost:
     backward_peak_bytes: int
     held_bytes: int
     heap_peak_bytes: int
+    taken_bytes: int = 0
 
 
 def _saved_bytes(module, params, args) -> int:
@@ -163,7 +167,8 @@ def unit_cost(parts: ModelParts, role: str, cfg: DictConfig, device: torch.devic
         if not leaves:  # a frozen first unit: its backward does nothing
             return UnitCost(forward, 0, 0, 0, forward_live.peak, 0, 0, forward_live.heap_peak)
         taken = WeightGradients(leaves)
-        with LiveBytes(existing) as live:
+        homes = {id(leaf): torch.empty_like(leaf) for leaf in leaves}  # the stored gradients a take writes into
+        with LiveBytes([*existing, *homes.values()]) as live:
             with taking_weight_gradients(taken):
                 with recompute(), FlopCounterMode(display=False) as counted:
                     out = functional_call(module, params, args)
@@ -172,12 +177,13 @@ def unit_cost(parts: ModelParts, role: str, cfg: DictConfig, device: torch.devic
                     torch.autograd.backward(out, torch.ones_like(out), inputs=leaves)
                     del out
                     held = storage_bytes(taken.held(), existing)
-                    grads = list(taken.take())
+                    grads = list(taken.take(lambda leaf: homes.get(id(leaf))))
+                    taken_bytes = sum(g.numel() * g.element_size() for _, g in grads)
             backward = counted.get_total_flops()
             del grads
         saved = _saved_bytes(module, params, args)
     return UnitCost(forward, backward, again, saved, forward_live.peak, live.peak, held,
-                    max(forward_live.heap_peak, live.heap_peak))
+                    max(forward_live.heap_peak, live.heap_peak), taken_bytes)
 
 
 def kv_cache_bytes_per_position(parts: ModelParts, cfg: DictConfig) -> int:

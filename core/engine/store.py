@@ -103,6 +103,7 @@ class DeviceLedger:
         self.resident = 0
         self.peak = 0
         self._host = 0  # > 0 inside on_host(): what is acquired is host memory
+        self.phase_peaks: dict[str, int] = {}  # each phase's most bytes above what was resident as it began
 
     def acquire(self, n: int) -> None:
         if self._host:
@@ -126,6 +127,19 @@ class DeviceLedger:
 
     def reset_peak(self) -> None:
         self.peak = self.resident
+        self.phase_peaks = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Record the block's (a phase's) peak above what was resident as it began, as ``phase_peaks[name]``:
+        what ``ipuft plan`` declares the phase holds (:class:`ipuft.engine.memory.PhaseMemory`)."""
+        start, outer = self.resident, self.peak
+        self.peak = self.resident
+        try:
+            yield
+        finally:
+            self.phase_peaks[name] = max(self.phase_peaks.get(name, 0), self.peak - start)
+            self.peak = max(outer, self.peak)
 
 
 class VariableStore:

@@ -1,5 +1,10 @@
-"""The optimizer step in pieces: how the engine cuts a unit's variables for the optimizer's calls, and what each
-call adds on the device (shared with ``ipuft plan``)."""
+"""The update: a unit's optimizer step in pieces, its placement (on the device, or in host memory), and the
+mapping of updated float32 values back into 16-bit weights.
+
+:class:`UnitUpdate` finishes every gradient of a unit (the loss scale removed, global-norm clipping applied,
+in float32) and hands it to the optimizer (the optimizer contract, :mod:`ipuft.optim`) piece by piece; how
+the pieces are cut and what each call adds on the device are shared with ``ipuft plan``.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +12,20 @@ from collections.abc import Iterator
 
 import torch
 
-from ipuft.engine.precision import Recipe, rounding_workspace
+from ipuft.engine.precision import Recipe, rounding_key, rounding_workspace, stochastic_round_
+from ipuft.engine.store import Tensors
+from ipuft.engine.variables import MASTER
+from ipuft.optim import StepContext
+from ipuft.program import Phase
 
 
 def update_chunk(device: torch.device | str) -> int:
-    """The most elements one optimizer call updates on ``device`` (see :meth:`PhasedEngine._optimizer_step`).
+    """The most elements one optimizer call updates on ``device`` (see :meth:`UnitUpdate.step`).
 
     On the CPU a few hundred thousand: the pieces of weight, gradient, state and temporaries one call touches
-    (a few MB) stay in cache between the update's passes, and 16-bit rounding, about thirty int32 passes, runs
-    fastest there (4.4 ns a weight at 2^18, 6.2 at 2^20, on the 2-core CI CPU). On a GPU, where each pass is a
-    kernel launch, a few million, so that launches stay few."""
+    (a few MB) stay in cache between the update's passes, where 16-bit rounding's int32 passes run fastest
+    (``bench/update.py`` measures it). On a GPU, where each pass is a kernel launch, a few million, so that
+    launches stay few."""
     return 1 << 18 if torch.device(device).type == "cpu" else 1 << 22
 
 
@@ -52,3 +61,95 @@ def group_transient_bytes(how: Recipe, pieces: list[int]) -> int:
     numel = sum(pieces)
     views = numel * (4 if how is Recipe.master else 8)
     return views + (rounding_workspace(max(pieces)) if how is Recipe.stochastic else 0)
+
+
+def _piece(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    return t.view(-1)[start:stop]
+
+
+class UnitUpdate:
+    """Updates one unit's trainable variables at a time, for a :class:`~ipuft.engine.stored.StoredModel`."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.optimizer = model.optimizer
+        self.recipe = model.recipe
+        self.store = model.store
+        self.clipping = model.cfg.training.optimizer.gradient_clipping
+        self.seed = model.cfg.model.seed
+
+    def context(self, lr: float, step: int, grad_norm: float, loss_scale: float) -> StepContext:
+        """What every unit's update in one optimizer step shares: the gradients' factor removes the loss scale and
+        clips to the global norm."""
+        factor = (1.0 / loss_scale) * self.clipping / max(grad_norm, self.clipping)
+        return StepContext(lr=lr, step=step, global_norm=grad_norm, grad_factor=factor)
+
+    def step(self, phase: Phase, weights: Tensors, optim: Tensors, grads: Tensors, ctx: StepContext) -> None:
+        """Update ``phase``'s unit from its finished gradients, piece by piece.
+
+        An elementwise optimizer gets the unit's variables cut into pieces of at most :func:`update_chunk`
+        elements, grouped so that each call updates about that many: the update's temporaries (the
+        optimizer's own, the float32 views of 16-bit weights, the rounding's) stay that small, where the
+        whole of a GPT-J-6B-wide embedding would make each of them 0.8 GB, and on the CPU the working set of
+        one call stays in cache. Each element's arithmetic is the same, so the results are those of one call
+        over whole variables. Any other optimizer gets whole variables, one at a time."""
+        states: dict[str, dict[str, torch.Tensor]] = {name: {} for name in weights}
+        for key, t in optim.items():
+            states[key.variable][key.state] = t
+        sizes = [(name, weights[name].numel()) for name in weights if name in grads]  # frozen: no gradient
+        device = next(iter(weights.values())).device if weights else self.model.device
+        chunk = update_chunk(device) if getattr(self.optimizer, "elementwise", True) else None
+        for group in update_groups(sizes, chunk):
+            self._group(phase, group, weights, grads, states, ctx)
+
+    def in_host_memory(self, phase: Phase, ctx: StepContext) -> None:
+        """``execution.optimizer_placement=host``: update the unit where its variables live, in place in host
+        memory, from its stored gradient (the phase has just stored the gradient it computed). Nothing
+        crosses to the device; the weights come back when the next step's phases load them.
+
+        A worker thread could run these updates while the device works, but in the reference's program
+        nothing computes after the global norm, which every update needs: the host updates run in turn,
+        each using the CPU's intra-op threads."""
+        self.store.synchronize()  # the gradients' device→host copies have landed (CUDA)
+        entries = self.store.entries[phase.unit]
+        trainable = self.model.trainable[phase.role]
+        weights = {n: t for n, t in entries["fwd"].items() if n in trainable}
+        with self.store.ledger.on_host():
+            self.step(phase, weights, entries["optim"], entries["grad"], ctx)
+
+    def _group(self, phase: Phase, group: list[tuple[str, int, int]], weights: Tensors, grads: Tensors,
+               states: dict[str, dict[str, torch.Tensor]], ctx: StepContext) -> None:
+        """One optimizer call over ``group``'s pieces ``(variable, start, stop)`` of flat elements. The optimizer
+        sees float32: a 16-bit weight's view is its master copy or a float32 copy, mapped back into the weight
+        by the run's recipe (see :mod:`ipuft.engine.precision`). Stored gradients are consumed: a float32 one is
+        finished in place."""
+        wide = self.recipe is not Recipe.exact
+        transient = group_transient_bytes(self.recipe, [stop - start for _, start, stop in group])
+        self.store.ledger.acquire(transient)
+        names, views, finished, pieces = [], [], [], []
+        for name, start, stop in group:
+            state = {k: _piece(t, start, stop) for k, t in states[name].items()}
+            master = state.pop(MASTER, None)
+            weight = _piece(weights[name], start, stop)
+            names.append(f"{phase.unit}.{name}")
+            views.append(weight if not wide else master if master is not None else weight.float())
+            finished.append(_piece(grads[name], start, stop).float())
+            pieces.append(state)
+        torch._foreach_mul_(finished, ctx.grad_factor)
+        self.optimizer.step_unit(names, views, finished, pieces, ctx)
+        if wide:
+            for (name, start, stop), view in zip(group, views):
+                self._round_into(phase, name, _piece(weights[name], start, stop), view, start, ctx.step)
+        self.store.ledger.release(transient)
+
+    def _round_into(self, phase: Phase, name: str, weight: torch.Tensor, view: torch.Tensor, start: int,
+                    step: int) -> None:
+        """Map the updated float32 ``view`` back into the 16-bit ``weight`` (elements ``start …`` of the
+        variable's stored form) by the run's recipe: stochastic rounding keyed on each element's index in the
+        full variable, or to nearest (a master copy is cast, as it is)."""
+        if self.recipe is not Recipe.stochastic:
+            weight.copy_(view)
+            return
+        key = rounding_key(self.seed, phase.unit, name, step)
+        placed = self.model.placed[phase.role][name]
+        stochastic_round_(weight, view, key, lambda first, count: placed.counters(start + first, count, weight.device))

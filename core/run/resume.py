@@ -86,7 +86,7 @@ def save(engine: PhasedEngine, cfg: DictConfig, root: Path | None, step: int, da
     if root is None:
         return None
     groups = ("fwd", "optim") if cfg.checkpoint.optim_state else ("fwd",)
-    tensors = engine.full_tensors(groups)
+    tensors = engine.model.full_tensors(groups)
     if not engine.layout.is_main:
         for _ in tensors:  # this rank's part of each gather; rank 0 writes
             pass
@@ -95,7 +95,7 @@ def save(engine: PhasedEngine, cfg: DictConfig, root: Path | None, step: int, da
     units = engine.program.units()
     contents = Contents(
         units=units,
-        files={files[g]: [replace(s, name=f"{u}.{s.name}") for u in units for s in engine.full_specs(u, g)]
+        files={files[g]: [replace(s, name=f"{u}.{s.name}") for u in units for s in engine.model.full_specs(u, g)]
                for g in groups},
         tensors=((files[group], f"{unit}.{spec.name}", t) for unit, group, spec, t in tensors))
     state = {"updates": engine.updates, "loss_scale": engine.scale.state_dict(),
@@ -110,8 +110,8 @@ def restore(engine: PhasedEngine, cfg: DictConfig, checkpoint: Path, data) -> in
         units = engine.program.units()
         state_of = checkpoint_initializer(checkpoint, OPTIM, units=units)  # verified as it is read
         for unit in units:
-            specs = engine.full_specs(unit, "optim")
-            engine.load_full("optim", {unit: state_of(unit, specs, engine.full_homes(unit, "optim"))})
+            specs = engine.model.full_specs(unit, "optim")
+            engine.model.load_full("optim", {unit: state_of(unit, specs, engine.model.full_homes(unit, "optim"))})
     engine.updates = int(meta.get("updates", meta["step"]))
     if "loss_scale" in meta:
         engine.scale.load_state_dict(meta["loss_scale"])

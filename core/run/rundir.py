@@ -73,7 +73,7 @@ def check_run_paths(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer) ->
     needed = checkpoint_bytes(cfg, parts, optimizer)
     free = shutil.disk_usage(_existing_ancestor(root)).free
     if free < needed:
-        from ipuft.engine.plan import format_bytes
+        from ipuft.engine.fit import format_bytes
 
         raise ConfigError(f"checkpoint.save: {root} has {format_bytes(free)} free, but one checkpoint of this model "
                           f"takes {format_bytes(needed)}; free space or save elsewhere")

@@ -16,7 +16,9 @@ from omegaconf import DictConfig
 
 from ipuft.engine.kernels import require_precision_support
 from ipuft.engine.model import ModelParts, build_model
-from ipuft.engine.phased import Initializer, PhasedEngine, initial_values
+from ipuft.engine.phased import PhasedEngine
+from ipuft.engine.stored import StoredModel
+from ipuft.engine.variables import Initializer, initial_values
 from ipuft.errors import ConfigError
 from ipuft.io.checkpoint import checkpoint_initializer, find_checkpoint
 from ipuft.io.hf_import import hf_initializer
@@ -67,10 +69,10 @@ def build_engine(cfg: DictConfig, hooks: PluginHooks, parts: ModelParts | None =
     return PhasedEngine(cfg, parts, optimizer, device, layout, initializer(cfg, parts))
 
 
-def inference_engine(cfg: DictConfig, hooks: PluginHooks) -> PhasedEngine:
-    """An engine holding the model's weights only (no optimizer state, no gradients), for ``eval`` and
-    ``generate`` through :class:`ipuft.engine.inference.LayerMajor`."""
+def inference_engine(cfg: DictConfig, hooks: PluginHooks) -> StoredModel:
+    """The model's weights only in the store (no optimizer state, no gradients), for ``eval`` and ``generate``
+    through :class:`ipuft.engine.inference.LayerMajor`."""
     device = select_device(cfg)
     layout = init_layout(cfg, device)
     parts = build_model(cfg, hooks)
-    return PhasedEngine(cfg, parts, None, device, layout, initializer(cfg, parts))
+    return StoredModel(cfg, parts, device, layout, initializer=initializer(cfg, parts))

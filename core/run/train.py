@@ -129,7 +129,7 @@ def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[di
             result = engine.step(batch, lr)
             record = metrics_record(step + 1, result, lr, tokens, time.perf_counter() - began, flops)
             if validation is not None and ((step + 1) % cfg.training.eval_steps == 0 or step + 1 == steps):
-                scored = dataset_loss(engine, validation, cfg.execution.micro_batch_size)
+                scored = dataset_loss(engine.model, validation, cfg.execution.micro_batch_size)
                 record.update({f"validation_{k}": v for k, v in scored.items()})
             records.append(record)
             if main:

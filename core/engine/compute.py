@@ -1,0 +1,289 @@
+"""A unit's compute over every micro-batch: its forward, and its backward with the gradients it produces.
+
+The decoder's backward recomputes each layer's forward from its buffered input ``x[n][mb]`` (with
+``execution.recompute=false`` the forward keeps its graph for the backward instead, :class:`KeptGraphs`).
+Each micro-batch's backward is seeded with ``S / GA`` (``S`` the loss scale), so that the unit's gradient is
+the micro-batches' average carrying the scale; :class:`~ipuft.engine.gradients.GradientSum` sums them.
+Under data parallelism each unit's gradient is mean-reduced over the DP group once, after its micro-batch
+loop (reduce-scattered with RTS); see :mod:`ipuft.engine.placement` for the forms a variable takes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+
+from ipuft.components import bound, recompute
+from ipuft.data.batch import Batch
+from ipuft.engine.activations import ActivationBuffers, working_set
+from ipuft.engine.gradients import GradientSum, take_every, writes_into_stored
+from ipuft.engine.store import Tensors, storage_bytes
+from ipuft.engine.stored import StoredModel
+from ipuft.ops import WeightGradients, taking_weight_gradients
+from ipuft.program import Entry, OpActivations, Phase
+
+
+@dataclass
+class StepState:
+    """What one optimizer step's phases share: its batch (on the compute device), learning rate, loss scale and
+    update number, the micro-batches' losses, and the squared global gradient norm as it is summed."""
+
+    batch: Batch
+    lr: float
+    loss_scale: float
+    update: int
+    norm_sq: torch.Tensor
+    losses: list[torch.Tensor] = field(default_factory=list)
+    grad_norm: float = float("nan")
+    skip: bool = False
+
+
+class KeptGraphs:
+    """recompute=false: one unit's kept forward graphs, per micro-batch (output, input leaves, saved bytes),
+    the weight leaves their gradients accumulate into, and the weight gradients their backward leaves to be
+    taken."""
+
+    def __init__(self, leaves: Tensors) -> None:
+        self.leaves = leaves
+        self.taken = WeightGradients(leaves.values())  # the graphs' projections keep their pieces here
+        self._kept: dict[int, tuple[torch.Tensor | None, list[torch.Tensor], int]] = {}
+
+    def append(self, out: torch.Tensor | None, inputs: list[torch.Tensor], size: int) -> None:
+        self._kept[len(self._kept)] = (out, inputs, size)
+
+    def pop(self, mb: int) -> tuple[torch.Tensor | None, list[torch.Tensor], int]:
+        return self._kept.pop(mb)
+
+
+class UnitCompute:
+    """Runs a unit's forward and backward over every micro-batch of a step, on a :class:`StoredModel`'s
+    modules, reading and writing the step's activation buffers."""
+
+    def __init__(self, model: StoredModel, buffers: ActivationBuffers) -> None:
+        self.model = model
+        self.buffers = buffers
+        self.store = model.store
+        self.recompute = bool(model.cfg.execution.recompute)
+        self.dropout = model.cfg.model.dropout_prob > 0
+        self.graphs: dict[str, KeptGraphs] = {}
+        self._counted: dict[str, int] = {}  # each unit's gradients' bytes counted on the device, until released
+        self.graph_bytes = self.graph_peak = 0  # kept graphs' saved bytes now, and the step's peak
+
+    def rng(self, unit: str, mb: int, update: int):
+        """The same dropout masks in a layer's forward and in its recompute; the same within a TP group,
+        different across DP ranks and updates."""
+        if not self.dropout:
+            return contextlib.nullcontext()
+        layout = self.model.layout
+        key = (self.model.cfg.model.seed, update, layout.dp_rank, zlib.crc32(unit.encode()), mb)
+        seed = zlib.crc32(repr(key).encode())
+        devices = [self.model.device] if self.model.device.type == "cuda" else []
+
+        @contextlib.contextmanager
+        def seeded():
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(seed)
+                yield
+
+        return seeded()
+
+    # ---- forward ----
+
+    def forward(self, phase: Phase, io: OpActivations, weights: Tensors, st: StepState) -> None:
+        """Every micro-batch's forward: from the token ids (the first unit) or the entry the op reads, into
+        the entry it writes; no autograd state is kept (with recompute)."""
+        if not self.recompute:
+            return self._forward_keeping_graphs(phase, io, weights, st)
+        module = self.model.modules[phase.role]
+        source, (target,) = io.read("x"), io.writes
+        with torch.no_grad(), bound(module, weights):
+            for mb in range(st.batch.micro_batches):
+                if source is None:
+                    with self.rng(phase.unit, mb, st.update):
+                        out = module(st.batch.input_ids[mb])
+                else:
+                    with self.buffers.read(*source, mb) as x, self.rng(phase.unit, mb, st.update):
+                        out = module(x)
+                self.buffers.write(*target, mb, out)
+
+    def _forward_keeping_graphs(self, phase: Phase, io: OpActivations, weights: Tensors, st: StepState) -> None:
+        """recompute=false: run every micro-batch's forward with autograd and keep each graph (its output and
+        the input leaf) until the unit's backward, which then needs no recompute. The tensors autograd saves
+        stay counted on the device from here to there."""
+        module = self.model.modules[phase.role]
+        source, (target,) = io.read("x"), io.writes
+        params, leaves = self._autograd_weights(phase, weights)
+        graphs = KeptGraphs(leaves)
+        with bound(module, params), taking_weight_gradients(graphs.taken):
+            for mb in range(st.batch.micro_batches):
+                with contextlib.ExitStack() as stack:
+                    inputs, args = self._unit_input(stack, source, mb, st.batch.input_ids, consume=False)
+                    if not inputs and not leaves:  # a frozen first unit: its backward has nothing to do
+                        with torch.no_grad(), self.rng(phase.unit, mb, st.update):
+                            out = module(*args)
+                        graphs.append(None, [], 0)
+                    else:
+                        # The step's batch (token ids) lives for the whole step: not the graph's.
+                        held = [*params.values(), *inputs, st.batch.input_ids]
+                        saved = stack.enter_context(working_set(self.store, held, keep=True))
+                        with self.rng(phase.unit, mb, st.update):
+                            out = module(*args)
+                        graphs.append(out, inputs, saved.bytes)
+                        self.graph_bytes += saved.bytes
+                        self.graph_peak = max(self.graph_peak, self.graph_bytes)
+                self.buffers.write(*target, mb, out.detach())
+        self.graphs[phase.unit] = graphs
+
+    def _autograd_weights(self, phase: Phase, weights: Tensors) -> tuple[Tensors, Tensors]:
+        """The unit's weights to bind for a forward with autograd, and the leaves among them: trainable weights
+        become fresh leaves (their gradients accumulate there); frozen ones are bound as they are, without
+        autograd, so no gradient is computed for them."""
+        trainable = self.model.trainable[phase.role]
+        params = {n: t.detach().requires_grad_() if n in trainable else t for n, t in weights.items()}
+        return params, {n: p for n, p in params.items() if n in trainable}
+
+    def _unit_input(self, stack: contextlib.ExitStack, source: Entry | None, mb: int, input_ids: torch.Tensor,
+                    consume: bool) -> tuple[list[torch.Tensor], tuple]:
+        """Micro-batch ``mb``'s input to a unit, for a forward with autograd: the token ids (the first unit, no
+        ``source``), or the buffered activation ``source`` (``("x", row)``) as a leaf whose gradient is the
+        ``dx`` upstream needs; returns ``(input leaves, call arguments)``."""
+        if source is None:
+            return [], (input_ids[mb],)
+        x = stack.enter_context(self.buffers.read(*source, mb, consume=consume)).detach().requires_grad_()
+        return [x], (x,)
+
+    # ---- backward ----
+
+    def gradients(self, phase: Phase, io: OpActivations, weights: Tensors, st: StepState) -> Tensors:
+        """The gradient of the unit's trainable variables over every micro-batch, reduced over DP, in its
+        stored form and its weights' dtype (16-bit weights: summed in float32, rounded once at the end).
+
+        The ledger counts the gradients alive as they are made (autograd's, the float32 sums, the takes'),
+        but for those written into the unit's stored gradients, whose memory is the store's, until the phase
+        releases them (:meth:`release`); :func:`ipuft.engine.gradients.gradient_working_bytes` is what the
+        plan declares for them."""
+        wide = self.model.dtype != torch.float32
+        local, homes, counted = self._backward(phase, io, weights, st, wide)
+        placed = self.model.placed[phase.role]
+        grads = {n: placed[n].reduce_gradient(g).to(weights[n].dtype) for n, g in local.items()}
+        fresh = storage_bytes(grads.values(), homes.values())
+        self.store.ledger.acquire(fresh - counted)
+        self._counted[phase.unit] = fresh
+        return grads
+
+    def release(self, phase: Phase) -> None:
+        """The phase is done with the gradients :meth:`gradients` made (stored, or consumed by the update)."""
+        self.store.ledger.release(self._counted.pop(phase.unit, 0))
+
+    def _backward(self, phase: Phase, io: OpActivations, weights: Tensors, st: StepState,
+                  wide: bool) -> tuple[Tensors, Tensors, int]:
+        """Loss-backward (head) or recompute-backward (decoder, embeddings) of every micro-batch; returns the
+        unit's gradients summed over micro-batches (:class:`GradientSum`), the stored gradients the takes
+        wrote into, and the bytes of the others, counted on the device.
+
+        The weights the unit's projections compute with by :func:`ipuft.ops.linear` get their gradients taken
+        later (see :mod:`ipuft.ops`): one matmul over the tokens of :func:`take_every` micro-batches at a time,
+        each such gradient summed as a micro-batch's is. While they wait, what the projections hold for them
+        is counted on the device."""
+        graphs = self.graphs.pop(phase.unit, None)
+        params, leaves = self._autograd_weights(phase, weights)
+        if graphs is not None:
+            leaves = graphs.leaves  # the kept graphs accumulate into the leaves their forward bound
+        micro_batches = st.batch.micro_batches
+        taken = WeightGradients(leaves.values()) if graphs is None else graphs.taken
+        every = take_every(micro_batches, st.batch.input_ids[0].numel())
+        takes = -(-micro_batches // every)
+        names = {id(p): n for n, p in leaves.items()}
+        dp = self.model.layout.data_parallel
+        sums = GradientSum(leaves, wide, self.model.device, dp)
+        stored = self._gradient_homes(phase)
+        homes = stored if writes_into_stored(wide, takes, dp, bool(stored)) else {}
+        module = self.model.modules[phase.role]
+        held = counted = 0
+
+        def count() -> None:  # the gradients alive now, but for those in the stored gradients' memory
+            nonlocal counted
+            alive = storage_bytes([*sums.tensors(), *(p.grad for p in leaves.values() if p.grad is not None)],
+                                  homes.values())
+            self.store.ledger.acquire(alive - counted)
+            counted = alive
+
+        with bound(module, params), taking_weight_gradients(taken):
+            for mb in range(micro_batches):
+                if graphs is None:
+                    self._backward_micro_batch(phase, io, list(leaves.values()), mb, st)
+                else:
+                    self._backward_kept_graph(io, graphs, mb, list(leaves.values()))
+                sums.add_autograd(mb, micro_batches)
+                count()
+                holding = storage_bytes(taken.held())
+                self.store.ledger.acquire(holding - held)
+                held = holding
+                if (mb + 1) % every and mb + 1 < micro_batches:
+                    continue
+                for leaf, grad in taken.take(lambda leaf: homes.get(names[id(leaf)])):
+                    sums.add(names[id(leaf)], grad, mb // every, takes)
+                    count()
+                self.store.ledger.release(held)
+                held = 0
+        return sums.result(), homes, counted
+
+    def _gradient_homes(self, phase: Phase) -> Tensors:
+        """The gradients ``phase``'s unit stored last step, where they are kept in the compute device's memory
+        (a CPU device, or offload off): memory that a fresh gradient would fault in page by page on a CPU."""
+        if self.store.offload and not self.store.lends:
+            return {}
+        return self.store.entries[phase.unit].get("grad", {})
+
+    def _backward_micro_batch(self, phase: Phase, io: OpActivations, params: list[torch.Tensor], mb: int,
+                              st: StepState) -> None:
+        """Run micro-batch ``mb``'s forward with gradient (the head's loss, or a recompute seeded by the ``dx``
+        entry the op reads), backpropagate into ``params``, and keep the gradient of the unit's input as the
+        ``dx`` entry the op writes."""
+        module = self.model.modules[phase.role]
+        with contextlib.ExitStack() as stack:
+            inputs, args = self._unit_input(stack, io.read("x"), mb, st.batch.input_ids, consume=True)
+            upstream = io.read("dx")
+            if upstream is None:  # the head: loss, and the gradient that seeds the backward
+                args = (*args, st.batch.labels[mb])
+                seed = None
+            else:
+                seed = stack.enter_context(self.buffers.read(*upstream, mb, consume=True))
+                stack.enter_context(recompute())  # only the gradient of this forward is used
+            stack.enter_context(working_set(self.store, [*params, *inputs, st.batch.input_ids, st.batch.labels]))
+            if not inputs and not params:
+                return  # a frozen first unit: nothing upstream needs a gradient, nothing here is trained
+            with self.rng(phase.unit, mb, st.update):
+                out = module(*args)
+            if seed is None:
+                st.losses.append(out.detach())
+                out = out * (st.loss_scale / st.batch.micro_batches)
+            torch.autograd.backward(out, seed, inputs=inputs + params)
+        if inputs:
+            self.buffers.write(*io.written("dx"), mb, inputs[0].grad)
+
+    def _backward_kept_graph(self, io: OpActivations, graphs: KeptGraphs, mb: int,
+                             leaves: list[torch.Tensor]) -> None:
+        """recompute=false: backpropagate micro-batch ``mb``'s kept forward graph with the ``dx`` entry the op
+        reads (no recompute; the ``x`` entry it reads is only done with), and keep the gradient of the unit's
+        input as the ``dx`` entry it writes."""
+        out, inputs, size = graphs.pop(mb)
+        with contextlib.ExitStack() as stack:
+            for entry in io.reads:  # the seed, and the layer input's entry, done with as after a recompute
+                read = stack.enter_context(self.buffers.read(*entry, mb, consume=True))
+                if entry[0] == "dx":
+                    seed = read
+            if out is not None:
+                torch.autograd.backward(out, seed, inputs=inputs + leaves)
+        self.store.ledger.release(size)
+        self.graph_bytes -= size
+        if inputs:
+            self.buffers.write(*io.written("dx"), mb, inputs[0].grad)
+
+    def end_step(self) -> int:
+        """The step is over: its kept graphs' peak bytes (recompute=false), counted afresh from the next."""
+        peak, self.graph_peak = self.graph_peak, 0
+        return peak

@@ -1,0 +1,244 @@
+"""What a step holds, in bytes: each variable group one rank stores, and what each phase holds on the compute
+device at its busiest (:class:`PhaseMemory`), computed from the real variable shapes and the units' measured
+costs (:mod:`ipuft.engine.measure`) without allocating anything. ``ipuft plan`` (:mod:`ipuft.engine.plan`)
+reports them; the engine's ledger is bounded by them, phase by phase.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+from omegaconf import DictConfig
+
+from ipuft.components import VariableSpec
+from ipuft.engine.gradients import gradient_working_bytes, take_every, writes_into_stored
+from ipuft.engine.measure import UnitCost
+from ipuft.engine.model import ModelParts
+from ipuft.engine.precision import Recipe, compute_dtype, recipe
+from ipuft.engine.stored import updates_on_host
+from ipuft.engine.update import group_transient_bytes, update_chunk, update_groups
+from ipuft.engine.variables import placements, unit_groups
+from ipuft.optim import Optimizer
+from ipuft.parallel import Layout
+from ipuft.program import GROUPS, Move, Op, Phase, PhaseMoves
+
+
+def _bytes(specs: list[VariableSpec]) -> int:
+    return sum(s.nbytes for s in specs)
+
+
+def _stored(sizes: dict[str, int]) -> int:
+    """The bytes of a unit's stored groups (``trainable`` is a part of ``fwd``, not a group)."""
+    return sizes["fwd"] + sizes["optim"] + sizes["grad"]
+
+
+def frozen_savings(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer, sizes: dict[str, dict[str, int]]) -> int:
+    """The bytes one rank does not store because variables are frozen: their gradients and optimizer state."""
+    if all(v.trainable for specs in parts.variables.values() for v in specs):
+        return 0
+    unfrozen = dataclasses.replace(parts, variables={role: [dataclasses.replace(v, trainable=True) for v in specs]
+                                                     for role, specs in parts.variables.items()})
+    everything = group_bytes(cfg, unfrozen, optimizer)
+    return sum(_stored(s) for s in everything.values()) - sum(_stored(s) for s in sizes.values())
+
+
+def rank_layout(cfg: DictConfig) -> Layout:
+    """The layout of rank 0 of the configured DP × TP grid (sizes only; no process groups)."""
+    return Layout(cfg.execution.data_parallel, cfg.execution.tensor_parallel)
+
+
+def group_bytes(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer) -> dict[str, dict[str, int]]:
+    """Bytes one rank stores of each variable group of each unit, as the engine allocates them
+    (:func:`~ipuft.engine.variables.unit_groups`: its TP shard, and with RTS its 1/DP slice of that; ``grad``
+    only where the program stores gradients, 0 elsewhere). ``trainable`` is the part of ``fwd`` that is trained
+    (what an update-only phase moves)."""
+    stores_grad = parts.program.grad_units(updates_on_host(cfg))
+    placed = placements(parts, rank_layout(cfg), bool(cfg.execution.rts))
+    master = recipe(cfg) is Recipe.master
+    out = {}
+    for unit in parts.program.units():
+        groups = unit_groups(placed[unit.role], optimizer, master, unit in stores_grad)
+        sizes = dict.fromkeys(GROUPS, 0) | {group: _bytes(specs) for group, specs in groups.items()}
+        sizes["trainable"] = _bytes([s for s in groups["fwd"] if s.trainable])
+        out[unit] = sizes
+    return out
+
+
+def activation_bytes(cfg: DictConfig) -> int:
+    """One micro-batch's layer-boundary activation ``x[n][mb]``, in the compute dtype."""
+    itemsize = torch.empty((), dtype=compute_dtype(cfg)).element_size()
+    return cfg.execution.micro_batch_size * cfg.model.sequence_length * cfg.model.hidden_size * itemsize
+
+
+def stored_activation_bytes(cfg: DictConfig) -> int:
+    """What one TP rank stores of one buffered activation: its 1/TP slice."""
+    return activation_bytes(cfg) // cfg.execution.tensor_parallel
+
+
+def activation_peak_bytes(cfg: DictConfig) -> int:
+    """The peak bytes one rank's x/dx buffers hold: the ``(L+1)·GA`` entries of ``x`` live at the end of
+    the forward; ``dx`` holds only rows in flight, never more than the ``x`` entries already consumed."""
+    return (cfg.model.layers + 1) * cfg.gradient_accumulation * stored_activation_bytes(cfg)
+
+
+def graph_bytes(cfg: DictConfig, parts: ModelParts, costs: dict[str, UnitCost]) -> int:
+    """``execution.recompute=false``: the bytes of the forward graphs kept at the end of the forward, every
+    decoder layer's and the embeddings' for every micro-batch (what autograd saves, measured per unit)."""
+    if cfg.execution.recompute:
+        return 0
+    embeddings = costs["embeddings"].saved_bytes if any(v.trainable for v in parts.variables["embeddings"]) else 0
+    return cfg.gradient_accumulation * (cfg.model.layers * costs["decoder"].saved_bytes + embeddings)
+
+
+def phase_moves(cfg: DictConfig, parts: ModelParts, phase: Phase) -> PhaseMoves | None:
+    """What ``phase`` moves under ``cfg`` (:meth:`~ipuft.program.StepProgram.moves`, as the engine asks it)."""
+    trainable = any(v.trainable for v in parts.variables[phase.role])
+    return parts.program.moves(phase, trainable, updates_on_host(cfg))
+
+
+def phase_io(moves: PhaseMoves, unit: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
+    """The bytes a phase loads and stores of each group of its unit (``unit``: :func:`group_bytes`'s), as the
+    engine moves them when offloaded."""
+    def size(move: Move) -> int:
+        return unit["trainable"] if move.trainable_only else unit[move.group]
+
+    return {m.group: size(m) for m in moves.loads}, {m.group: size(m) for m in moves.stores}
+
+
+def compute_device(cfg: DictConfig) -> torch.device:
+    """The device the run computes on (``execution.device``; ``auto``: CUDA when there is one), as the plan
+    sees it (device 0)."""
+    cuda = cfg.execution.device.value != "cpu" and torch.cuda.is_available()
+    return torch.device("cuda" if cuda else "cpu")
+
+
+def update_transient_bytes(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer, role: str) -> int:
+    """The most bytes one optimizer call on a unit of ``role`` adds on the device (the float32 views and
+    gradients of 16-bit weights, the stochastic rounding's workspace): the engine's largest group of pieces
+    (:func:`ipuft.engine.update.update_groups`) of the unit's stored trainable variables."""
+    placed = placements(parts, rank_layout(cfg), bool(cfg.execution.rts))[role]
+    sizes = [(name, math.prod(p.stored_shape)) for name, p in placed.items() if p.spec.trainable]
+    chunk = update_chunk(compute_device(cfg)) if getattr(optimizer, "elementwise", True) else None
+    how = recipe(cfg)
+    return max((group_transient_bytes(how, [stop - start for _, start, stop in group])
+                for group in update_groups(sizes, chunk)), default=0)
+
+
+@dataclass(frozen=True)
+class PhaseMemory:
+    """What one phase holds on the compute device at its busiest, in bytes, beside the variables that stay
+    there (offload off) and the step's buffered activations and kept graphs:
+
+    - ``loaded``: the groups it loads (offloaded; nothing where the store lends them, on a CPU device);
+    - ``compute``: its busiest micro-batch: a forward, or a recompute and backward with its fresh gradients,
+      the unit's gradient summed so far and what the projections hold for the weight gradients taken later;
+    - ``update``: an update on the device: the finished gradients and one optimizer call's transients.
+    """
+
+    loaded: int = 0
+    compute: int = 0
+    update: int = 0
+
+    @property
+    def peak(self) -> int:
+        return self.loaded + max(self.compute, self.update)
+
+
+def phase_memory(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer, sizes: dict[str, dict[str, int]],
+                 costs: dict[str, UnitCost], lent: bool = False) -> dict[str, PhaseMemory]:
+    """Every phase's :class:`PhaseMemory`, by phase name (phases that move nothing hold nothing). ``lent``:
+    count the variables a phase loads as nothing, as on a CPU device."""
+    host_update = updates_on_host(cfg)
+    wide = compute_dtype(cfg) != torch.float32
+    transient = {role: update_transient_bytes(cfg, parts, optimizer, role) for role in parts.variables}
+    ga, dp = cfg.gradient_accumulation, cfg.execution.data_parallel
+    every = take_every(ga, cfg.execution.micro_batch_size * cfg.model.sequence_length)
+    takes = -(-ga // every)
+    # The stored gradients live in the compute device's memory (offload off, or a CPU device): a take may
+    # write into them.
+    in_compute_memory = not cfg.execution.offload or compute_device(cfg).type == "cpu"
+    stores_grad = parts.program.grad_units(host_update)
+    out = {}
+    for phase in parts.program:
+        unit, cost = sizes[phase.unit], costs[phase.role]
+        moves = phase_moves(cfg, parts, phase)
+        if moves is None:
+            out[phase.name] = PhaseMemory()
+            continue
+        loaded = sum(phase_io(moves, unit)[0].values()) if cfg.execution.offload and not lent else 0
+        grads = unit["trainable"] if phase.computes_gradient else 0
+        micro_batch = [cost.forward_peak_bytes] if Op.FORWARD in phase.ops else []
+        fresh = grads  # the finished gradients beyond the stored ones
+        if phase.computes_gradient:
+            # What a micro-batch makes and holds, measured with its taken gradients written into given memory
+            # (at least autograd's gradients with what autograd saved, or with the projections' held pieces);
+            # beside it, the unit's gradients summed so far and, where the takes cannot write into the stored
+            # gradients, their fresh ones; the earlier micro-batches' pieces of a take come on top, and when a
+            # take covers several, its inputs concatenated.
+            taken = min(cost.taken_bytes, grads)
+            autograd = grads - taken
+            into_stored = writes_into_stored(wide, takes, dp, in_compute_memory and phase.unit in stores_grad)
+            working = gradient_working_bytes(autograd, taken, wide, ga, takes, dp, into_stored)
+            fresh = autograd if into_stored else grads
+            made = autograd + (0 if into_stored else taken)
+            held = (2 * every - 1) * cost.held_bytes if every > 1 else 0
+            micro_batch.append(working - made + held + max(cost.backward_peak_bytes + made - autograd,
+                                                           made + cost.saved_bytes, made + cost.held_bytes))
+        compute = max(micro_batch) if phase.computes else 0
+        # The update holds only the finished (16-bit) gradients; one in host memory holds nothing on the device.
+        update = fresh + transient[phase.role] if phase.updates and not host_update else 0
+        out[phase.name] = PhaseMemory(loaded, compute, update)
+    return out
+
+
+def resident_activation_bytes(cfg: DictConfig) -> int:
+    """The most bytes of buffered activations on the device while a phase computes: with activation offload one
+    row in, one out and a gradient in flight (and their TP slices); else every buffered entry, and under TP the
+    entries gathered from their slices."""
+    act = activation_bytes(cfg)
+    tp = cfg.execution.tensor_parallel
+    if cfg.execution.activation_offload:
+        return 3 * act + (3 * stored_activation_bytes(cfg) if tp > 1 else 0)
+    return activation_peak_bytes(cfg) + (3 * act if tp > 1 else 0)
+
+
+def device_peak_estimate(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer, sizes: dict[str, dict[str, int]],
+                         costs: dict[str, UnitCost], lent: bool = False) -> int:
+    """The largest phase's resident bytes: the variables that stay on the device, the kept graphs
+    (recompute=false: all there when the head's loss-backward runs, an upper bound for every phase), and the
+    phase's :class:`PhaseMemory`, with the buffered activations beside its compute."""
+    resident_vars = 0 if cfg.execution.offload else sum(_stored(s) for s in sizes.values())
+    graphs = graph_bytes(cfg, parts, costs)
+    acts = resident_activation_bytes(cfg)
+    holds = phase_memory(cfg, parts, optimizer, sizes, costs, lent)
+    peak = 0
+    for phase in parts.program:
+        held = holds[phase.name]
+        compute = acts + held.compute if phase.computes else 0
+        peak = max(peak, resident_vars + graphs + held.loaded + max(compute, held.update))
+    return peak
+
+
+def init_host_bytes(cfg: DictConfig, parts: ModelParts) -> int:
+    """What filling the store adds to host memory at its busiest: the engine initialises one unit at a time
+    from its full float32 weights (random draws, or a checkpoint's), which stay beside the store until they
+    are cut to this rank's shards or rounded to 16 bits (for unsharded float32 weights they become the store)."""
+    sharded = cfg.execution.tensor_parallel > 1 or bool(cfg.execution.rts)
+    if compute_dtype(cfg) == torch.float32 and not sharded:
+        return 0
+    return max(sum(v.numel * 4 for v in parts.variables[role]) for role in parts.variables)
+
+
+# What a process computing on the CPU keeps besides the tensors the plan counts and what it held at start: the
+# math libraries' buffers (MKL's memory manager held 80 MiB at GPT-J-6B width), the engine's own objects, and
+# the blocks glibc's heap keeps once the busiest micro-batch has freed them (execution.retain_host_memory;
+# ipuft.engine.hostmem). At that width (one layer, sequence 256, micro-batches of 1 and 4, float32 and bfloat16) on
+# the 2-core CI CPU, where bench/width.py prints peak RSS against the plan, peak RSS stayed 0.4-0.5 GiB under
+# the plan with this allowance (94-96% of it). The heap's share that grows with the model, one micro-batch's
+# blocks under its limit, is added from its measurement (UnitCost.heap_peak_bytes).
+CPU_RUNTIME_BYTES = 512 * 2**20
+
+
