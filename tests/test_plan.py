@@ -126,7 +126,7 @@ def test_gptj_6b_with_the_optimizer_on_the_host(capsys):
     weights = {d: sum(n for k, n in device["traffic"][d].items() if k in ("fwd", "optim", "grad")) for d in ("h2d", "d2h")}
     assert device["h2d_bytes_per_step"] - host["h2d_bytes_per_step"] == weights["h2d"] - host["traffic"]["h2d"]["fwd"]
     assert host["host_bytes"] - device["host_bytes"] == f16 * EMB
-    assert host["device_peak_bytes"] < device["device_peak_bytes"]
+    assert host["device_peak_bytes"] < 0.7 * device["device_peak_bytes"]
     # Phase by phase: an update-only phase in host memory holds nothing on the device and loads nothing for it;
     # the embeddings' backward-and-update phase loads only their weights.
     updates = [(h, d) for h, d in zip(host["program"], device["program"]) if h["host_update"]]

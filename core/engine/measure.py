@@ -94,6 +94,11 @@ class LiveBytes(TorchDispatchMode):
                 storage = StorageWeakRef(t.untyped_storage())
                 if storage.cdata not in self._existing:
                     self._alive.setdefault(storage.cdata, (storage, t.untyped_storage().nbytes()))
+        total, heap = self._alive_bytes()
+        self.peak, self.heap_peak = max(self.peak, total), max(self.heap_peak, heap)
+        return out
+
+    def _alive_bytes(self) -> tuple[int, int]:
         total = heap = 0
         for key, (storage, size) in list(self._alive.items()):
             if storage.expired():
@@ -101,8 +106,12 @@ class LiveBytes(TorchDispatchMode):
                 continue
             total += size
             heap += size if size < self._heap_limit else 0
-        self.peak, self.heap_peak = max(self.peak, total), max(self.heap_peak, heap)
-        return out
+        return total, heap
+
+    def restart(self) -> int:
+        """Start a new ``peak`` from the bytes alive now; returns the peak until now."""
+        before, self.peak = self.peak, self._alive_bytes()[0]
+        return before
 
 
 @dataclass(frozen=True)
@@ -119,7 +128,7 @@ class UnitCost:
     - ``held_bytes``: what the projections hold for their taken weight gradients after its backward, until
       they are taken (beside the next micro-batches' when a take covers several);
     - ``taken_bytes``: the bytes of the gradients taken that way (the rest of the unit's trainable bytes are
-      autograd's);
+      autograd's), and ``take_peak_bytes`` the most bytes alive while they are taken (into given memory);
     - ``heap_peak_bytes``: the most of those alive at once in blocks glibc's heap serves (and keeps).
     """
 
@@ -132,6 +141,7 @@ class UnitCost:
     held_bytes: int
     heap_peak_bytes: int
     taken_bytes: int = 0
+    take_peak_bytes: int = 0
 
 
 def _saved_bytes(module, params, args) -> int:
@@ -177,13 +187,15 @@ def unit_cost(parts: ModelParts, role: str, cfg: DictConfig, device: torch.devic
                     torch.autograd.backward(out, torch.ones_like(out), inputs=leaves)
                     del out
                     held = storage_bytes(taken.held(), existing)
+                    backward_peak = live.restart()
                     grads = list(taken.take(lambda leaf: homes.get(id(leaf))))
+                    take_peak = live.peak
                     taken_bytes = sum(g.numel() * g.element_size() for _, g in grads)
             backward = counted.get_total_flops()
             del grads
         saved = _saved_bytes(module, params, args)
-    return UnitCost(forward, backward, again, saved, forward_live.peak, live.peak, held,
-                    max(forward_live.heap_peak, live.heap_peak), taken_bytes)
+    return UnitCost(forward, backward, again, saved, forward_live.peak, max(backward_peak, take_peak), held,
+                    max(forward_live.heap_peak, live.heap_peak), taken_bytes, take_peak)
 
 
 def kv_cache_bytes_per_position(parts: ModelParts, cfg: DictConfig) -> int:

@@ -185,8 +185,9 @@ def phase_memory(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer, sizes
             fresh = autograd if into_stored else grads
             made = autograd + (0 if into_stored else taken)
             held = (2 * every - 1) * cost.held_bytes if every > 1 else 0
-            micro_batch.append(working - made + held + max(cost.backward_peak_bytes + made - autograd,
-                                                           made + cost.saved_bytes, made + cost.held_bytes))
+            fresh_taken = made - autograd  # the takes' gradients, where they cannot write into the stored ones
+            busiest = max(cost.backward_peak_bytes, cost.take_peak_bytes + fresh_taken)
+            micro_batch.append(working - made + held + max(busiest, made + cost.saved_bytes, made + cost.held_bytes))
         compute = max(micro_batch) if phase.computes else 0
         # The update holds only the finished (16-bit) gradients; one in host memory holds nothing on the device.
         update = fresh + transient[phase.role] if phase.updates and not host_update else 0
