@@ -24,8 +24,8 @@ and ``g`` of every projection for those micro-batches (14·hidden values a token
 bounds (:func:`ipuft.engine.gradients.take_every`) and the plan counts.
 
 An embedding's gradient is the same story with a scatter for the matmul: autograd makes each micro-batch's
-as a fresh dense table of zeros with the micro-batch's rows added in ([50400, 4096] at GPT-J-6B's width: 0.24 s
-a micro-batch in bfloat16, nearly all of it faulting in and zeroing 0.4 GB), then the engine sums the tables.
+as a fresh dense table of zeros with the micro-batch's rows added in ([50400, 4096] at GPT-J-6B's width,
+nearly all of its time faulting in and zeroing the table), then the engine sums the tables.
 :func:`embedding` keeps each micro-batch's ids and output gradient instead, and the take adds them all into
 one zeroed table (the unit's stored gradient, where the engine gives it): in float32 for a 16-bit table, the
 touched rows summed in a float32 scratch and each rounded once.
@@ -250,12 +250,8 @@ def attention_in_float32(x: torch.Tensor, head_dim: int, positions: int) -> bool
     faster in float32 (q, k and v cast up, the output cast back) than in ``x``'s dtype: on the CPU, unless it
     is bfloat16 with ATen's bfloat16 kernels, heads of 128 or more and 256 positions or more.
 
-    Measured forward and backward with the casts on the 2-core Sapphire Rapids (AMX), 2026-12-01: bfloat16
-    against float32 at ``[B, heads, T, head_dim]`` = ``[1, 16, 256, 256]`` (GPT-J-6B's heads) 23-25 against
-    40-46 ms, ``[1, 16, 2048, 256]`` 464 against 883, ``[1, 32, 1024, 128]`` 184 against 304, ``[1, 8, 256,
-    128]`` 5.6-6.3 against 6.3-7.0; but ``[1, 16, 64, 128]`` 3.2 against 1.7, ``[1, 16, 256, 64]`` 8.8
-    against 8.9, and ``[4, 8, 128, 32]`` (a toy width) 2-3 times slower. float16 has no such kernels (at
-    ``[1, 16, 256, 256]`` 50 against 36 ms). On a GPU the 16-bit kernels are the fast ones.
+    The thresholds come from timing forward and backward with the casts at GPT-J's, Llama's and toy head
+    shapes (docs/performance.md); float16 has no such kernels. On a GPU the 16-bit kernels are the fast ones.
     """
     if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
         return False

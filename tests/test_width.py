@@ -32,6 +32,7 @@ def available_bytes() -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("width")  # one at a time under -n (pyproject's --dist loadgroup): 10 GiB each
 @pytest.mark.parametrize("micro_batch", [1, 4])
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 def test_a_6b_wide_layer_trains_within_90_to_100_percent_of_the_planned_host_memory(tmp_path, precision, micro_batch):

@@ -8,8 +8,8 @@ to the sizes seen, up to 32 MiB). The kernel then hands the memory back as zeroe
 per 4 KiB touched. A layer-major step allocates and frees the same large tensors for every micro-batch
 and every step (a layer's activations and autograd's saved tensors, the logits, the gradients), and the
 graphs kept by ``execution.recompute=false`` grow the heap and shrink it again each step, so with glibc's
-defaults a ``recompute=false`` step of the bench's model took 0.2–16 thousand page faults in a process of its
-own (30–530 with this).
+defaults a ``recompute=false`` step faults in many thousands of pages afresh (docs/performance.md has the
+counts), a few hundred with this.
 
 :func:`retain_freed_memory` sets both thresholds once per process with ``mallopt``: blocks up to the
 threshold come from the heap, and freed heap memory is kept for reuse, as a caching allocator would. The
@@ -17,12 +17,12 @@ process's resident memory then stays at its peak instead of falling between step
 needs again anyway. It is process-wide, like the allocator it tunes; elsewhere than glibc it does nothing.
 
 At GPT-J-6B's width a step also makes and frees many tensors of hundreds of MB (an embedding's gradient is
-0.8 GB), always mapped afresh: faulted in 4 KiB at a time, a 1-layer step took 8.9 million page faults.
+0.8 GB), always mapped afresh: faulted in 4 KiB at a time, millions of page faults a step.
 :func:`huge_pages_for_torch` asks torch's CPU allocator to back tensors of 2 MiB and more with transparent
 huge pages (``THP_MEM_ALLOC_ENABLE=1``, which torch reads at its first allocation: the ``ipuft`` console
-script sets it at start unless it is set), one fault per 2 MiB: about 0.2 million faults. With huge pages
+script sets it at start unless it is set), one fault per 2 MiB. With huge pages
 the heap keeps only blocks under 2 MiB (:func:`heap_block_limit`): blocks of 2-32 MiB kept in the heap
-fragment it, and at micro-batch 4 it held 0.5 GiB more than the step's tensors at its peak, while mapped
+fragment it (at micro-batch 4 it held far more than the step's tensors at its peak), while mapped
 afresh in huge pages they cost little. The kernel must allow huge pages
 (``/sys/kernel/mm/transparent_hugepage/enabled``: ``madvise`` or ``always``); without them the heap keeps
 blocks up to 32 MiB, as before.

@@ -1,8 +1,8 @@
 """Whether this machine computes the run's precision fast, checked before a command computes.
 
 A CPU without native 16-bit matmul kernels (AVX-512 BF16 or AMX for bfloat16, AVX-512 FP16 or AMX-FP16
-for float16) runs torch's 16-bit matmuls in a generic loop: on an AVX2 CPU, bfloat16 at about 1 GFLOP/s
-against tens in float32, so a step of a 16-bit run takes a hundred times as long as the float32 one. Whether
+for float16) runs torch's 16-bit matmuls in a generic loop, orders of magnitude slower than float32, so a
+step of a 16-bit run takes far longer than the float32 one (figures: docs/performance.md). Whether
 it does depends on the CPU and on the torch build, so it is measured, not guessed: a short matmul probe in
 float32 and in the 16-bit dtype (a fraction of a second, a few tenths on a slow CPU), cached per machine
 (CPU model, its flags, threads and the torch version) in ``kernels.json`` under the data cache's directory.

@@ -95,8 +95,8 @@ def _xorshift_(x: torch.Tensor, s: int, scratch: torch.Tensor) -> torch.Tensor:
 def _mix32_(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
     """MurmurHash3's 32-bit finaliser, in place on an int32 tensor read as unsigned: a bijection of [0, 2^32)
     that scrambles every input bit. Multiplication of int32 tensors keeps the low 32 bits of the product, as
-    unsigned arithmetic would (a wrapping multiply on every backend), so no op needs int64: it is about 20
-    times faster than int64 arithmetic masked back to 32 bits, on the CPU. In place, through one scratch
+    unsigned arithmetic would (a wrapping multiply on every backend), so no op needs int64: much faster than
+    int64 arithmetic masked back to 32 bits, on the CPU. In place, through one scratch
     tensor, it allocates nothing: eleven passes over ``x``."""
     _xorshift_(x, 16, scratch).mul_(_int32(0x85EBCA6B))
     _xorshift_(x, 13, scratch).mul_(_int32(0xC2B2AE35))

@@ -40,20 +40,17 @@ GELU_CHUNK = 1 << 18  # elements: 1 MiB of float32 a pass, in cache; a multiple 
 
 
 class _CpuGeluNew(torch.autograd.Function):
-    """``gelu_new`` on CPU tensors, about twice as fast as ATen's tanh-GELU kernel there.
+    """``gelu_new`` on CPU tensors, faster than ATen's tanh-GELU kernel there (``python bench/gelu.py``).
 
     ``0.5·x·(1 + tanh(z)) = x·σ(2z)``: ATen's CPU ``sigmoid`` is several times faster than its ``tanh``,
-    and than ``gelu(approximate="tanh")`` (0.2 against 0.44 ms on a [512, 1024] tensor on the 2-core CI
-    CPU; 0.8 ms for the same formula through ``tanh_``), within 1 ulp-scale of the tanh form (5e-7 at most,
-    in float32, against float64). A 16-bit ``x`` is computed in float32 and rounded once, as ATen's own
-    16-bit kernel does (0.28 against 0.51 ms in bfloat16). The backward is ATen's own ``gelu_backward``, in
+    and than ``gelu(approximate="tanh")``, within 1 ulp-scale of the tanh form (5e-7 at most, in float32,
+    against float64). A 16-bit ``x`` is computed in float32 and rounded once, as ATen's own 16-bit kernel
+    does. The backward is ATen's own ``gelu_backward``, in
     ``x``'s dtype, exactly as ``F.gelu`` would give; composing it from elementwise ops measured slower.
 
     A tensor larger than :data:`GELU_CHUNK` elements is taken that many at a time, so that the float32
-    intermediates stay in cache (``python bench/gelu.py``, 2-core Sapphire Rapids, three runs): at GPT-J-6B's
-    width, ``[256, 16384]`` and ``[1024, 16384]`` in bfloat16, 4.7–7.8 and 25–35 ms against 5.4–22 and 66–92 ms
-    over the whole tensor at once (whose time varies with the fresh float32 temporaries it faults in) and
-    6.2–9.5 and 30–40 ms for ATen's bfloat16 kernel; in float32 1.04–1.17× faster. The same values, element
+    intermediates stay in cache instead of being faulted in afresh over the whole tensor (figures at GPT-J-6B's
+    width in docs/performance.md, from ``python bench/gelu.py``). The same values, element
     by element (a chunk is a multiple of every vector width, so ATen's loops split the work as before).
     """
 

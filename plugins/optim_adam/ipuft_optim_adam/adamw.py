@@ -40,11 +40,11 @@ class AdamW(Optimizer):
     def sqrt_floor(self, bias2: float) -> float | None:
         """A floor under ``v`` before its square root that changes no denominator ``√v / √bias2 + eps``, or None.
 
-        ATen's CPU ``sqrt`` (MKL's vector math) takes about 25 times as long on an element that is 0 or subnormal
-        as on a normal float32 (3.5 against 0.14 ns an element on the 2-core Sapphire Rapids, whatever
-        ``ATEN_CPU_CAPABILITY``), and ``v`` is exactly 0 wherever a variable has had no gradient yet: most of an
-        embedding's rows in fine-tuning (a step's tokens touch a few hundred of GPT-J's 50400), whose update spent
-        0.65 s of a step in ``sqrt`` at GPT-J-6B's width. Every ``v`` up to the smallest normal float32, 2^-126,
+        ATen's CPU ``sqrt`` (MKL's vector math) takes many times as long on an element that is 0 or subnormal
+        as on a normal float32 (whatever ``ATEN_CPU_CAPABILITY``; docs/performance.md), and ``v`` is exactly 0
+        wherever a variable has had no gradient yet: most of an embedding's rows in fine-tuning (a step's tokens
+        touch a few hundred of GPT-J's 50400), whose update then spends much of its time in ``sqrt``.
+        Every ``v`` up to the smallest normal float32, 2^-126,
         gives the denominator ``eps`` itself where ``2^-63 / √bias2`` (rounded) is under half an ulp of ``eps``:
         then ``v`` is clamped to 2^-126 first, and the denominators are those of ``sqrt(v)``, bit for bit. Half an
         ulp of a normal float32 ``eps`` is at least ``eps·2^-25``, and ``2^-62 / √bias2`` bounds the rounded
