@@ -142,10 +142,6 @@ class PhaseMemory:
     compute: int = 0
     update: int = 0
 
-    @property
-    def peak(self) -> int:
-        return self.loaded + max(self.compute, self.update)
-
 
 def phase_memory(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer, sizes: dict[str, dict[str, int]],
                  costs: dict[str, UnitCost], lent: bool = False) -> dict[str, PhaseMemory]:
@@ -182,10 +178,10 @@ def phase_memory(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer, sizes
             autograd = grads - taken
             into_stored = writes_into_stored(wide, takes, dp, in_compute_memory and phase.unit in stores_grad)
             working = gradient_working_bytes(autograd, taken, wide, ga, takes, dp, into_stored)
-            fresh = autograd if into_stored else grads
-            made = autograd + (0 if into_stored else taken)
+            fresh_taken = 0 if into_stored else taken  # the takes' gradients, made afresh
+            made = autograd + fresh_taken
+            fresh = made
             held = (2 * every - 1) * cost.held_bytes if every > 1 else 0
-            fresh_taken = made - autograd  # the takes' gradients, where they cannot write into the stored ones
             busiest = max(cost.backward_peak_bytes, cost.take_peak_bytes + fresh_taken)
             micro_batch.append(working - made + held + max(busiest, made + cost.saved_bytes, made + cost.held_bytes))
         compute = max(micro_batch) if phase.computes else 0
