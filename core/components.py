@@ -25,7 +25,7 @@ import contextvars
 import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ipuft.errors import PluginError, choices
@@ -72,6 +72,9 @@ class VariableSpec:
     state, nothing of it moves for gradients or updates, and it takes no part in the global norm.
     ``added=True`` marks a variable that fine-tuning adds to a pretrained model (an adapter): it has no
     Hugging Face name, so importing a Hugging Face checkpoint starts it from its ``init``.
+    ``tied_to="<unit>.<variable>"`` makes it another unit's variable (tied embeddings: the head's projection is
+    ``embeddings.<table>.weight``): the component computes with it, but it is stored, trained, checkpointed and
+    exported once, as the owner's (see :class:`ipuft.program.Tie`).
     """
 
     name: str
@@ -80,6 +83,7 @@ class VariableSpec:
     init: Init = field(default_factory=Init)
     trainable: bool = True
     added: bool = False
+    tied_to: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype is None:  # torch is imported only once a spec is made, not when plugins are discovered
@@ -181,6 +185,11 @@ def specs_from_module(module: torch.nn.Module, inits: dict[str, Init]) -> list[V
     return [
         VariableSpec(name, tuple(p.shape), p.dtype, inits[name]) for name, p in module.named_parameters()
     ]
+
+
+def tie(specs: list[VariableSpec], name: str, owner: str) -> list[VariableSpec]:
+    """``specs`` with variable ``name`` tied to ``owner`` (``<unit>.<variable>``, see ``VariableSpec.tied_to``)."""
+    return [replace(s, tied_to=owner) if s.name == name else s for s in specs]
 
 
 ComponentFactory = Callable[["DictConfig"], "torch.nn.Module"]

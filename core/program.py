@@ -9,6 +9,11 @@ The engine interprets the ops; the program says what runs, in which order, and w
 which activation entries each of its ops reads and writes. The engine executes it, and ``ipuft plan`` sums
 it, so the engine's counters equal the plan by construction.
 
+A unit may compute with a variable another unit owns (:class:`Tie`: tied embeddings, where the head's
+projection is the embeddings' table). The variable is stored, normed and updated once, by its owner: the user's
+computing phases load it from the owner, the user's gradient phase writes its part of the gradient into the
+owner's stored gradient, and the owner's gradient phase, which must come later, adds its own part to it.
+
 Phases are emitted into :class:`Stage` slots, so the reference's order holds whatever order the plugins'
 hooks are called in. :meth:`StepProgram.validate` checks the dataflow: every activation a phase reads
 was written before it, the global gradient norm is finished exactly once after every gradient and before
@@ -159,12 +164,30 @@ class OpActivations:
 
 
 @dataclass(frozen=True)
+class Tie:
+    """Variable ``name`` of the units of ``role`` is ``owner``'s variable ``variable`` (``trainable``: the
+    owner trains it). Its one gradient is the sum of every use's."""
+
+    role: str
+    name: str
+    owner: Unit
+    variable: str
+    trainable: bool = True
+
+
+@dataclass(frozen=True)
 class PhaseMoves:
-    """What one phase moves: the variable groups it loads and stores, and each op's activation entries."""
+    """What one phase moves: the variable groups it loads and stores, and each op's activation entries; and of
+    tied variables, the owners' weights it borrows (``borrows``, loaded as ``fwd``), the gradients it writes
+    into their owners' stored gradients (``lends``, stored as ``grad``), and, in the owner's gradient phase,
+    the other uses' gradients it adds to its own (``carries``, loaded as ``grad``)."""
 
     loads: tuple[Move, ...]
     stores: tuple[Move, ...]
     activations: dict[Op, OpActivations]
+    borrows: tuple[Tie, ...] = ()
+    lends: tuple[Tie, ...] = ()
+    carries: tuple[Tie, ...] = ()
 
     @property
     def activation_reads(self) -> int:
@@ -194,9 +217,18 @@ def op_activations(op: Op, x_in: int | None, x_out: int | None) -> OpActivations
 class StepProgram:
     """The phases of one optimizer step for a model of ``layers`` decoder layers."""
 
-    def __init__(self, layers: int) -> None:
+    def __init__(self, layers: int, ties: tuple[Tie, ...] = ()) -> None:
         self.layers = layers
+        self.ties = tuple(ties)
         self._emitted: list[tuple[Stage, int, Phase]] = []
+
+    def used_ties(self, role: str) -> tuple[Tie, ...]:
+        """The tied variables the units of ``role`` compute with and do not own."""
+        return tuple(t for t in self.ties if t.role == role)
+
+    def owned_ties(self, unit: str) -> tuple[Tie, ...]:
+        """The tied variables ``unit`` owns and other units use, that are trained (so have gradients)."""
+        return tuple(t for t in self.ties if t.owner == unit and t.trainable)
 
     def emit(self, stage: Stage, phase: Phase) -> None:
         """Append ``phase`` to ``stage``; phases of one stage keep the order they were emitted in."""
@@ -238,17 +270,34 @@ class StepProgram:
         if host_update and phase.updates:
             loads, stores = ("fwd",) if phase.computes else (), ("grad",) if phase.computes_gradient else ()
         rows = self.activation_rows(phase)
+        used = self.used_ties(phase.role) if phase.computes else ()
         return PhaseMoves(
             loads=tuple(Move(g, trainable_only=g == "fwd" and not phase.computes) for g in loads),
             stores=tuple(Move(g, trainable_only=g == "fwd") for g in stores),
             activations={op: op_activations(op, *rows) for op in phase.ops},
+            borrows=used,
+            lends=tuple(t for t in used if t.trainable and phase.computes_gradient),
+            carries=self.owned_ties(phase.unit) if phase.computes_gradient else (),
         )
 
     def grad_units(self, host_update: bool = False) -> set[Unit]:
         """The units whose gradients are stored between their backward and their optimizer step (with
         ``host_update``, every unit whose gradient is computed: see :meth:`moves`)."""
+        return self._own_grad_units(host_update) | {t.owner for t in self.ties if t.trainable}
+
+    def _own_grad_units(self, host_update: bool) -> set[Unit]:
         return {p.unit for p in self.phases if p.computes_gradient
                 and any(m.group == "grad" for m in self.moves(p, True, host_update).stores)}
+
+    def tied_gradients(self, host_update: bool = False) -> dict[Unit, tuple[str, ...]]:
+        """The units that store a gradient only because other units use their variables (their own gradient
+        is used at once, in the phase that computes it): the tied variables whose gradients they store."""
+        own = self._own_grad_units(host_update)
+        out: dict[Unit, tuple[str, ...]] = {}
+        for tie in self.ties:
+            if tie.trainable and tie.owner not in own:
+                out[tie.owner] = (*out.get(tie.owner, ()), tie.variable)
+        return out
 
     def activation_rows(self, phase: Phase) -> tuple[int | None, int | None]:
         """The rows of ``x``/``dx`` a phase's unit reads and writes: (input row, output row).
@@ -296,9 +345,27 @@ class StepProgram:
                     updated.add(phase.unit)
         if not norm_done:
             raise PluginError("the step program never finishes the global gradient norm")
+        self._validate_ties()
         missing = sorted(set(self.units()) - updated)
         if missing:
             raise PluginError(f"the step program never updates {', '.join(missing)}")
+
+
+    def _validate_ties(self) -> None:
+        """A tied variable's owner is a unit of the model and computes its gradient after every use's."""
+        units = set(self.units())
+        for tie in self.ties:
+            where = f"{tie.role} variable {tie.name} is tied to {tie.owner}.{tie.variable}"
+            if tie.owner not in units or tie.owner.role == tie.role:
+                raise PluginError(f"{where}: not a variable of another unit of this model")
+            if not tie.trainable:
+                continue
+            phases = self.phases
+            owner = [i for i, p in enumerate(phases) if p.unit == tie.owner and p.computes_gradient]
+            users = [i for i, p in enumerate(phases) if p.role == tie.role and p.computes_gradient]
+            if len(owner) != 1 or (users and max(users) > owner[0]):
+                raise PluginError(f"invalid step program: {where}, so {tie.owner} must compute its gradient "
+                                  f"once, after every {tie.role} gradient")
 
 
 def _need(condition: bool, phase: Phase, why: str) -> None:

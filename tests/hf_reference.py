@@ -6,7 +6,7 @@ import torch
 from omegaconf import DictConfig
 
 
-def hf_gptj(cfg: DictConfig, seed: int = 0):
+def hf_gptj(cfg: DictConfig, seed: int = 0, **extra):
     """transformers' GPTJForCausalLM with the shapes of ``cfg``, random weights (no download), eval mode."""
     from transformers import GPTJConfig, GPTJForCausalLM
 
@@ -15,7 +15,7 @@ def hf_gptj(cfg: DictConfig, seed: int = 0):
         vocab_size=m.embedding.vocab_size, n_positions=m.sequence_length, n_embd=m.hidden_size,
         n_layer=m.layers, n_head=m.attention.heads, rotary_dim=m.attention.rotary_dim,
         n_inner=m.intermediate_size, layer_norm_epsilon=m.layer_norm_epsilon,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **{"tie_word_embeddings": False, **extra},
         bos_token_id=0, eos_token_id=0,
     )
     torch.manual_seed(seed)

@@ -98,20 +98,21 @@ def test_eval_loss_matches_transformers(capsys, hf_dirs, tmp_path):
     assert abs(json.loads(out)["loss"] - expected) <= 1e-5
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_three_adam_steps_equal_transformers_with_torch_adamw(hooks, hf_dirs, kind):
-    """The phased engine (offloaded, recomputing, GA=2) against transformers' model and torch.optim.AdamW:
-    three steps from the same checkpoint, every weight within 1e-5."""
-    hf, src = hf_dirs[kind]
-    hf = hf_model(kind, seed=KINDS.index(kind))  # a fresh copy: the fixture's model is shared
-    lr, steps = 1e-3, 3
-    cfg = config(hooks, src, "training.global_batch_size=4", "execution.micro_batch_size=2",
-                 f"training.steps={steps}", f"training.optimizer.learning_rate.maximum={lr}",
-                 "training.optimizer.gradient_clipping=1e9", "plugins.adamw.weight_decay=0.0",
-                 "plugins.adamw.eps=1e-6")
-    engine = build_engine(cfg, hooks)
+def adam_config(hooks, src, *extra, lr=1e-3, steps=3):
+    """Three steps at ``lr`` without weight decay or clipping, GA=2: what :func:`hf_adam_steps` compares."""
+    return config(hooks, src, "training.global_batch_size=4", "execution.micro_batch_size=2",
+                  f"training.steps={steps}", f"training.optimizer.learning_rate.maximum={lr}",
+                  "training.optimizer.gradient_clipping=1e9", "plugins.adamw.weight_decay=0.0",
+                  "plugins.adamw.eps=1e-6", *extra)
+
+
+def hf_adam_steps(hf, cfg, engine, lr=1e-3):
+    """``cfg``'s steps of the phased ``engine`` and of transformers' ``hf`` with torch.optim.AdamW on the same
+    batches; per step, the engine's and the reference's (loss, global gradient norm)."""
+    steps = cfg.training.steps
     data = data_source(cfg)
     adam = torch.optim.AdamW(hf.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0)
+    out = []
     for step in range(steps):
         batch = replica_batch(cfg, data, step, engine.layout)
         result = engine.step(batch, learning_rate(step, steps, cfg.training.optimizer.learning_rate))
@@ -122,8 +123,22 @@ def test_three_adam_steps_equal_transformers_with_torch_adamw(hooks, hf_dirs, ki
             loss = F.cross_entropy(logits.flatten(0, 1), batch.labels[mb].flatten(), ignore_index=IGNORE_INDEX)
             (loss / batch.micro_batches).backward()
             losses.append(loss.item())
+        norm = torch.stack([p.grad.double().norm() for p in hf.parameters()]).norm().item()
         adam.step()
-        assert abs(result.loss - sum(losses) / len(losses)) <= 1e-5 * abs(result.loss)
+        out.append(((result.loss, sum(losses) / len(losses)), (result.grad_norm, norm)))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_three_adam_steps_equal_transformers_with_torch_adamw(hooks, hf_dirs, kind):
+    """The phased engine (offloaded, recomputing, GA=2) against transformers' model and torch.optim.AdamW:
+    three steps from the same checkpoint, losses, norms and every weight within 1e-5."""
+    hf = hf_model(kind, seed=KINDS.index(kind))  # a fresh copy: the fixture's model is shared
+    cfg = adam_config(hooks, hf_dirs[kind][1])
+    engine = build_engine(cfg, hooks)
+    for (loss, hf_loss), (norm, hf_norm) in hf_adam_steps(hf, cfg, engine):
+        assert abs(loss - hf_loss) <= 1e-5 * abs(hf_loss)
+        assert abs(norm - hf_norm) <= 1e-5 * hf_norm
     ours = hf_state(engine.modules, 2, engine.model.full_weights())
     for name, p in hf.named_parameters():
         assert max_rel(ours[name], p.detach()) <= 1e-5, name
@@ -131,10 +146,14 @@ def test_three_adam_steps_equal_transformers_with_torch_adamw(hooks, hf_dirs, ki
 
 def test_tensor_and_data_parallel_training_equal_one_process(hooks, tmp_path):
     """TP=2 with the key/value heads split (2 of them) and replicated (3: TP does not divide them), Qwen2's
-    biases at TP=2, and DP=2 with RTS, each five steps on two Gloo ranks from a checkpoint, against one process;
-    every rank's counters equal its plan."""
+    biases at TP=2, and DP=2 with RTS, untied and tied, each five steps on two Gloo ranks from a checkpoint,
+    against one process; every rank's counters and store equal its plan."""
     dirs = {kv: save_hf(tmp_path / f"kv{kv}", "llama", seed=7, num_key_value_heads=kv)[1] for kv in (2, 3)}
     qwen2 = save_hf(tmp_path / "qwen2", "qwen2", seed=8)[1]  # q/k/v biases split with their rows
+    # Tied embeddings: both uses vocabulary-sharded alike at TP=2 (101 tokens, padded); under RTS the table, its
+    # state and its one stored gradient sliced over DP.
+    tied = {kind: save_hf(tmp_path / f"tied-{kind}", kind, seed=9, tie_word_embeddings=True)[1]
+            for kind in ("llama", "qwen2")}
     common = ["model.sequence_length=16", "execution.micro_batch_size=1", "training.steps=5",
               "training.optimizer.gradient_clipping=0.5", "training.optimizer.learning_rate.maximum=2e-3",
               "plugins.adamw.weight_decay=0.1", "plugins.adamw.eps=1e-4"]
@@ -145,7 +164,11 @@ def test_tensor_and_data_parallel_training_equal_one_process(hooks, tmp_path):
                "tp2_qwen2": [f"model.hf_checkpoint={qwen2}", "execution.tensor_parallel=2",
                              "training.global_batch_size=2", *common],
                "dp2_kv2": [f"model.hf_checkpoint={dirs[2]}", "execution.data_parallel=2", "execution.rts=true",
-                           "training.global_batch_size=4", *common]}
+                           "training.global_batch_size=4", *common],
+               "tp2_tied": [f"model.hf_checkpoint={tied['llama']}", "execution.tensor_parallel=2",
+                            "training.global_batch_size=2", *common],
+               "dp2_tied_qwen2": [f"model.hf_checkpoint={tied['qwen2']}", "execution.data_parallel=2",
+                                  "execution.rts=true", "training.global_batch_size=4", *common]}
     spawn(2, dist_workers.train_configs, configs, 5, str(tmp_path), None, tmp=tmp_path)
     for name, overrides in configs.items():
         single = [o for o in overrides if not o.startswith(("execution.tensor_parallel", "execution.data_parallel"))]
@@ -164,6 +187,7 @@ def test_tensor_and_data_parallel_training_equal_one_process(hooks, tmp_path):
         for unit, w in weights.items():
             for n, t in w.items():
                 assert max_rel(got["weights"][unit][n], t) <= 1e-5, f"{name} {unit}.{n}"
+        assert ("lm_head.weight" in got["weights"]["head"]) == ("tied" not in name)
         for rank in range(2):
             mine = torch.load(tmp_path / f"{name}.rank{rank}.pt")
             assert mine["traffic"] == mine["planned"], (name, rank)
@@ -187,16 +211,21 @@ def test_key_value_heads_split_only_when_tensor_parallelism_divides_them(hooks, 
     assert stored[3] - stored[2] == extra
 
 
+def export_after_lr_0(hooks, src, tmp_path):
+    """Import ``src``, train two steps at learning rate 0, export: the export's directory."""
+    run = tmp_path / "run"
+    cfg = config(hooks, src, "training.global_batch_size=2", "training.steps=2",
+                 "training.optimizer.learning_rate.maximum=0.0", f"output_dir={run}")
+    train(cfg, hooks, progress=False)
+    return export_hf(run, tmp_path / "exported", hooks)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_import_train_at_lr_0_export_is_bit_exact_and_loads_in_transformers(hooks, hf_dirs, tmp_path, kind):
     import transformers
 
     hf, src = hf_dirs[kind]
-    run = tmp_path / "run"
-    cfg = config(hooks, src, "training.global_batch_size=2", "training.steps=2",
-                 "training.optimizer.learning_rate.maximum=0.0", f"output_dir={run}")
-    train(cfg, hooks, progress=False)
-    out = export_hf(run, tmp_path / "exported", hooks)
+    out = export_after_lr_0(hooks, src, tmp_path)
     exported = load_file(str(out / "model.safetensors"))
     original = hf.state_dict()
     assert exported.keys() == original.keys()
@@ -238,7 +267,7 @@ def test_a_config_json_it_cannot_run_is_one_line_and_writes_nothing(hooks, hf_di
         "missing": ({"hidden_size": None}, "lacks hidden_size"),
         "heads": ({"num_attention_heads": 5, "head_dim": None}, "num_attention_heads=5 does not divide hidden_size=48"),
         "kv": ({"num_key_value_heads": 4}, "num_key_value_heads=4 does not divide num_attention_heads=6"),
-        "tied": ({"tie_word_embeddings": True}, "tie_word_embeddings=true: ipuft trains the embeddings and the head"),
+        "tied": ({"tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false, got yes"),
         "act": ({"hidden_act": "gelu"}, "hidden_act 'gelu': ipuft runs llama's SwiGLU MLP with silu only"),
         "rope": ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_parameters's rope_type 'yarn'"),
         "type": ({"vocab_size": "101"}, "vocab_size must be a positive integer, got 101"),

@@ -249,18 +249,23 @@ def test_bfloat16_halves_the_weight_traffic(hooks, make_config):
 # -- the phased engine against a plain reference -------------------------------------------------------
 
 
-def plain_16bit_reference(cfg, modules, initial, step_batches):
+def plain_16bit_reference(cfg, modules, initial, step_batches, ties=None):
     """The whole model as one module (the components composed with ``functional_call``), torch autograd
     over each micro-batch, gradients summed in float32 and rounded once to the weights' dtype (the
     projections' weights over every micro-batch's tokens at once, see below), and the
     adamw update of ``ipuft_optim_adam`` written out in float32, rounded stochastically into the weights with
-    the same counter-based bits (element i of a variable is element i: one process)."""
+    the same counter-based bits (element i of a variable is element i: one process). ``ties`` maps a
+    ``(unit, variable)`` that uses another's weight to its owner's: each use is a leaf of its own, and the
+    owner's gradient is the float32 sum of every use's."""
     from torch.func import functional_call
 
     o, a, S = cfg.training.optimizer, cfg.plugins.adamw, cfg.execution.loss_scaling
+    ties = ties or {}
     weights = {u: {n: t.clone() for n, t in w.items()} for u, w in initial.items()}
     m, v, losses, norms = {}, {}, [], []
     for step, batch in enumerate(step_batches):
+        for (u, n), (owner, name) in ties.items():
+            weights.setdefault(u, {})[n] = weights[owner][name]
         ga, sums, step_loss = batch.micro_batches, {}, 0.0
         # The projections' weights are taken over the whole step (one product over every micro-batch's tokens,
         # summed in float32 and rounded once, as ipuft.ops takes them: tests/test_ops.py holds take() to
@@ -282,6 +287,8 @@ def plain_16bit_reference(cfg, modules, initial, step_batches):
                             p.grad = None
         names = {id(p): (u, n) for u, w in leaves.items() for n, p in w.items()}
         sums.update({names[id(leaf)]: grad for leaf, grad in taken.take()})
+        for user, owner in ties.items():
+            sums[owner] = sums[owner] + sums.pop(user)
         grads = {k: g.to(weights[k[0]][k[1]].dtype).float() for k, g in sums.items()}
         norm = math.sqrt(sum(float((g / S).double().pow(2).sum()) for g in grads.values()))
         lr = learning_rate(step, cfg.training.steps, o.learning_rate)
@@ -300,6 +307,8 @@ def plain_16bit_reference(cfg, modules, initial, step_batches):
             weights[u][n] = round_stochastically(w.reshape(-1), weights[u][n].dtype, bits).view(w.shape)
         losses.append(step_loss)
         norms.append(norm)
+    for u, n in ties:
+        del weights[u][n]
     return losses, norms, weights
 
 

@@ -47,6 +47,7 @@ PRECISIONS = {
     "bf16-sr": ["model.precision=bfloat16", "training.stochastic_rounding=true"],
     "fp16-master-dynamic": ["model.precision=float16", "training.master_weights=true", "execution.loss_scaling=dynamic",
                             "execution.loss_scaling_growth_interval=2"],
+    "bf16-sr-tied": ["model.precision=bfloat16", "training.stochastic_rounding=true", "model.tie_embeddings=true"],
 }
 
 
@@ -60,7 +61,9 @@ def test_exact_resume_is_bit_identical(hooks, tmp_path, precision):
     shutil.copytree(tmp_path / "crashed" / "checkpoints" / "step-00000003", step3)
     assert read_meta(step3)["step"] == 3 and read_meta(step3)["data"]["samples_seen"] == 12
     weights, optim = final_weights(step3)
-    dtype = {"float32": torch.float32, "bf16-sr": torch.bfloat16, "fp16-master-dynamic": torch.float16}[precision]
+    dtype = {"float32": torch.float32, "bf16-sr": torch.bfloat16, "fp16-master-dynamic": torch.float16,
+             "bf16-sr-tied": torch.bfloat16}[precision]
+    assert ("head.proj.weight" in weights) == ("tied" not in precision)  # a tied model stores its matrix once
     assert all(t.dtype == dtype for t in weights.values())  # checkpoints keep the training dtype ...
     assert all(t.dtype == torch.float32 for t in optim.values())
     assert any(k.endswith(".master") for k in optim) == ("master" in precision)  # ... and the master copy

@@ -71,6 +71,9 @@ class ModelConfig:
     seed: int = 42
     layer_norm_epsilon: float = 1e-5
     embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
+    # The head's projection is the embeddings' table (Hugging Face's tie_word_embeddings): one matrix, stored,
+    # trained and exported once. model.hf_checkpoint sets it from config.json.
+    tie_embeddings: bool = False
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     # Which registered component builds each role (see `ipuft plugins`).
     embeddings: str = "gptj"

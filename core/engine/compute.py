@@ -141,7 +141,7 @@ class UnitCompute:
         """The unit's weights to bind for a forward with autograd, and the leaves among them: trainable weights
         become fresh leaves (their gradients accumulate there); frozen ones are bound as they are, without
         autograd, so no gradient is computed for them."""
-        trainable = self.model.trainable[phase.role]
+        trainable = self.model.differentiated[phase.role]
         params = {n: t.detach().requires_grad_() if n in trainable else t for n, t in weights.items()}
         return params, {n: p for n, p in params.items() if n in trainable}
 
@@ -157,18 +157,30 @@ class UnitCompute:
 
     # ---- backward ----
 
-    def gradients(self, phase: Phase, io: OpActivations, weights: Tensors, st: StepState) -> Tensors:
+    def gradients(self, phase: Phase, io: OpActivations, weights: Tensors, st: StepState,
+                  carried: Tensors | None = None) -> Tensors:
         """The gradient of the unit's trainable variables over every micro-batch, reduced over DP, in its
         stored form and its weights' dtype (16-bit weights: summed in float32, rounded once at the end).
+
+        Tied variables (:class:`ipuft.program.Tie`) are summed exactly: the gradient of one the unit uses and
+        does not own stays float32, for its owner's stored gradient; to the gradient of one it owns, the
+        other uses' parts (``carried``, float32, in the stored form) are added before the one rounding.
 
         The ledger counts the gradients alive as they are made (autograd's, the float32 sums, the takes'),
         but for those written into the unit's stored gradients, whose memory is the store's, until the phase
         releases them (:meth:`release`); :func:`ipuft.engine.gradients.gradient_working_bytes` is what the
         plan declares for them."""
+        carried = carried or {}
         wide = self.model.dtype != torch.float32
-        local, homes, counted = self._backward(phase, io, weights, st, wide)
-        placed = self.model.placed[phase.role]
-        grads = {n: placed[n].reduce_gradient(g).to(weights[n].dtype) for n, g in local.items()}
+        lent = {t.name for t in self.model.program.used_ties(phase.role)}
+        local, homes, counted = self._backward(phase, io, weights, st, wide, lent | set(carried))
+        placed = self.model.uses[phase.role]
+        grads = {}
+        for n, local_grad in local.items():
+            g = placed[n].reduce_gradient(local_grad)
+            if n in carried:
+                g = g.float().add_(carried[n])
+            grads[n] = g if n in lent else g.to(weights[n].dtype)
         fresh = storage_bytes(grads.values(), homes.values())
         self.store.ledger.acquire(fresh - counted)
         self._counted[phase.unit] = fresh
@@ -179,7 +191,7 @@ class UnitCompute:
         self.store.ledger.release(self._counted.pop(phase.unit, 0))
 
     def _backward(self, phase: Phase, io: OpActivations, weights: Tensors, st: StepState,
-                  wide: bool) -> tuple[Tensors, Tensors, int]:
+                  wide: bool, exact: set[str]) -> tuple[Tensors, Tensors, int]:
         """Loss-backward (head) or recompute-backward (decoder, embeddings) of every micro-batch; returns the
         unit's gradients summed over micro-batches (:class:`GradientSum`), the stored gradients the takes
         wrote into, and the bytes of the others, counted on the device.
@@ -187,7 +199,8 @@ class UnitCompute:
         The weights the unit's projections compute with by :func:`ipuft.ops.linear` get their gradients taken
         later (see :mod:`ipuft.ops`): one matmul over the tokens of :func:`take_every` micro-batches at a time,
         each such gradient summed as a micro-batch's is. While they wait, what the projections hold for them
-        is counted on the device."""
+        is counted on the device. The ``exact`` variables' 16-bit gradients are summed in float32 and not
+        rounded (tied ones, see :meth:`gradients`)."""
         graphs = self.graphs.pop(phase.unit, None)
         params, leaves = self._autograd_weights(phase, weights)
         if graphs is not None:
@@ -198,8 +211,8 @@ class UnitCompute:
         takes = -(-micro_batches // every)
         names = {id(p): n for n, p in leaves.items()}
         dp = self.model.layout.data_parallel
-        sums = GradientSum(leaves, wide, self.model.device, dp)
-        stored = self._gradient_homes(phase)
+        sums = GradientSum(leaves, wide, self.model.device, dp, exact)
+        stored = {n: t for n, t in self._gradient_homes(phase).items() if n not in exact}
         homes = stored if writes_into_stored(wide, takes, dp, bool(stored)) else {}
         module = self.model.modules[phase.role]
         held = counted = 0

@@ -9,6 +9,8 @@ sums at all: the same values with fewer passes over the gradients and less memor
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
 from ipuft.engine.store import Tensors
@@ -17,13 +19,15 @@ from ipuft.engine.store import Tensors
 class GradientSum:
     """The gradients of a unit's ``leaves`` summed over the micro-batches of one step."""
 
-    def __init__(self, leaves: Tensors, wide: bool, device: torch.device, data_parallel: int) -> None:
+    def __init__(self, leaves: Tensors, wide: bool, device: torch.device, data_parallel: int,
+                 exact: Collection[str] = ()) -> None:
         """``wide``: the weights are 16-bit, so the sums are float32 (:meth:`add`); else autograd sums into
-        the leaves' ``.grad``."""
+        the leaves' ``.grad``. The ``exact`` leaves' sums stay float32 (never rounded here)."""
         self.leaves = leaves
         self.wide = wide
         self.chunk = gradient_chunk(device)
         self.rounded_here = data_parallel == 1  # no float32 reduction over DP follows
+        self.exact = set(exact)
         self.sums: Tensors = {}
 
     def add(self, name: str, grad: torch.Tensor, index: int, count: int) -> None:
@@ -34,9 +38,10 @@ class GradientSum:
             leaf.grad = grad if leaf.grad is None else leaf.grad.add_(grad)
             return
         summed = self.sums.get(name)
+        rounded_here = self.rounded_here and name not in self.exact
         if summed is None:  # the first part: kept as it is where one addition at most follows
-            self.sums[name] = grad if self.rounded_here and count <= 2 else grad.float()
-        elif index == count - 1 and self.rounded_here:
+            self.sums[name] = grad if rounded_here and count <= 2 else grad.float()
+        elif index == count - 1 and rounded_here:
             add_rounded_(grad, summed, self.chunk)
             self.sums[name] = grad
         else:

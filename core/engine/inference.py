@@ -70,12 +70,14 @@ class LayerMajor:
     def _unit(self, phase: Phase) -> Iterator[torch.nn.Module]:
         """The unit's module with its weights on the device, bound, for the block."""
         stored = self.store.load(phase.unit, "fwd")
+        borrowed = self.model.borrow(phase.role)  # tied variables, their owners'
         module = self.model.modules[phase.role]
         try:
-            with self.model.gathered(phase.role, stored) as weights, bound(module, weights):
+            with self.model.gathered(phase.role, {**stored, **borrowed}) as weights, bound(module, weights):
                 yield module
         finally:
             self.store.release(stored)
+            self.store.release(borrowed)
 
     # ---- where the batch's buffers live ----
 

@@ -63,8 +63,8 @@ def fake_unit(parts: ModelParts, role: str, cfg: DictConfig, device: torch.devic
     a copy of the unit's module, the trainable weights and the layer input requiring gradients, as the
     engine's backward has them."""
     mbs, seq, hidden = cfg.execution.micro_batch_size, cfg.model.sequence_length, cfg.model.hidden_size
-    trainable = {v.name for v in parts.variables[role] if v.trainable}
-    dtypes = {v.name: v.dtype for v in parts.variables[role]}  # the run's precision; the module's shapes (its TP)
+    trainable = {v.name for v in parts.uses(role) if v.trainable}
+    dtypes = {v.name: v.dtype for v in parts.uses(role)}  # the run's precision; the module's shapes (its TP)
     with mode:
         params = {v.name: torch.empty(v.shape, dtype=dtypes[v.name], device=device, requires_grad=v.name in trainable)
                   for v in parts.modules[role].variable_specs()}

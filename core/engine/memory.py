@@ -56,13 +56,22 @@ def group_bytes(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer) -> dic
     only where the program stores gradients, 0 elsewhere). ``trainable`` is the part of ``fwd`` that is trained
     (what an update-only phase moves)."""
     stores_grad = parts.program.grad_units(updates_on_host(cfg))
+    tied_only = parts.program.tied_gradients(updates_on_host(cfg))
     placed = placements(parts, rank_layout(cfg), bool(cfg.execution.rts))
     master = recipe(cfg) is Recipe.master
     out = {}
     for unit in parts.program.units():
-        groups = unit_groups(placed[unit.role], optimizer, master, unit in stores_grad)
+        tied = [t.variable for t in parts.program.owned_ties(unit)]
+        groups = unit_groups(placed[unit.role], optimizer, master, unit in stores_grad, tied, unit in tied_only)
         sizes = dict.fromkeys(GROUPS, 0) | {group: _bytes(specs) for group, specs in groups.items()}
         sizes["trainable"] = _bytes([s for s in groups["fwd"] if s.trainable])
+        # Tied variables: the owners' weights a unit of this role computes with, and the float32 gradients
+        # of the trained ones, which it writes into their owners' stored gradients (and an owner adds).
+        used = parts.program.used_ties(unit.role)
+        sizes["borrowed"] = _bytes([placed[t.owner.role][t.variable].stored_spec() for t in used])
+        sizes["lent"] = sum(placed[t.owner.role][t.variable].stored_spec().numel * 4 for t in used if t.trainable)
+        sizes["carried"] = sum(placed[unit.role][t.variable].stored_spec().numel * 4
+                               for t in parts.program.owned_ties(unit))
         out[unit] = sizes
     return out
 
@@ -105,7 +114,12 @@ def phase_io(moves: PhaseMoves, unit: dict[str, int]) -> tuple[dict[str, int], d
     def size(move: Move) -> int:
         return unit["trainable"] if move.trainable_only else unit[move.group]
 
-    return {m.group: size(m) for m in moves.loads}, {m.group: size(m) for m in moves.stores}
+    loads, stores = {m.group: size(m) for m in moves.loads}, {m.group: size(m) for m in moves.stores}
+    for moved, group, key, tied in ((loads, "fwd", "borrowed", moves.borrows), (stores, "grad", "lent", moves.lends),
+                                    (loads, "grad", "carried", moves.carries)):
+        if tied:
+            moved[group] = moved.get(group, 0) + unit[key]
+    return loads, stores
 
 
 def compute_device(cfg: DictConfig) -> torch.device:
@@ -165,7 +179,7 @@ def phase_memory(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer, sizes
             out[phase.name] = PhaseMemory()
             continue
         loaded = sum(phase_io(moves, unit)[0].values()) if cfg.execution.offload and not lent else 0
-        grads = unit["trainable"] if phase.computes_gradient else 0
+        grads = unit["trainable"] + unit["lent"] if phase.computes_gradient else 0
         micro_batch = [cost.forward_peak_bytes] if Op.FORWARD in phase.ops else []
         fresh = grads  # the finished gradients beyond the stored ones
         if phase.computes_gradient:
@@ -184,6 +198,8 @@ def phase_memory(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer, sizes
             held = (2 * every - 1) * cost.held_bytes if every > 1 else 0
             busiest = max(cost.backward_peak_bytes, cost.take_peak_bytes + fresh_taken)
             micro_batch.append(working - made + held + max(busiest, made + cost.saved_bytes, made + cost.held_bytes))
+        if wide and moves.carries:  # the tied variables' float32 sum beside its rounding (ipuft.engine.compute)
+            fresh += unit["carried"]
         compute = max(micro_batch) if phase.computes else 0
         # The update holds only the finished (16-bit) gradients; one in host memory holds nothing on the device.
         update = fresh + transient[phase.role] if phase.updates and not host_update else 0

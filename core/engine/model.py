@@ -12,7 +12,7 @@ The shard specs must turn the first's shapes into the second's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -20,10 +20,10 @@ from omegaconf import DictConfig, OmegaConf
 from ipuft.components import ROLES, Component, ComponentBuilder, VariableSpec
 from ipuft.config.rules import check_model, check_plugins
 from ipuft.engine.precision import compute_dtype
-from ipuft.errors import PluginError, described
+from ipuft.errors import ConfigError, PluginError, described
 from ipuft.optim import Optimizer
 from ipuft.plugins import PluginHooks, plugin_errors
-from ipuft.program import StepProgram
+from ipuft.program import StepProgram, Tie, Unit
 from ipuft.sharding import ShardSpec, resolve_shard_specs
 
 
@@ -36,6 +36,13 @@ class ModelParts:
     variables: dict[str, list[VariableSpec]]  # full variables, as at TP=1
     shard_specs: dict[str, dict[str, ShardSpec]]
     program: StepProgram
+    # Each role's variables that are another unit's (tied, :class:`ipuft.program.Tie`): not in ``variables``,
+    # which are what the role owns; their specs here carry the owner's dtype and trainability.
+    tied: dict[str, list[VariableSpec]] = field(default_factory=dict)
+
+    def uses(self, role: str) -> list[VariableSpec]:
+        """Every variable a unit of ``role`` computes with: its own and the tied ones it uses."""
+        return [*self.variables[role], *self.tied.get(role, ())]
 
 
 def blamed(builder: ComponentBuilder, what: str):
@@ -96,10 +103,54 @@ def build_model(cfg: DictConfig, hooks: PluginHooks, optimizer: Optimizer | None
             raise PluginError(f"{who}: its module at tensor_parallel={tp} has variables {local}, but its shard "
                               f"specs give {expected}")
         shard_specs[role] = specs
-    program = StepProgram(cfg.model.layers)
+    variables, tied, ties = _split_ties(variables, shard_specs, cfg.model.layers)
+    if cfg.model.tie_embeddings and not any(t.role == "head" and t.owner.role == "embeddings" for t in ties):
+        raise ConfigError(f"model.tie_embeddings=true, but head component {builders['head'].name!r} of plugin "
+                          f"{builders['head'].plugin!r} ties none of its variables to the embeddings; use a head "
+                          f"that can (gptj, llama) or model.tie_embeddings=false")
+    program = StepProgram(cfg.model.layers, ties)
     for role, b in builders.items():
         hooks.emit_phases(program, role, b.name)
     program.validate()
-    parts = ModelParts(builders, modules, variables, shard_specs, program)
+    parts = ModelParts(builders, modules, variables, shard_specs, program, tied)
     check_model(cfg, parts, optimizer)
     return parts
+
+
+def _owner(ref: str, layers: int) -> tuple[Unit, str] | None:
+    """``<unit>.<variable>`` as (unit, variable), or None when it names no unit of a ``layers``-layer model."""
+    role, _, rest = ref.partition(".")
+    if role == "decoder":
+        layer, _, rest = rest.partition(".")
+        if not layer.isdigit() or int(layer) >= layers:
+            return None
+        return Unit("decoder", int(layer)), rest
+    return (Unit(role), rest) if role in ("embeddings", "head") and rest else None
+
+
+def _split_ties(variables: dict[str, list[VariableSpec]], shard_specs: dict[str, dict[str, ShardSpec]],
+                layers: int) -> tuple[dict[str, list[VariableSpec]], dict[str, list[VariableSpec]], tuple[Tie, ...]]:
+    """Each role's own variables, the tied ones it uses (``tied_to``; with the owner's dtype and trainability),
+    and the program's ties, after checking that each names another unit's own variable of the same shape and
+    the same sharding, so that every rank holds the same piece of it for both uses."""
+    own = {role: [v for v in specs if v.tied_to is None] for role, specs in variables.items()}
+    tied: dict[str, list[VariableSpec]] = {}
+    ties = []
+    for role, specs in variables.items():
+        for v in specs:
+            if v.tied_to is None:
+                continue
+            where = f"{role} variable {v.name} is tied to {v.tied_to}"
+            owner = _owner(v.tied_to, layers)
+            if owner is None or owner[0].role == role:
+                raise PluginError(f"{where}, which is not <unit>.<variable> of another unit of this model")
+            unit, name = owner
+            target = next((t for t in own[unit.role] if t.name == name), None)
+            if target is None:
+                raise PluginError(f"{where}, but {unit.role} has no variable {name} of its own")
+            if target.shape != v.shape or shard_specs[unit.role][name] != shard_specs[role][v.name]:
+                raise PluginError(f"{where}, but their shapes {tuple(v.shape)} and {tuple(target.shape)} or "
+                                  f"their shard specs differ")
+            tied.setdefault(role, []).append(replace(v, dtype=target.dtype, trainable=target.trainable))
+            ties.append(Tie(role, v.name, unit, name, target.trainable))
+    return own, tied, tuple(ties)

@@ -152,12 +152,15 @@ class PhasedEngine:
         if moves is None:
             return
         loaded = {m.group: self.store.load(phase.unit, m.group, self._moving(phase, m)) for m in moves.loads}
+        # Tied variables: the owners' weights the unit computes with, and the other uses' gradients it adds.
+        borrowed = self.model.borrow(phase.role) if moves.borrows else {}
+        carried = self.store.load(phase.unit, "grad", [t.variable for t in moves.carries]) if moves.carries else {}
         grads = loaded.get("grad")
         if phase.computes:
-            with self.model.gathered(phase.role, loaded["fwd"]) as weights:
-                grads = self._ops(phase, weights, loaded, grads, st)
+            with self.model.gathered(phase.role, {**loaded["fwd"], **borrowed}) as weights:
+                grads = self._ops(phase, weights, loaded, grads, st, carried)
         else:
-            grads = self._ops(phase, None, loaded, grads, st)
+            grads = self._ops(phase, None, loaded, grads, st, carried)
         for move in moves.stores:
             if st.skip and move.group != "grad":
                 continue  # a skipped step leaves weights and optimizer state untouched
@@ -167,20 +170,25 @@ class PhasedEngine:
         if self.host_update and phase.updates and not st.skip:
             with section("optimizer"):
                 self.update.in_host_memory(phase, self._update_context(st))
-        for tensors in loaded.values():
+        for tensors in [*loaded.values(), borrowed, carried]:
             self.store.release(tensors)
         if phase.computes_gradient and "grad" not in loaded:
             self.compute.release(phase)
 
     def _ops(self, phase: Phase, weights: Tensors | None, loaded: dict[str, Tensors], grads: Tensors | None,
-             st: StepState) -> Tensors | None:
-        """Run ``phase``'s ops in order; returns the unit's gradients (computed here, or loaded)."""
-        io = self.moves[phase].activations
+             st: StepState, carried: Tensors) -> Tensors | None:
+        """Run ``phase``'s ops in order; returns the unit's gradients (computed here, or loaded). The gradients
+        of tied variables the unit uses go into their owners' stored gradients as they are made; the owner
+        counts them in the norm and updates them."""
+        moves = self.moves[phase]
+        io = moves.activations
         for op in phase.ops:
             if op is Op.FORWARD:
                 self.compute.forward(phase, io[op], weights, st)
             elif op in (Op.LOSS_BACKWARD, Op.BACKWARD):
-                grads = self.compute.gradients(phase, io[op], weights, st)
+                grads = self.compute.gradients(phase, io[op], weights, st, carried)
+                for tie in moves.lends:
+                    self.store.save(tie.owner, "grad", {tie.variable: grads.pop(tie.name)})
                 self._add_to_norm(self.model.placed[phase.role], grads, st)
             elif op is Op.GLOBAL_NORM:
                 if self.layout.distributed:

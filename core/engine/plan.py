@@ -151,7 +151,8 @@ def inference_estimate(cfg: DictConfig, parts: ModelParts, batch_size: int, prom
     weights = units["embeddings"] + layers * units["decoder"] + units["head"]
     offload, act_offload = cfg.execution.offload, cfg.execution.activation_offload
     resident = 0 if offload else weights
-    load = {role: n if offload else 0 for role, n in units.items()}
+    # A unit loads its own weights and the tied ones it uses (their owners').
+    load = {role: _bytes(parts.uses(role)) if offload else 0 for role in units}
 
     def hidden(t: int) -> int:
         return b * t * m.hidden_size * itemsize

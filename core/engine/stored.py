@@ -57,8 +57,15 @@ class StoredModel:
         self.device = torch.device(device)
         self.layout = layout or active()
         self.placed = placements(parts, self.layout, bool(cfg.execution.rts))
-        # Each role's trainable variables: the only ones with gradients, optimizer state and updates.
+        # Each role's own trainable variables: the only ones with gradients, optimizer state and updates.
         self.trainable = {role: {v.name for v in specs if v.trainable} for role, specs in parts.variables.items()}
+        # What each role computes with: its own variables' placements and its tied ones' (their owners'), and
+        # the trainable ones among them, whose gradients a backward computes.
+        self.uses = {role: {**placed, **{t.name: self.placed[t.owner.role][t.variable]
+                                         for t in self.program.used_ties(role)}}
+                     for role, placed in self.placed.items()}
+        self.differentiated = {role: names | {t.name for t in self.program.used_ties(role) if t.trainable}
+                               for role, names in self.trainable.items()}
         self.dtype = compute_dtype(cfg)
         self.recipe = recipe(cfg)
         self.host_update = updates_on_host(cfg) and optimizer is not None
@@ -75,10 +82,12 @@ class StoredModel:
         besides its store; a master copy starts from them; the store keeps the weights' dtype), the optimizer
         state and the gradients allocated."""
         stores_grad = self.program.grad_units(self.host_update)
+        tied_only = self.program.tied_gradients(self.host_update)
         master = self.recipe is Recipe.master
         for unit in self.program.units():
             placed = self.placed[unit.role]
-            groups = unit_groups(placed, self.optimizer, master, unit in stores_grad)
+            tied = [t.variable for t in self.program.owned_ties(unit)]
+            groups = unit_groups(placed, self.optimizer, master, unit in stores_grad, tied, unit in tied_only)
             full = initializer(unit, [float32(v) for v in self.parts.variables[unit.role]])
             wide = {n: placed[n].to_stored(t) for n, t in full.items()}
             del full
@@ -94,8 +103,8 @@ class StoredModel:
     @contextmanager
     def gathered(self, role: str, stored: Tensors) -> Iterator[Tensors]:
         """A unit's weights in the local form to compute with (gathered over DP where RTS slices them), counted
-        on the device for the block."""
-        placed = self.placed[role]
+        on the device for the block (``stored`` may hold the tied variables the unit uses, its owners')."""
+        placed = self.uses[role]
         weights = {n: placed[n].gather(t) for n, t in stored.items()}
         size = nbytes(w for n, w in weights.items() if w is not stored[n])
         self.store.ledger.acquire(size)
@@ -103,6 +112,12 @@ class StoredModel:
             yield weights
         finally:
             self.store.ledger.release(size)
+
+    def borrow(self, role: str) -> Tensors:
+        """The tied variables a unit of ``role`` computes with, loaded from their owners (as ``fwd`` traffic), by
+        the names the unit uses; the phase releases them as it releases what it loaded."""
+        return {t.name: self.store.load(t.owner, "fwd", [t.variable])[t.variable]
+                for t in self.program.used_ties(role)}
 
     # ---- whole-model views (checkpoints, export) ----
 

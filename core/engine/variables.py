@@ -8,7 +8,7 @@ two cannot disagree about what is stored.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -76,19 +76,22 @@ def optimizer_state_specs(variables: list[VariableSpec], optimizer: Optimizer,
     return specs
 
 
-def unit_groups(placed: dict[str, Placement], optimizer: Optimizer | None, master: bool,
-                stores_grad: bool) -> dict[str, list[VariableSpec]]:
+def unit_groups(placed: dict[str, Placement], optimizer: Optimizer | None, master: bool, stores_grad: bool,
+                tied: Collection[str] = (), tied_only: bool = False) -> dict[str, list[VariableSpec]]:
     """The variable groups one rank stores for a unit whose variables are ``placed``, as specs in their
     stored form: its weights (``fwd``); with an ``optimizer``, their optimizer state (``optim``, see
     :func:`optimizer_state_specs`); and where the program stores the unit's gradient between phases
     (``stores_grad``), the gradients of its trainable weights (``grad``; written by each step before it is
-    read, so zeros rather than the weights' draws)."""
+    read, so zeros rather than the weights' draws). The gradients of ``tied`` variables (other units use them)
+    are float32 whatever the weights' dtype, so that their uses' parts are summed exactly and rounded once;
+    with ``tied_only`` the unit stores only theirs (:meth:`ipuft.program.StepProgram.tied_gradients`)."""
     stored = [p.stored_spec() for p in placed.values()]
     groups = {"fwd": stored}
     if optimizer is not None:
         groups["optim"] = optimizer_state_specs(stored, optimizer, master)
         if stores_grad:
-            groups["grad"] = [replace(s, init=Init("zeros")) for s in stored if s.trainable]
+            groups["grad"] = [replace(s, init=Init("zeros"), dtype=torch.float32 if s.name in tied else s.dtype)
+                              for s in stored if s.trainable and (s.name in tied or not tied_only)]
     return groups
 
 

@@ -35,9 +35,6 @@ def read_config(config: Mapping) -> dict[str, Any]:
     heads = config_int(config, "n_head")
     if hidden % heads:
         raise HFConfigError(f"n_head={heads} does not divide n_embd={hidden}")
-    if config_flag(config, "tie_word_embeddings", False):
-        raise HFConfigError("tie_word_embeddings=true: GPT-J's head is untied, and ipuft trains the embeddings "
-                            "and the head as separate units")
     values = {
         "n_layer": config_int(config, "n_layer"),
         "n_embd": hidden,
@@ -47,7 +44,8 @@ def read_config(config: Mapping) -> dict[str, Any]:
         "n_inner": config_int(config, "n_inner", 4 * hidden),
         "layer_norm_epsilon": config_float(config, "layer_norm_epsilon", 1e-5, high=1.0),
     }
-    return {HF_SHAPES[key]: value for key, value in values.items()}
+    return {**{HF_SHAPES[key]: value for key, value in values.items()},
+            "model.tie_embeddings": config_flag(config, "tie_word_embeddings", False)}
 
 
 def write_config(cfg: DictConfig) -> dict[str, Any]:
@@ -56,13 +54,15 @@ def write_config(cfg: DictConfig) -> dict[str, Any]:
     return {
         **{hf: OmegaConf.select(cfg, key) for hf, key in HF_SHAPES.items()},
         "n_positions": max(cfg.model.sequence_length, 2048),
-        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "tie_word_embeddings": False,
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+        "tie_word_embeddings": bool(cfg.model.tie_embeddings),
     }
 
 
 def parameter_names(cfg: DictConfig) -> set[str]:
     """Every parameter name of a complete transformers GPT-J of ``cfg``'s layers."""
-    return {*OUTER, *(f"transformer.h.{n}.{name}" for n in range(cfg.model.layers) for name in LAYER)}
+    outer = {*OUTER} - ({"lm_head.weight"} if cfg.model.tie_embeddings else set())  # tied: the embeddings' table
+    return {*outer, *(f"transformer.h.{n}.{name}" for n in range(cfg.model.layers) for name in LAYER)}
 
 
 GPTJ = ModelFamily(
@@ -73,7 +73,7 @@ GPTJ = ModelFamily(
     read_config=read_config,
     write_config=write_config,
     parameter_names=parameter_names,
-    source_keys={key: hf for hf, key in HF_SHAPES.items()},
+    source_keys={**{key: hf for hf, key in HF_SHAPES.items()}, "model.tie_embeddings": "tie_word_embeddings"},
     preset="gptj-6b",
     positions_key="n_positions",
     component_keys={"decoder": ("activation_function",)},

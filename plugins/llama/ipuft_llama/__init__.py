@@ -115,7 +115,8 @@ def build_head(cfg: DictConfig) -> LlamaLMHead:
     from ipuft_llama.modules import LlamaLMHead
 
     m = cfg.model
-    return LlamaLMHead(m.hidden_size, m.embedding.vocab_size, m.layer_norm_epsilon, cfg.execution.tensor_parallel)
+    return LlamaLMHead(m.hidden_size, m.embedding.vocab_size, m.layer_norm_epsilon, cfg.execution.tensor_parallel,
+                       tied=m.tie_embeddings)
 
 
 def decoder_shard_specs(variables: list[VariableSpec], tensor_parallel: int, cfg: DictConfig) -> dict[str, ShardSpec]:
@@ -138,7 +139,7 @@ def ipuft_register_components(registry: ComponentRegistry) -> None:
                  shard_specs={"embed_tokens.weight": VOCAB_SHARDED})
     registry.add("decoder", NAME, build_decoder,
                  "Llama block: RMSNorm, rotate-half rotary, grouped-query attention, SwiGLU MLP")
-    registry.add("head", NAME, build_head, "Llama LM head: RMSNorm, untied projection without bias",
+    registry.add("head", NAME, build_head, "Llama LM head: RMSNorm, projection without bias (tied or not)",
                  shard_specs={"norm.weight": REPLICATED, "lm_head.weight": VOCAB_SHARDED})
 
 

@@ -70,10 +70,6 @@ def read_config(config: Mapping, model_type: str) -> dict[str, Any]:
     act = config.get("hidden_act", "silu")
     if act != "silu":
         raise HFConfigError(f"hidden_act {str(act)[:40]!r}: ipuft runs {model_type}'s SwiGLU MLP with silu only")
-    if config_flag(config, "tie_word_embeddings", False):
-        raise HFConfigError("tie_word_embeddings=true: ipuft trains the embeddings and the head as separate units, "
-                            "so it cannot tie them; untie the checkpoint (copy embed_tokens.weight to "
-                            "lm_head.weight and set tie_word_embeddings=false) to fine-tune it")
     if config_flag(config, "mlp_bias", False):
         raise HFConfigError("mlp_bias=true: ipuft's Llama MLP has no biases")
     if model_type == "qwen2":
@@ -97,6 +93,7 @@ def read_config(config: Mapping, model_type: str) -> dict[str, Any]:
         "model.attention.rotary_positional_embeddings_base": theta,
         "model.embedding.vocab_size": config_int(config, "vocab_size"),
         "model.layer_norm_epsilon": config_float(config, "rms_norm_eps", 1e-6, high=1.0),
+        "model.tie_embeddings": config_flag(config, "tie_word_embeddings", False),
         f"plugins.{SECTION}.kv_heads": kv_heads,
         f"plugins.{SECTION}.head_dim": head_dim,
         f"plugins.{SECTION}.qkv_bias": qkv_bias,
@@ -133,7 +130,7 @@ def write_config(cfg: DictConfig, model_type: str) -> dict[str, Any]:
         "rope_scaling": None if options.rope_scaling is None else {
             k: v for k, v in dict(options.rope_scaling).items() if v is not None},
         "vocab_size": m.embedding.vocab_size,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": bool(m.tie_embeddings),
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
         "use_cache": True,
@@ -169,7 +166,8 @@ def parameter_names(cfg: DictConfig) -> set[str]:
         layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
     if options.output_bias:
         layer.append("self_attn.o_proj.bias")
-    return {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
+    head = set() if cfg.model.tie_embeddings else {"lm_head.weight"}  # tied: the embeddings' table
+    return {"model.embed_tokens.weight", "model.norm.weight", *head,
             *(f"model.layers.{n}.{name}" for n in range(cfg.model.layers) for name in layer)}
 
 
@@ -182,6 +180,7 @@ SOURCE_KEYS = {
     "model.intermediate_size": "intermediate_size", "model.attention.heads": "num_attention_heads",
     "model.attention.rotary_dim": "head_dim", "model.attention.rotary_positional_embeddings_base": "rope_theta",
     "model.embedding.vocab_size": "vocab_size", "model.layer_norm_epsilon": "rms_norm_eps",
+    "model.tie_embeddings": "tie_word_embeddings",
     f"plugins.{SECTION}.kv_heads": "num_key_value_heads", f"plugins.{SECTION}.head_dim": "head_dim",
     f"plugins.{SECTION}.rope_scaling": "rope_scaling", f"plugins.{SECTION}.sliding_window": "sliding_window",
 }

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ipuft.attention import CausalSelfAttention, HalvesRotary
-from ipuft.components import IGNORE_INDEX, Init, VariableSpec, specs_from_module
+from ipuft.components import IGNORE_INDEX, Init, VariableSpec, specs_from_module, tie
 from ipuft.ops import Linear, output_projection
 from ipuft.parallel import (
     copy_to_tensor_parallel,
@@ -112,19 +112,22 @@ class LlamaLMHead(nn.Module):
     """Final RMSNorm and an untied projection without bias: ``hidden[B, T, H] -> logits[B, T, V]``, or the mean
     cross-entropy (float32) when ``labels[B, T]`` are given; under TP sharded by vocabulary."""
 
-    def __init__(self, hidden_size: int, vocab_size: int, rms_norm_eps: float = 1e-6, tensor_parallel: int = 1):
+    def __init__(self, hidden_size: int, vocab_size: int, rms_norm_eps: float = 1e-6, tensor_parallel: int = 1,
+                 tied: bool = False):
         super().__init__()
         self.norm = RMSNorm(hidden_size, rms_norm_eps)
         rows = VOCAB_SHARDED.local_shape((vocab_size, hidden_size), tensor_parallel)[0]
         self.lm_head = Linear(hidden_size, rows, bias=False)
-        self.vocab_size, self.tensor_parallel = vocab_size, tensor_parallel
+        self.vocab_size, self.tensor_parallel, self.tied = vocab_size, tensor_parallel, tied
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         return vocab_parallel_head(self.lm_head, self.norm(hidden), labels, self.vocab_size, self.tensor_parallel,
                                    IGNORE_INDEX)
 
     def variable_specs(self) -> list[VariableSpec]:
-        return specs_from_module(self, {"norm.weight": Init("ones"), "lm_head.weight": Init("normal", 0.02)})
+        specs = specs_from_module(self, {"norm.weight": Init("ones"), "lm_head.weight": Init("normal", 0.02)})
+        return tie(specs, "lm_head.weight", "embeddings.embed_tokens.weight") if self.tied else specs
 
     def hf_mapping(self, layer: int | None = None) -> dict[str, str]:
-        return {"norm.weight": "model.norm.weight", "lm_head.weight": "lm_head.weight"}
+        tied = {} if self.tied else {"lm_head.weight": "lm_head.weight"}  # a tied model has no lm_head.weight
+        return {"norm.weight": "model.norm.weight", **tied}

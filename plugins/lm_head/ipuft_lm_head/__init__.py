@@ -1,4 +1,5 @@
-"""The GPT-J language-model head: final layer norm, untied projection with bias, mean cross-entropy.
+"""The GPT-J language-model head: final layer norm, projection with bias (its weight tied to the embeddings' table
+with ``model.tie_embeddings``), mean cross-entropy.
 
 This module holds the hooks only and imports no torch, so that discovering the plugin (``ipuft --help``)
 stays fast; the module itself is in :mod:`ipuft_lm_head.module`, imported when a run builds it.
@@ -24,7 +25,8 @@ def build(cfg: DictConfig) -> GPTJLMHead:
     from ipuft_lm_head.module import GPTJLMHead
 
     m = cfg.model
-    return GPTJLMHead(m.hidden_size, m.embedding.vocab_size, m.layer_norm_epsilon, cfg.execution.tensor_parallel)
+    return GPTJLMHead(m.hidden_size, m.embedding.vocab_size, m.layer_norm_epsilon, cfg.execution.tensor_parallel,
+                      tied=m.tie_embeddings)
 
 
 # The projection is sharded by vocabulary; the final layer norm is replicated.
@@ -34,5 +36,5 @@ SHARD_SPECS = {"norm.weight": REPLICATED, "norm.bias": REPLICATED, "proj.weight"
 
 @hookimpl
 def ipuft_register_components(registry: ComponentRegistry) -> None:
-    registry.add("head", NAME, build, "GPT-J LM head: ln_f, untied projection with bias, mean cross-entropy",
+    registry.add("head", NAME, build, "GPT-J LM head: ln_f, projection with bias (tied or not), mean cross-entropy",
                  shard_specs=SHARD_SPECS)

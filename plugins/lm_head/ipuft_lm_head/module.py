@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ipuft.components import IGNORE_INDEX, Init, VariableSpec, specs_from_module
+from ipuft.components import IGNORE_INDEX, Init, VariableSpec, specs_from_module, tie
 from ipuft.ops import Linear
 from ipuft.parallel import vocab_parallel_head
 from ipuft.sharding import VOCAB_SHARDED
@@ -19,12 +19,12 @@ class GPTJLMHead(torch.nn.Module):
     """``hidden[B, T, H] -> logits[B, T, V]``, or the mean loss when ``labels[B, T]`` are given."""
 
     def __init__(self, hidden_size: int, vocab_size: int, layer_norm_epsilon: float = 1e-5,
-                 tensor_parallel: int = 1) -> None:
+                 tensor_parallel: int = 1, tied: bool = False) -> None:
         super().__init__()
         self.norm = torch.nn.LayerNorm(hidden_size, eps=layer_norm_epsilon)
         local_rows = VOCAB_SHARDED.local_shape((vocab_size, hidden_size), tensor_parallel)[0]
         self.proj = Linear(hidden_size, local_rows)
-        self.vocab_size, self.tensor_parallel = vocab_size, tensor_parallel
+        self.vocab_size, self.tensor_parallel, self.tied = vocab_size, tensor_parallel, tied
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         # The loss and its softmax are float32 whatever the weights' precision.
@@ -34,8 +34,10 @@ class GPTJLMHead(torch.nn.Module):
     def variable_specs(self) -> list[VariableSpec]:
         inits = {"norm.weight": Init("ones"), "norm.bias": Init("zeros"),
                  "proj.weight": Init("normal", 0.02), "proj.bias": Init("zeros")}
-        return specs_from_module(self, inits)
+        specs = specs_from_module(self, inits)
+        return tie(specs, "proj.weight", "embeddings.wte.weight") if self.tied else specs
 
     def hf_mapping(self, layer: int | None = None) -> dict[str, str]:
-        return {"norm.weight": "transformer.ln_f.weight", "norm.bias": "transformer.ln_f.bias",
-                "proj.weight": "lm_head.weight", "proj.bias": "lm_head.bias"}
+        tied = {} if self.tied else {"proj.weight": "lm_head.weight"}  # a tied model has no lm_head.weight
+        return {"norm.weight": "transformer.ln_f.weight", "norm.bias": "transformer.ln_f.bias", **tied,
+                "proj.bias": "lm_head.bias"}
