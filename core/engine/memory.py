@@ -26,11 +26,11 @@ from ipuft.parallel import Layout
 from ipuft.program import GROUPS, Move, Op, Phase, PhaseMoves
 
 
-def _bytes(specs: list[VariableSpec]) -> int:
+def specs_bytes(specs: list[VariableSpec]) -> int:
     return sum(s.nbytes for s in specs)
 
 
-def _stored(sizes: dict[str, int]) -> int:
+def stored_bytes(sizes: dict[str, int]) -> int:
     """The bytes of a unit's stored groups (``trainable`` is a part of ``fwd``, not a group)."""
     return sizes["fwd"] + sizes["optim"] + sizes["grad"]
 
@@ -42,7 +42,7 @@ def frozen_savings(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer, siz
     unfrozen = dataclasses.replace(parts, variables={role: [dataclasses.replace(v, trainable=True) for v in specs]
                                                      for role, specs in parts.variables.items()})
     everything = group_bytes(cfg, unfrozen, optimizer)
-    return sum(_stored(s) for s in everything.values()) - sum(_stored(s) for s in sizes.values())
+    return sum(stored_bytes(s) for s in everything.values()) - sum(stored_bytes(s) for s in sizes.values())
 
 
 def rank_layout(cfg: DictConfig) -> Layout:
@@ -63,12 +63,12 @@ def group_bytes(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer) -> dic
     for unit in parts.program.units():
         tied = [t.variable for t in parts.program.owned_ties(unit)]
         groups = unit_groups(placed[unit.role], optimizer, master, unit in stores_grad, tied, unit in tied_only)
-        sizes = dict.fromkeys(GROUPS, 0) | {group: _bytes(specs) for group, specs in groups.items()}
-        sizes["trainable"] = _bytes([s for s in groups["fwd"] if s.trainable])
+        sizes = dict.fromkeys(GROUPS, 0) | {group: specs_bytes(specs) for group, specs in groups.items()}
+        sizes["trainable"] = specs_bytes([s for s in groups["fwd"] if s.trainable])
         # Tied variables: the owners' weights a unit of this role computes with, and the float32 gradients
         # of the trained ones, which it writes into their owners' stored gradients (and an owner adds).
         used = parts.program.used_ties(unit.role)
-        sizes["borrowed"] = _bytes([placed[t.owner.role][t.variable].stored_spec() for t in used])
+        sizes["borrowed"] = specs_bytes([placed[t.owner.role][t.variable].stored_spec() for t in used])
         sizes["lent"] = sum(placed[t.owner.role][t.variable].stored_spec().numel * 4 for t in used if t.trainable)
         sizes["carried"] = sum(placed[unit.role][t.variable].stored_spec().numel * 4
                                for t in parts.program.owned_ties(unit))
@@ -223,7 +223,7 @@ def device_peak_estimate(cfg: DictConfig, parts: ModelParts, optimizer: Optimize
     """The largest phase's resident bytes: the variables that stay on the device, the kept graphs
     (recompute=false: all there when the head's loss-backward runs, an upper bound for every phase), and the
     phase's :class:`PhaseMemory`, with the buffered activations beside its compute."""
-    resident_vars = 0 if cfg.execution.offload else sum(_stored(s) for s in sizes.values())
+    resident_vars = 0 if cfg.execution.offload else sum(stored_bytes(s) for s in sizes.values())
     graphs = graph_bytes(cfg, parts, costs)
     acts = resident_activation_bytes(cfg)
     holds = phase_memory(cfg, parts, optimizer, sizes, costs, lent)

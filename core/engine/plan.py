@@ -17,8 +17,6 @@ from ipuft.engine.flops import step_flops
 from ipuft.engine.measure import kv_cache_bytes_per_position, unit_cost
 from ipuft.engine.memory import (
     CPU_RUNTIME_BYTES,
-    _bytes,
-    _stored,
     activation_peak_bytes,
     compute_device,
     device_peak_estimate,
@@ -29,7 +27,9 @@ from ipuft.engine.memory import (
     phase_io,
     phase_memory,
     phase_moves,
+    specs_bytes,
     stored_activation_bytes,
+    stored_bytes,
 )
 from ipuft.engine.model import ModelParts
 from ipuft.engine.precision import compute_dtype, recipe
@@ -72,7 +72,7 @@ def estimate(cfg: DictConfig, parts: ModelParts, hooks: PluginHooks, inference_b
     costs = {role: unit_cost(parts, role, cfg, compute_device(cfg)) for role in parts.modules}
     sizes = group_bytes(cfg, parts, optimizer)
     moved = traffic(cfg, parts, sizes)
-    variables = sum(_stored(s) for s in sizes.values())
+    variables = sum(stored_bytes(s) for s in sizes.values())
     host_vars = variables if cfg.execution.offload else 0
     acts = activation_peak_bytes(cfg)
     host_acts = acts if cfg.execution.activation_offload else 0
@@ -147,12 +147,12 @@ def inference_estimate(cfg: DictConfig, parts: ModelParts, batch_size: int, prom
     """
     itemsize = torch.empty((), dtype=compute_dtype(cfg)).element_size()
     m, layers, b = cfg.model, cfg.model.layers, batch_size
-    units = {role: _bytes(parts.variables[role]) for role in ("embeddings", "decoder", "head")}
+    units = {role: specs_bytes(parts.variables[role]) for role in ("embeddings", "decoder", "head")}
     weights = units["embeddings"] + layers * units["decoder"] + units["head"]
     offload, act_offload = cfg.execution.offload, cfg.execution.activation_offload
     resident = 0 if offload else weights
     # A unit loads its own weights and the tied ones it uses (their owners').
-    load = {role: _bytes(parts.uses(role)) if offload else 0 for role in units}
+    load = {role: specs_bytes(parts.uses(role)) if offload else 0 for role in units}
 
     def hidden(t: int) -> int:
         return b * t * m.hidden_size * itemsize
