@@ -54,6 +54,10 @@ class ModelFamily:
     ``positions_key``: the config.json key of the longest sequence the model was made for, if any.
     ``component_keys``: config.json keys only a component can give (``{role: keys}``), from its
     ``hf_config()``: a substitute component that leaves one out cannot be exported.
+    ``model_keys``: the ipuft config keys that make a model of the family what it is, beside ``model.family``
+    and the components: its weights' shapes and what its computation reads (a rotary base, a norm's
+    epsilon, a plugin's options such as ``plugins.llama.kv_heads``). A checkpoint's weights fix them, so
+    ``model.init_checkpoint`` and a resumed run take them from its config (:mod:`ipuft.config.identity`).
     """
 
     model_type: str
@@ -67,6 +71,7 @@ class ModelFamily:
     preset: str | None = None
     positions_key: str | None = None
     component_keys: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    model_keys: tuple[str, ...] = ()
     description: str = ""
     plugin: str = ""
 

@@ -18,11 +18,12 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from ipuft.config.identity import apply_checkpoint_model
 from ipuft.config.rules import derive_and_validate, derived_gradient_accumulation
 from ipuft.config.safe_yaml import parse_config_mapping, parse_yaml_value, read_config_data
 from ipuft.config.schema import Config
 from ipuft.config.sections import ConfigSectionRegistry
-from ipuft.errors import CheckpointError, ConfigError, choices
+from ipuft.errors import ConfigError, choices
 
 
 def preset_names() -> list[str]:
@@ -149,7 +150,7 @@ def load_config(
         cfg.model.hf_checkpoint = str(resolve_hf_directory(cfg.model.hf_checkpoint))
         apply_hf_shapes(cfg, typed, sections.families if sections is not None else None)
     if cfg.model.init_checkpoint is not None:
-        apply_checkpoint_shapes(cfg, typed)
+        apply_checkpoint_model(cfg, typed, sections)
     if default_preset and "data.tokenizer" not in typed and (cfg.model.hf_checkpoint or cfg.model.init_checkpoint):
         cfg.data.tokenizer = None  # the checkpoint's own tokenizer, not the default preset's sample one
     if sections is not None and (unused := sections.unused_settings(cfg, chosen)):
@@ -189,40 +190,6 @@ def latest_of_run(cfg: DictConfig) -> Path:
         raise ConfigError("checkpoint.load=latest: set output_dir to the run to resume (or checkpoint.save)")
     root = checkpoint_root(cfg, Path(cfg.output_dir or ".")) or Path(cfg.output_dir) / "checkpoints"
     return find_checkpoint(root)
-
-
-# The model's shape, which a checkpoint's weights fix.
-SHAPE_KEYS = (
-    "model.layers", "model.hidden_size", "model.intermediate_size", "model.embedding.vocab_size",
-    "model.attention.heads", "model.attention.rotary_dim", "model.layer_norm_epsilon",
-)  # fmt: skip
-
-
-def apply_checkpoint_shapes(cfg: DictConfig, typed: set[str]) -> None:
-    """Take the model's shapes from ``model.init_checkpoint``'s config, as a Hugging Face checkpoint's come
-    from its config.json: keys the user did not type take the checkpoint's value, and every typed key that
-    differs is listed in one error."""
-    from ipuft.config.migrate import saved_config_data, saved_value
-    from ipuft.io.checkpoint import find_checkpoint
-
-    found = find_checkpoint(cfg.model.init_checkpoint)
-    saved = saved_config_data(found)
-    mismatches = []
-    for key in SHAPE_KEYS:
-        value, current = saved_value(saved, key), OmegaConf.select(cfg, key)
-        if value is None or value == current:
-            continue
-        if key in typed:
-            mismatches.append(f"{key}={current} but the checkpoint has {str(value)[:40]}")
-            continue
-        try:
-            OmegaConf.update(cfg, key, value)
-        except OmegaConfBaseException:
-            raise CheckpointError(f"checkpoint {found}: config.yaml: {key} is {str(value)[:40]!r}, not a "
-                                  f"{type(current).__name__}") from None
-    if mismatches:
-        raise ConfigError(f"model.init_checkpoint {found}: {'; '.join(mismatches)} (drop those settings: the "
-                          f"checkpoint's weights fix the model's shape)")
 
 
 def _is_default(schema: DictConfig, data: dict, key: str) -> bool:

@@ -77,5 +77,6 @@ GPTJ = ModelFamily(
     preset="gptj-6b",
     positions_key="n_positions",
     component_keys={"decoder": ("activation_function",)},
+    model_keys=(*HF_SHAPES.values(), "model.attention.rotary_positional_embeddings_base"),
     description="GPT-J: parallel attention and MLP, interleaved rotary, gelu_new",
 )

@@ -187,6 +187,15 @@ SOURCE_KEYS = {
 }
 
 
+# Every key read_config sets: a checkpoint of the family fixes them (ipuft.config.identity).
+MODEL_KEYS = (
+    "model.layers", "model.hidden_size", "model.intermediate_size", "model.attention.heads",
+    "model.attention.rotary_dim", "model.attention.rotary_positional_embeddings_base", "model.embedding.vocab_size",
+    "model.layer_norm_epsilon", *(f"plugins.{SECTION}.{key}" for key in (
+        "kv_heads", "head_dim", "qkv_bias", "output_bias", "sliding_window", "rope_scaling")),
+)  # fmt: skip
+
+
 def family(model_type: str) -> ModelFamily:
     def write(cfg: DictConfig) -> dict[str, Any]:
         check_options(cfg, model_type)
@@ -203,6 +212,7 @@ def family(model_type: str) -> ModelFamily:
         source_keys=SOURCE_KEYS,
         preset=_PRESETS[model_type],
         positions_key="max_position_embeddings",
+        model_keys=MODEL_KEYS,
         description=f"{_TITLES[model_type]}: RMSNorm, rotate-half rotary, grouped-query attention, SwiGLU",
     )
 
