@@ -83,11 +83,11 @@ def _typed(key: str, typed: set[str]) -> bool:
     return any(t == key or t.startswith(f"{key}.") or key.startswith(f"{t}.") for t in typed)
 
 
-def apply_checkpoint_model(cfg: DictConfig, typed: set[str], sections: ConfigSectionRegistry | None) -> None:
+def apply_checkpoint_model(cfg: DictConfig, typed: set[str], sections: ConfigSectionRegistry | None) -> dict:
     """Take the model from ``model.init_checkpoint``'s saved config, as a Hugging Face checkpoint's comes from
     its config.json: the family and the components first, then every key of :func:`model_keys` of that
     model, and :data:`CARRIED`. A key the user did not type takes the checkpoint's value; every typed key of
-    the model that differs is listed in one error."""
+    the model that differs is listed in one error. Returns the saved config (parsed, as data)."""
     from ipuft.config.migrate import saved_config_data
     from ipuft.io.checkpoint import find_checkpoint
 
@@ -114,3 +114,4 @@ def apply_checkpoint_model(cfg: DictConfig, typed: set[str], sections: ConfigSec
     if mismatches:
         raise ConfigError(f"model.init_checkpoint {found}: {'; '.join(mismatches)} (drop those settings: the "
                           f"checkpoint's weights fix the model)")
+    return saved

@@ -175,7 +175,6 @@ def parameter_names(cfg: DictConfig) -> set[str]:
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _TITLES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
-_PRESETS = {"llama": "llama3-8b", "mistral": "mistral-7b", "qwen2": None}
 # The config.json key behind each ipuft key read_config sets (for messages).
 SOURCE_KEYS = {
     "model.layers": "num_hidden_layers", "model.hidden_size": "hidden_size",
@@ -210,7 +209,6 @@ def family(model_type: str) -> ModelFamily:
         write_config=write,
         parameter_names=parameter_names,
         source_keys=SOURCE_KEYS,
-        preset=_PRESETS[model_type],
         positions_key="max_position_embeddings",
         model_keys=MODEL_KEYS,
         description=f"{_TITLES[model_type]}: RMSNorm, rotate-half rotary, grouped-query attention, SwiGLU",
