@@ -90,7 +90,7 @@ def test_eval_loss_matches_transformers(capsys, hf_dirs, tmp_path):
     data = tmp_path / "tokens.jsonl"
     data.write_text("".join(json.dumps({"input_ids": r.tolist()}) + "\n" for r in rows))
     code, out, err = cli(capsys, "eval", f"model.hf_checkpoint={src}", "model.sequence_length=16", f"data.path={data}",
-                         "data.format=tokens", "execution.micro_batch_size=2", "--json")
+                         "data.format=tokens", "execution.micro_batch_size=2", "model.precision=float32", "--json")
     assert code == 0, err
     with torch.no_grad():
         logits = hf(rows[:, :-1]).logits
@@ -232,9 +232,15 @@ def test_a_new_run_starts_from_a_run_of_a_checkpoint_with_its_whole_model(hooks,
                          f"output_dir={tmp_path / 'a'}"), hooks, progress=False)
     assert torch.isfinite(torch.tensor(first[0]["loss"]))
     sections = hooks.registrations.config_sections
-    cfg = load_config("small-cpu", [f"model.init_checkpoint={tmp_path / 'a'}", "model.sequence_length=16",
+    notes = []
+    cfg = load_config("small-cpu", [f"model.init_checkpoint={tmp_path / 'a'}", "model.precision=float32",
                                     "training.global_batch_size=2", "execution.micro_batch_size=1", "data.path=null",
-                                    "training.steps=2", f"output_dir={tmp_path / 'b'}"], sections, default_preset=True)
+                                    "training.steps=2", f"output_dir={tmp_path / 'b'}"], sections, default_preset=True,
+                      notes=notes)
+    (note,) = notes  # the fine-tuning recipe, with the sequence length the run trained at
+    assert note.startswith("recipe finetune, as model.init_checkpoint is given without --config: model.sequence_length"
+                           "=16 (the run it starts from trained at 16; at most 2048); model.precision=float32 (yours); ")
+    assert cfg.model.sequence_length == 16
     source_cfg = OmegaConf.load(find_checkpoint(tmp_path / "a") / "config.yaml")
     assert OmegaConf.to_container(cfg.plugins.llama) == OmegaConf.to_container(source_cfg.plugins.llama)
     assert cfg.plugins.llama.kv_heads == 2 and cfg.plugins.llama.qkv_bias == (kind == "qwen2")

@@ -19,6 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from ipuft.config.identity import apply_checkpoint_model
+from ipuft.config.recipe import PRESET as RECIPE_PRESET
+from ipuft.config.recipe import apply_recipe, wants_recipe
 from ipuft.config.rules import derive_and_validate, derived_gradient_accumulation
 from ipuft.config.safe_yaml import parse_config_mapping, parse_yaml_value, read_config_data
 from ipuft.config.schema import Config
@@ -151,16 +153,21 @@ def load_config(
     overrides: list[str] | tuple[str, ...] = (),
     sections: ConfigSectionRegistry | None = None,
     default_preset: bool = False,
+    notes: list[str] | None = None,
 ) -> DictConfig:
     """The resolved, validated, read-only config: schema ← preset ← ``key=value`` overrides.
 
     ``preset`` is a shipped preset's name, a YAML file's path, or ``(name, data)``: a mapping already
     read (a checkpoint's config). A checkpoint's shapes override a shipped preset's (which is a recipe);
     only keys the user typed, in overrides or in a YAML file of theirs, may disagree with the checkpoint.
-    ``default_preset``: the user did not choose it (``ipuft train`` with no ``--config``), so its keys are
-    not theirs either.
+    ``default_preset``: the user did not choose it (``ipuft train`` with no ``--config``); with a checkpoint
+    (``model.hf_checkpoint``, ``model.init_checkpoint``) the run then takes the fine-tuning recipe instead
+    (:mod:`ipuft.config.recipe`), and the line that says so is appended to ``notes``.
     """
     parsed = _parse_overrides(list(overrides))
+    recipe_for = wants_recipe(parsed) if default_preset else None
+    if recipe_for is not None:
+        preset = RECIPE_PRESET
     schema = _schema(sections)
     cfg = schema.copy()
     typed: set[str] = set()
@@ -198,13 +205,18 @@ def load_config(
         raise _explain(exc, schema, "config") from None
     if cfg.checkpoint.load == "latest":
         cfg.checkpoint.load = str(latest_of_run(cfg))
+    positions = saved = None
     if cfg.model.hf_checkpoint is not None:
         from ipuft.io.hf_import import apply_hf_shapes, resolve_hf_directory
 
         cfg.model.hf_checkpoint = str(resolve_hf_directory(cfg.model.hf_checkpoint))
-        apply_hf_shapes(cfg, typed, sections.families if sections is not None else None)
+        positions = apply_hf_shapes(cfg, typed, sections.families if sections is not None else None)
     if cfg.model.init_checkpoint is not None:
-        apply_checkpoint_model(cfg, typed, sections)
+        saved = apply_checkpoint_model(cfg, typed, sections)
+    if recipe_for is not None:
+        line = apply_recipe(cfg, typed, recipe_for, positions, saved)
+        if notes is not None:
+            notes.append(line)
     if default_preset and "data.tokenizer" not in typed and (cfg.model.hf_checkpoint or cfg.model.init_checkpoint):
         cfg.data.tokenizer = None  # the checkpoint's own tokenizer, not the default preset's sample one
     if sections is not None and (unused := sections.unused_settings(cfg, chosen)):
