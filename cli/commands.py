@@ -31,7 +31,8 @@ def config_arguments(command: Callable) -> Callable:
     """``--config PRESET`` and ``KEY=VALUE ...`` overrides, resolved into ``cfg`` for the command."""
 
     @click.option("--config", "preset", default=DEFAULT_PRESET, show_default=True, metavar="PRESET",
-                  help=f"A shipped preset ({', '.join(preset_names())}) or a path to a .yaml file.")
+                  help=f"A shipped preset ({', '.join(preset_names())}) or a path to a .yaml file. Without it, a "
+                       f"checkpoint (model.hf_checkpoint, model.init_checkpoint) takes the finetune recipe.")
     @click.option("--checkpoint", "checkpoint", default=None, metavar="PATH",
                   help="Start from an ipuft checkpoint (or a run directory's latest): its config is the preset.")
     @click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
@@ -48,7 +49,11 @@ def config_arguments(command: Callable) -> Callable:
                                        f"the preset; give one of the two (and KEY=VALUE overrides)")
             cfg = checkpoint_config(checkpoint, sections, overrides)
         else:
-            cfg = load_config(preset, overrides, sections, default_preset=not chosen)
+            notes: list[str] = []
+            cfg = load_config(preset, overrides, sections, default_preset=not chosen, notes=notes)
+            if os.environ.get("RANK", "0") == "0":
+                for note in notes:  # the fine-tuning recipe a checkpoint without --config takes
+                    click.echo(f"ipuft: {note}", err=True)
         check_plugins(cfg, hooks.registrations)
         return command(hooks, cfg, **kwargs)
 

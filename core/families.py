@@ -49,11 +49,13 @@ class ModelFamily:
     special tokens and ``torch_dtype``).
     ``parameter_names(cfg)``: every parameter name of a complete model of ``cfg``'s shapes.
     ``source_keys``: the config.json key each ipuft key ``read_config`` sets comes from, for messages.
-    ``preset``: a shipped preset of the family's best-known shape, suggested when a checkpoint disagrees with
-    the settings.
     ``positions_key``: the config.json key of the longest sequence the model was made for, if any.
     ``component_keys``: config.json keys only a component can give (``{role: keys}``), from its
     ``hf_config()``: a substitute component that leaves one out cannot be exported.
+    ``model_keys``: the ipuft config keys that make a model of the family what it is, beside ``model.family``
+    and the components: its weights' shapes and what its computation reads (a rotary base, a norm's
+    epsilon, a plugin's options such as ``plugins.llama.kv_heads``). A checkpoint's weights fix them, so
+    ``model.init_checkpoint`` and a resumed run take them from its config (:mod:`ipuft.config.identity`).
     """
 
     model_type: str
@@ -64,9 +66,9 @@ class ModelFamily:
     write_config: Callable[[DictConfig], dict[str, Any]]
     parameter_names: Callable[[DictConfig], set[str]]
     source_keys: Mapping[str, str] = field(default_factory=dict)
-    preset: str | None = None
     positions_key: str | None = None
     component_keys: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    model_keys: tuple[str, ...] = ()
     description: str = ""
     plugin: str = ""
 

@@ -98,7 +98,7 @@ def test_bad_config_is_one_clear_line(hooks, overrides, fragment):
 
 
 def test_unknown_preset_lists_presets(hooks):
-    with pytest.raises(ConfigError, match=r"unknown preset 'huge'; presets: gptj-6b, llama3-8b, mistral-7b, small-cpu, tiny"):
+    with pytest.raises(ConfigError, match=r"unknown preset 'huge'; presets: finetune, gptj-6b, llama3-8b, mistral-7b, small-cpu, tiny"):
         load_config("huge", [], hooks.registrations.config_sections)
 
 
@@ -109,6 +109,56 @@ def test_preset_file_by_path(hooks, tmp_path):
     path.write_text("model:\n  layerz: 3\n")
     with pytest.raises(ConfigError, match=r"preset .*mine.yaml: unknown config key model.layerz"):
         load_config(str(path), [], hooks.registrations.config_sections)
+
+
+def test_a_yaml_starts_from_a_base_preset_or_file(hooks, tmp_path):
+    """``base:``: a shipped preset or a file beside (or below) the YAML naming it, merged under it mapping by
+    mapping, lists replaced; a chain of bases resolves from the bottom."""
+    sections = hooks.registrations.config_sections
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared" / "common.yaml").write_text(
+        "base: tiny\ntraining:\n  steps: 7\n  optimizer:\n    learning_rate:\n      maximum: 0.5\n"
+        "model:\n  freeze: [head, embeddings]\n")
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("base: shared/common.yaml\ntraining:\n  optimizer:\n    learning_rate:\n      schedule: linear\n"
+                    "model:\n  freeze: [head]\n")
+    cfg = load_config(str(mine), ["training.global_batch_size=4"], sections)
+    lr = cfg.training.optimizer.learning_rate
+    assert (cfg.training.steps, lr.maximum, lr.schedule.value, list(cfg.model.freeze)) == (7, 0.5, "linear", ["head"])
+    assert (cfg.model.hidden_size, cfg.model.sequence_length, cfg.training.global_batch_size) == (64, 8, 4)  # tiny's
+
+
+@pytest.mark.parametrize(("files", "message"), [
+    ({"a.yaml": "base: b.yaml\n", "b.yaml": "base: a.yaml\n"}, r"the bases make a cycle \(.*a\.yaml -> .*b\.yaml -> "
+                                                                 r".*a\.yaml\); remove one$"),
+    ({"a.yaml": "base: a.yaml\n"}, r"the bases make a cycle"),
+    ({f"{i}.yaml": f"base: {i + 1}.yaml\n" for i in range(12)}, r"more than 8 presets start from one another"),
+    ({"a.yaml": "base: /etc/ipuft.yaml\n"}, r"a base is a preset name or a path relative to .*, not an absolute path$"),
+    ({"a.yaml": "base: ../outside.yaml\n"}, r"the base leaves .*, the directory of the file naming it"),
+    ({"a.yaml": "base: [tiny]\n"}, r"base must name a preset \(finetune, gptj-6b, .*\) or a \.yaml file, got "),
+    ({"a.yaml": "base: missing.yaml\n"}, r"base missing\.yaml: preset file .*missing\.yaml does not exist$"),
+    ({"a.yaml": "base: nope\n"}, r"base nope: unknown preset 'nope'; presets: finetune, "),
+    ({"a.yaml": "base: b.yaml\n", "b.yaml": "model:\n  layerz: 2\n"}, r"unknown config key model\.layerz"),
+], ids=["cycle", "self", "depth", "absolute", "escapes", "not-a-name", "missing-file", "unknown-preset", "bad-key"])
+def test_a_bad_base_is_one_line(hooks, tmp_path, files, message):
+    root = tmp_path / "configs"
+    root.mkdir()
+    (tmp_path / "outside.yaml").write_text("training:\n  steps: 3\n")
+    for name, text in files.items():
+        (root / name).write_text(text)
+    with pytest.raises(ConfigError, match=message) as info:
+        load_config(str(root / next(iter(files))), [], hooks.registrations.config_sections)
+    assert "\n" not in str(info.value)
+
+
+def test_a_base_that_links_out_of_its_directory_is_refused(hooks, tmp_path):
+    (tmp_path / "outside.yaml").write_text("training:\n  steps: 3\n")
+    root = tmp_path / "configs"
+    root.mkdir()
+    (root / "link.yaml").symlink_to(tmp_path / "outside.yaml")
+    (root / "a.yaml").write_text("base: link.yaml\n")
+    with pytest.raises(ConfigError, match=r"base link\.yaml: the base leaves .*configs, the directory of the file"):
+        load_config(str(root / "a.yaml"), [], hooks.registrations.config_sections)
 
 
 def test_a_checkpoint_saved_with_retired_or_moved_keys_still_loads(hooks, trained, tmp_path):

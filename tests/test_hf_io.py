@@ -83,10 +83,18 @@ def test_a_float16_checkpoint_streams_into_any_precision_and_exports_in_any_dtyp
 
 
 def test_shapes_from_config_json_and_every_mismatch_listed(hooks, tmp_path):
-    cfg0 = load_config("tiny", [], hooks.registrations.config_sections)
+    """A shipped preset's shapes yield to the checkpoint's and its recipe stays; keys the user typed, in
+    overrides or in a YAML file of theirs (not in its shipped base), are checked, every mismatch in one line."""
+    sections = hooks.registrations.config_sections
+    cfg0 = load_config("tiny", [], sections)
     _, src = save_hf(tmp_path, cfg0)
+    cfg = load_config("small-cpu", [f"model.hf_checkpoint={src}"], sections)
+    assert (cfg.model.layers, cfg.model.hidden_size, cfg.model.embedding.vocab_size) == (2, 64, 128)
+    assert (cfg.training.steps, cfg.training.optimizer.learning_rate.maximum, cfg.model.sequence_length) == (100, 3e-3, 8)
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("base: small-cpu\nmodel:\n  layers: 4\n  hidden_size: 128\n")
     with pytest.raises(ConfigError) as info:
-        load_config("small-cpu", [f"model.hf_checkpoint={src}"], hooks.registrations.config_sections)
+        load_config(str(mine), [f"model.hf_checkpoint={src}", "model.embedding.vocab_size=512"], sections)
     message = str(info.value)
     for fragment in ("model.layers=4 but the checkpoint has n_layer=2", "model.hidden_size=128 but the checkpoint "
                      "has n_embd=64", "model.embedding.vocab_size=512 but the checkpoint has vocab_size=128"):
@@ -191,7 +199,7 @@ def test_a_checkpoint_of_odd_shape_trains_with_no_preset_and_only_typed_keys_con
                            f"output_dir={tmp_path}/typed")
     assert code == 2
     assert err == (f"ipuft: error: model.hf_checkpoint {hf}: model.hidden_size=64 but the checkpoint has n_embd=48 "
-                   f"(drop those settings, or use a preset of the checkpoint's shape such as --config gptj-6b)\n")
+                   f"(drop those settings: the checkpoint's config.json fixes the model)\n")
 
 
 def test_a_hub_name_resolves_from_the_local_cache_without_network(hooks, tmp_path, monkeypatch, capsys):

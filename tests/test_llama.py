@@ -90,7 +90,7 @@ def test_eval_loss_matches_transformers(capsys, hf_dirs, tmp_path):
     data = tmp_path / "tokens.jsonl"
     data.write_text("".join(json.dumps({"input_ids": r.tolist()}) + "\n" for r in rows))
     code, out, err = cli(capsys, "eval", f"model.hf_checkpoint={src}", "model.sequence_length=16", f"data.path={data}",
-                         "data.format=tokens", "execution.micro_batch_size=2", "--json")
+                         "data.format=tokens", "execution.micro_batch_size=2", "model.precision=float32", "--json")
     assert code == 0, err
     with torch.no_grad():
         logits = hf(rows[:, :-1]).logits
@@ -239,6 +239,68 @@ def test_import_train_at_lr_0_export_is_bit_exact_and_loads_in_transformers(hook
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, hf(ids).logits)
     assert (out / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+
+
+# (kind, config.json changes): a tied checkpoint is one more entry, ("qwen2", {"tie_word_embeddings": True}).
+INIT_SOURCES = {"llama": ("llama", {}), "qwen2": ("qwen2", {}),
+                "qwen2_tied": ("qwen2", {"tie_word_embeddings": True})}
+
+
+@pytest.mark.parametrize("source", list(INIT_SOURCES))
+def test_a_new_run_starts_from_a_run_of_a_checkpoint_with_its_whole_model(hooks, tmp_path, capsys, source):
+    """``model.init_checkpoint=RUN`` of a Llama-architecture run, with no --config: the family, the components,
+    every shape and ``plugins.llama`` option (grouped-query heads, Llama 3.1's rope scaling, Qwen2's biases) and
+    the special tokens come from the run's config, not from the default preset; the engine starts from the
+    run's last weights and trains; a typed key of the model that disagrees is one line."""
+    from omegaconf import OmegaConf
+
+    from ipuft.io.checkpoint import find_checkpoint
+
+    kind, extra = INIT_SOURCES[source]
+    _, src = save_hf(tmp_path / "hf", kind, seed=3, **extra)
+    first = train(config(hooks, src, "training.global_batch_size=2", "training.steps=1",
+                         f"output_dir={tmp_path / 'a'}"), hooks, progress=False)
+    assert torch.isfinite(torch.tensor(first[0]["loss"]))
+    sections = hooks.registrations.config_sections
+    notes = []
+    cfg = load_config("small-cpu", [f"model.init_checkpoint={tmp_path / 'a'}", "model.precision=float32",
+                                    "training.global_batch_size=2", "execution.micro_batch_size=1", "data.path=null",
+                                    "training.steps=2", f"output_dir={tmp_path / 'b'}"], sections, default_preset=True,
+                      notes=notes)
+    (note,) = notes  # the fine-tuning recipe, with the sequence length the run trained at
+    assert note.startswith("recipe finetune, as model.init_checkpoint is given without --config: model.sequence_length"
+                           "=16 (the run it starts from trained at 16; at most 2048); model.precision=float32 (yours); ")
+    assert cfg.model.sequence_length == 16
+    source_cfg = OmegaConf.load(find_checkpoint(tmp_path / "a") / "config.yaml")
+    assert OmegaConf.to_container(cfg.plugins.llama) == OmegaConf.to_container(source_cfg.plugins.llama)
+    assert cfg.plugins.llama.kv_heads == 2 and cfg.plugins.llama.qkv_bias == (kind == "qwen2")
+    if kind == "llama":
+        assert cfg.plugins.llama.rope_scaling.rope_type == "llama3"
+    for key in ("family", "embeddings", "decoder", "head", "layers", "hidden_size", "intermediate_size",
+                "layer_norm_epsilon", "embedding", "attention", "bos_token_id", "eos_token_ids", "tie_embeddings"):
+        assert cfg.model[key] == source_cfg.model[key], key
+    assert cfg.model.tie_embeddings == ("tied" in source)
+    assert (cfg.model.family, cfg.model.decoder, cfg.model.hidden_size) == (kind, "llama", 48)
+    engine = build_engine(cfg, hooks)
+    saved = load_file(str(find_checkpoint(tmp_path / "a") / "model.safetensors"))
+    for unit, tensors in engine.model.weights().items():
+        for name, tensor in tensors.items():
+            assert torch.equal(tensor, saved[f"{unit}.{name}"]), (unit, name)
+    second = train(cfg, hooks, progress=False)
+    assert [r["step"] for r in second] == [1, 2]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in second)
+    capsys.readouterr()  # transformers' progress bars of save_hf
+    code, out, err = cli(capsys, "train", f"model.init_checkpoint={tmp_path / 'a'}", "plugins.llama.kv_heads=3",
+                         f"output_dir={tmp_path / 'c'}")
+    assert (code, out) == (2, "")
+    assert err == (f"ipuft: error: model.init_checkpoint {find_checkpoint(tmp_path / 'a')}: plugins.llama.kv_heads=3 "
+                   f"but the checkpoint has 2 (drop those settings: the checkpoint's weights fix the model)\n")
+    assert not (tmp_path / "c").exists()
+    # Resuming the new run keeps its whole model too: plugins.llama is a key of the model it resumes.
+    code, _, err = cli(capsys, "train", "--checkpoint", str(tmp_path / "b"), "plugins.llama.kv_heads=3",
+                       "training.steps=3")
+    assert code == 2 and err.count("\n") == 1
+    assert "would change plugins.llama.kv_heads 2 -> 3;" in err
 
 
 def test_generation_starts_with_bos_and_stops_at_the_checkpoints_eos(capsys, hf_dirs):

@@ -93,6 +93,23 @@ def test_shard_specs_that_are_not_a_mapping_are_refused_naming_the_plugin_and_th
                                "ipuft_shard_spec hook for a layout computed from the variables or the config")
 
 
+def test_a_config_sections_model_keys_are_its_fields(fake_dist):
+    """A section's ``model_keys`` name fields of its dataclass: a misspelt one would silently fix nothing."""
+    fake_dist("ipuft-shapes", {"shapes": "shapes_plugin"}, {"shapes_plugin": """
+        from dataclasses import dataclass
+        from ipuft import hookimpl
+        @dataclass
+        class Options:
+            rank: int = 8
+        @hookimpl
+        def ipuft_register_config_sections(registry):
+            registry.add("shapes", Options, model_keys=("rnak",))
+    """})
+    with pytest.raises(PluginError) as info:
+        _ = create_plugin_manager().registrations
+    assert str(info.value) == "plugin 'shapes': config section 'shapes' names model key 'rnak', which is not a field of Options"
+
+
 def test_plugin_that_fails_to_import(fake_dist, monkeypatch):
     fake_dist("ipuft-broken", {"broken": "broken_plugin"}, {"broken_plugin": "raise RuntimeError('boom')\n"})
     with pytest.raises(PluginError) as info:

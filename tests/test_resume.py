@@ -258,7 +258,7 @@ def test_a_new_run_starts_from_a_checkpoints_weights_and_nothing_else(hooks, tmp
     # A shorter run than the source's step count: a start, not a resume, so there is something to do. The
     # shape (3 layers) comes from the checkpoint; the preset's tiny model has 2.
     cfg = load_config("tiny", [*MNLI, "training.steps=2", f"model.init_checkpoint={tmp_path / 'a'}",
-                               f"output_dir={tmp_path}/b"], hooks.registrations.config_sections, default_preset=True)
+                               f"output_dir={tmp_path}/b"], hooks.registrations.config_sections)
     assert cfg.model.layers == 3
     engine = build_engine(cfg, hooks)
     weights, _ = final_weights(tmp_path / "a")

@@ -18,11 +18,14 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from ipuft.config.identity import apply_checkpoint_model
+from ipuft.config.recipe import PRESET as RECIPE_PRESET
+from ipuft.config.recipe import apply_recipe, wants_recipe
 from ipuft.config.rules import derive_and_validate, derived_gradient_accumulation
 from ipuft.config.safe_yaml import parse_config_mapping, parse_yaml_value, read_config_data
 from ipuft.config.schema import Config
 from ipuft.config.sections import ConfigSectionRegistry
-from ipuft.errors import CheckpointError, ConfigError, choices
+from ipuft.errors import ConfigError, choices
 
 
 def preset_names() -> list[str]:
@@ -31,18 +34,67 @@ def preset_names() -> list[str]:
     return sorted(p.name[: -len(".yaml")] for p in root.iterdir() if p.name.endswith(".yaml"))
 
 
-def _read_preset(preset: str) -> tuple[str, Any]:
-    """The parsed YAML of a shipped preset, or of a ``.yaml`` file the user names by path."""
-    if preset.endswith((".yaml", ".yml")):
-        path = Path(preset)
+BASE_KEY = "base"  # a YAML's first key: the preset or file it starts from
+_BASE_DEPTH = 8  # presets starting from presets: a deeper chain is a mistake, not a config
+
+
+def _read_preset(preset: str) -> tuple[str, dict, set[str]]:
+    """``(name, data, own)``: the parsed YAML of a shipped preset, or of a ``.yaml`` file the user names by path,
+    merged over the presets and files it starts from (its ``base``); ``own``: the keys the user's files set,
+    which are their settings (a shipped preset's are a recipe, and a checkpoint's shapes override them)."""
+    data, own, _ = _read_chain(preset, None, [])
+    return preset, data, own
+
+
+def _read_chain(spec: str, within: Path | None, chain: list[str]) -> tuple[dict, set[str], bool]:
+    """``spec`` (a preset name or a path) read and merged over its own base, and whether it is a shipped preset.
+    ``within``: the directory of the file that names ``spec`` as its base, which a base path is relative to and
+    may not leave; ``chain``: the files and presets that led here, for cycles."""
+    named = f"--config {chain[0].removeprefix('preset ')}: base {spec}" if chain else "--config"
+    if spec.endswith((".yaml", ".yml")):
+        path = Path(spec)
+        if within is not None:
+            if path.is_absolute():
+                raise ConfigError(f"{named}: a base is a preset name or a path relative to {within}, not an "
+                                  f"absolute path")
+            path = within / path
+            if not path.resolve().is_relative_to(within.resolve()):
+                raise ConfigError(f"{named}: the base leaves {within}, the directory of the file naming it; "
+                                  f"keep it there or below")
         if not path.is_file():
-            raise ConfigError(f"--config: preset file {preset} does not exist")
-        return preset, read_config_data(path, f"--config: preset {preset}")
-    resource = resources.files("ipuft.presets") / f"{preset}.yaml"
-    if not resource.is_file():
-        raise ConfigError(f"--config: unknown preset {preset!r}; presets: {choices(preset_names())} "
-                          f"(or a path to a .yaml file)")
-    return preset, parse_config_mapping(resource.read_text(), f"--config: preset {preset}")
+            raise ConfigError(f"{named}: preset file {path} does not exist")
+        identity, shipped = str(path.resolve()), False
+        data = read_config_data(path, f"{named}: preset {path}")
+    else:
+        resource = resources.files("ipuft.presets") / f"{spec}.yaml"
+        if not resource.is_file():
+            raise ConfigError(f"{named}: unknown preset {spec!r}; presets: {choices(preset_names())} "
+                              f"(or a path to a .yaml file)")
+        identity, shipped, path = f"preset {spec}", True, None
+        data = parse_config_mapping(resource.read_text(), f"{named}: preset {spec}")
+    if identity in chain:
+        raise ConfigError(f"{named}: the bases make a cycle ({' -> '.join([*chain, identity])}); remove one")
+    if len(chain) >= _BASE_DEPTH:
+        raise ConfigError(f"{named}: more than {_BASE_DEPTH} presets start from one another; merge some of them")
+    own = set() if shipped else set(_dotted_keys(data)) - {BASE_KEY}
+    if BASE_KEY not in data:
+        return data, own, shipped
+    base = data.pop(BASE_KEY)
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"{named}: {BASE_KEY} must name a preset ({choices(preset_names())}) or a .yaml file, "
+                          f"got {str(base)[:40]!r}")
+    if shipped and base.endswith((".yaml", ".yml")):
+        raise ConfigError(f"{named}: a shipped preset's {BASE_KEY} is a preset name, not a file")
+    below, below_own, _ = _read_chain(base, None if path is None else path.parent, [*chain, identity])
+    return _merged(below, data), below_own | own, shipped
+
+
+def _merged(below: dict, above: dict) -> dict:
+    """``above`` over ``below``: mappings merged key by key, any other value (a list too) replaced."""
+    out = dict(below)
+    for key, value in above.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def _schema(sections: ConfigSectionRegistry | None) -> DictConfig:
@@ -101,32 +153,42 @@ def load_config(
     overrides: list[str] | tuple[str, ...] = (),
     sections: ConfigSectionRegistry | None = None,
     default_preset: bool = False,
+    notes: list[str] | None = None,
 ) -> DictConfig:
     """The resolved, validated, read-only config: schema ← preset ← ``key=value`` overrides.
 
     ``preset`` is a shipped preset's name, a YAML file's path, or ``(name, data)``: a mapping already
-    read (a checkpoint's config). ``default_preset``: the user did not choose it (``ipuft train`` with no
-    ``--config``), so a Hugging Face checkpoint's shapes override its shapes; only keys the user typed, in
-    overrides or a preset they chose, may disagree with the checkpoint.
+    read (a checkpoint's config). A checkpoint's shapes override a shipped preset's (which is a recipe);
+    only keys the user typed, in overrides or in a YAML file of theirs, may disagree with the checkpoint.
+    ``default_preset``: the user did not choose it (``ipuft train`` with no ``--config``); with a checkpoint
+    (``model.hf_checkpoint``, ``model.init_checkpoint``) the run then takes the fine-tuning recipe instead
+    (:mod:`ipuft.config.recipe`), and the line that says so is appended to ``notes``.
     """
+    parsed = _parse_overrides(list(overrides))
+    recipe_for = wants_recipe(parsed) if default_preset else None
+    if recipe_for is not None:
+        preset = RECIPE_PRESET
     schema = _schema(sections)
     cfg = schema.copy()
     typed: set[str] = set()
     chosen: set[str] = set()  # keys the user set: overrides, and a preset file they named (not a checkpoint's dump)
     if preset is not None:
-        name, data = _read_preset(preset) if isinstance(preset, str) else preset
+        if isinstance(preset, str):
+            name, data, own = _read_preset(preset)
+        else:  # a checkpoint's config: every key of it is the run's
+            (name, data), own = preset, set(_dotted_keys(preset[1]))
         if not default_preset:
-            typed |= set(_dotted_keys(data))
+            typed |= own
             if isinstance(preset, str):
                 # A run's config.yaml (or `config show`'s output) holds every installed section at its
                 # defaults: only a value other than the default is a setting the file makes.
-                chosen |= {key for key in typed if not _is_default(schema, data, key)}
+                chosen |= {key for key in own if not _is_default(schema, data, key)}
         try:
             cfg = OmegaConf.merge(cfg, data)
         except OmegaConfBaseException as exc:
             raise _explain(exc, schema, f"preset {name}") from None
         _drop_recorded_gradient_accumulation(cfg, data)
-    for key, value in _parse_overrides(list(overrides)):
+    for key, value in parsed:
         typed.add(key)
         chosen.add(key)
         try:
@@ -143,13 +205,18 @@ def load_config(
         raise _explain(exc, schema, "config") from None
     if cfg.checkpoint.load == "latest":
         cfg.checkpoint.load = str(latest_of_run(cfg))
+    positions = saved = None
     if cfg.model.hf_checkpoint is not None:
         from ipuft.io.hf_import import apply_hf_shapes, resolve_hf_directory
 
         cfg.model.hf_checkpoint = str(resolve_hf_directory(cfg.model.hf_checkpoint))
-        apply_hf_shapes(cfg, typed, sections.families if sections is not None else None)
+        positions = apply_hf_shapes(cfg, typed, sections.families if sections is not None else None)
     if cfg.model.init_checkpoint is not None:
-        apply_checkpoint_shapes(cfg, typed)
+        saved = apply_checkpoint_model(cfg, typed, sections)
+    if recipe_for is not None:
+        line = apply_recipe(cfg, typed, recipe_for, positions, saved)
+        if notes is not None:
+            notes.append(line)
     if default_preset and "data.tokenizer" not in typed and (cfg.model.hf_checkpoint or cfg.model.init_checkpoint):
         cfg.data.tokenizer = None  # the checkpoint's own tokenizer, not the default preset's sample one
     if sections is not None and (unused := sections.unused_settings(cfg, chosen)):
@@ -189,40 +256,6 @@ def latest_of_run(cfg: DictConfig) -> Path:
         raise ConfigError("checkpoint.load=latest: set output_dir to the run to resume (or checkpoint.save)")
     root = checkpoint_root(cfg, Path(cfg.output_dir or ".")) or Path(cfg.output_dir) / "checkpoints"
     return find_checkpoint(root)
-
-
-# The model's shape, which a checkpoint's weights fix.
-SHAPE_KEYS = (
-    "model.layers", "model.hidden_size", "model.intermediate_size", "model.embedding.vocab_size",
-    "model.attention.heads", "model.attention.rotary_dim", "model.layer_norm_epsilon",
-)  # fmt: skip
-
-
-def apply_checkpoint_shapes(cfg: DictConfig, typed: set[str]) -> None:
-    """Take the model's shapes from ``model.init_checkpoint``'s config, as a Hugging Face checkpoint's come
-    from its config.json: keys the user did not type take the checkpoint's value, and every typed key that
-    differs is listed in one error."""
-    from ipuft.config.migrate import saved_config_data, saved_value
-    from ipuft.io.checkpoint import find_checkpoint
-
-    found = find_checkpoint(cfg.model.init_checkpoint)
-    saved = saved_config_data(found)
-    mismatches = []
-    for key in SHAPE_KEYS:
-        value, current = saved_value(saved, key), OmegaConf.select(cfg, key)
-        if value is None or value == current:
-            continue
-        if key in typed:
-            mismatches.append(f"{key}={current} but the checkpoint has {str(value)[:40]}")
-            continue
-        try:
-            OmegaConf.update(cfg, key, value)
-        except OmegaConfBaseException:
-            raise CheckpointError(f"checkpoint {found}: config.yaml: {key} is {str(value)[:40]!r}, not a "
-                                  f"{type(current).__name__}") from None
-    if mismatches:
-        raise ConfigError(f"model.init_checkpoint {found}: {'; '.join(mismatches)} (drop those settings: the "
-                          f"checkpoint's weights fix the model's shape)")
 
 
 def _is_default(schema: DictConfig, data: dict, key: str) -> bool:

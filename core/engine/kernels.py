@@ -7,7 +7,9 @@ it does depends on the CPU and on the torch build, so it is measured, not guesse
 float32 and in the 16-bit dtype (a fraction of a second, a few tenths on a slow CPU), cached per machine
 (CPU model, its flags, threads and the torch version) in ``kernels.json`` under the data cache's directory.
 A run whose 16-bit rate is under half the float32 rate gets one warning line from ``plan``, ``train``,
-``bench``, ``eval`` and ``generate``, with both rates and the suggestion ``model.precision=float32``.
+``bench``, ``eval`` and ``generate``, with both rates and the suggestion ``model.precision=float32``. The
+fine-tuning recipe of a checkpoint (:mod:`ipuft.config.recipe`) asks the same question to choose bfloat16 or
+float32 (:func:`fast_bfloat16`).
 
 On CUDA nothing is measured: a device without bfloat16 arithmetic (compute capability under 8.0) is
 refused, in one line, before anything is built.
@@ -117,14 +119,34 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _cpu_rates(dtype: torch.dtype) -> tuple[float, float, bool]:
+    """This CPU's float32 and ``dtype`` matmul rates, and whether ``dtype`` is fast (at least :data:`SLOW` of
+    the float32 rate)."""
+    rates = measured_rates((torch.float32, dtype))
+    wide, narrow = rates["float32"], rates[_name(dtype)]
+    return wide, narrow, narrow >= SLOW * wide
+
+
+def fast_bfloat16(device: torch.device) -> tuple[bool, str]:
+    """Whether ``device`` computes bfloat16 fast, and why, in words: a CUDA device of compute capability 8.0 or
+    newer has bfloat16 arithmetic; a CPU is measured (the probe, cached)."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        has = "has" if major >= 8 else "has no"
+        return major >= 8, (f"{torch.cuda.get_device_name(device)}, compute capability {major}.{minor}, {has} "
+                            f"bfloat16 arithmetic")
+    wide, narrow, fast = _cpu_rates(torch.bfloat16)
+    return fast, (f"this CPU multiplies bfloat16 matrices at {narrow / 1e9:,.1f} GFLOP/s against "
+                  f"{wide / 1e9:,.1f} GFLOP/s in float32")
+
+
 def slow_precision_warning(cfg: DictConfig, device: torch.device) -> str | None:
     """One warning line when the run computes 16-bit on a CPU whose 16-bit matmuls are slow, else ``None``."""
     dtype = compute_dtype(cfg)
     if device.type != "cpu" or dtype == torch.float32:
         return None
-    rates = measured_rates((torch.float32, dtype))
-    wide, narrow = rates["float32"], rates[_name(dtype)]
-    if narrow >= SLOW * wide:
+    wide, narrow, fast = _cpu_rates(dtype)
+    if fast:
         return None
     return (f"model.precision={_name(dtype)}: this CPU ({torch.backends.cpu.get_cpu_capability()}) multiplies "
             f"{_name(dtype)} matrices at {narrow / 1e9:,.1f} GFLOP/s against {wide / 1e9:,.1f} GFLOP/s in float32 "

@@ -114,14 +114,15 @@ def _special_tokens(config: dict) -> dict[str, Any]:
     return out
 
 
-def apply_hf_shapes(cfg: DictConfig, typed: set[str], families: ModelFamilyRegistry | None) -> None:
+def apply_hf_shapes(cfg: DictConfig, typed: set[str], families: ModelFamilyRegistry | None) -> tuple[str, int] | None:
     """Take the model from ``model.hf_checkpoint``'s config.json: the checkpoint defines it.
 
     The family of its ``model_type`` reads it into config keys (``model.family``, the shapes, the family's
     own settings), and sets the components, unless the user chose others (a LoRA decoder, say), and the
-    special tokens. A key the user did not type (``typed``: their overrides, and the keys of a preset they
-    chose) takes the checkpoint's value; a typed key with another value is a mismatch, and every mismatch is
-    listed in one error.
+    special tokens. A key the user did not type (``typed``: their overrides, and the keys of a YAML file of
+    theirs; not a shipped preset's) takes the checkpoint's value; a typed key with another value is a
+    mismatch, and every mismatch is listed in one error. Returns the family's positions key and its value in
+    config.json, if it has one (an untyped ``model.sequence_length`` is capped at it).
     """
     family, config = read_hf_config(cfg.model.hf_checkpoint, families)
     source = f"model.hf_checkpoint: {Path(cfg.model.hf_checkpoint) / 'config.json'}"
@@ -152,14 +153,16 @@ def apply_hf_shapes(cfg: DictConfig, typed: set[str], families: ModelFamilyRegis
         else:
             mismatches.append(f"{key}={current} but the checkpoint has {family.source_keys.get(key, key)}={value}")
     if mismatches:
-        such = f" such as --config {family.preset}" if family.preset else ""
         raise ConfigError(f"model.hf_checkpoint {cfg.model.hf_checkpoint}: {'; '.join(mismatches)} (drop those "
-                          f"settings, or use a preset of the checkpoint's shape{such})")
-    if positions is not None and "model.sequence_length" not in typed:
+                          f"settings: the checkpoint's config.json fixes the model)")
+    if positions is None:
+        return None
+    if "model.sequence_length" not in typed:
         cfg.model.sequence_length = min(cfg.model.sequence_length, positions)
-    if positions is not None and cfg.model.sequence_length > positions:
+    if cfg.model.sequence_length > positions:
         raise ConfigError(f"model.sequence_length: {cfg.model.sequence_length} exceeds the checkpoint's "
                           f"{family.positions_key}={positions}")
+    return family.positions_key, positions
 
 
 _INDEX_LIMIT = 1 << 26  # bytes; GPT-J-6B's index is about 30 kB

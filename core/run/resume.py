@@ -10,10 +10,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from ipuft.config.load import SHAPE_KEYS
-from ipuft.config.migrate import saved_config_data, saved_value
+from ipuft.config.identity import differences, model_keys
+from ipuft.config.migrate import saved_config_data
+from ipuft.config.sections import ConfigSectionRegistry
 from ipuft.data.tokenizer import tokenizer_path, tokenizer_source
 from ipuft.errors import ConfigError
 from ipuft.io.checkpoint import (
@@ -30,31 +31,30 @@ from ipuft.io.checkpoint import (
 if TYPE_CHECKING:
     from ipuft.engine.phased import PhasedEngine
 
-# What a resumed run must keep from the run it resumes (unless checkpoint.allow_changes lists the key).
+# What a resumed run must keep from the run it resumes besides its model (:func:`ipuft.config.identity.model_keys`),
+# unless checkpoint.allow_changes lists the key.
 RESUME_KEYS = (
-    *SHAPE_KEYS, "model.precision", "training.global_batch_size", "training.optimizer.name",
-    "training.master_weights", "training.stochastic_rounding", "execution.loss_scaling",
+    "model.precision", "training.global_batch_size", "training.optimizer.name", "training.master_weights",
+    "training.stochastic_rounding", "execution.loss_scaling",
 )  # fmt: skip
 
 
-def resume_differences(cfg: DictConfig, checkpoint: Path, meta: dict) -> list[str]:
-    """What would silently change if ``cfg`` resumed ``checkpoint``: each of :data:`RESUME_KEYS` that differs
+def resume_differences(cfg: DictConfig, checkpoint: Path, meta: dict,
+                       sections: ConfigSectionRegistry | None = None) -> list[str]:
+    """What would silently change if ``cfg`` resumed ``checkpoint``: each key of the model (``sections`` are the
+    plugins' config sections, which with their families name its keys) and of :data:`RESUME_KEYS` that differs
     from the checkpoint's config, and optimizer state the checkpoint lacks."""
     saved = saved_config_data(checkpoint)
     allowed = set(cfg.checkpoint.allow_changes)
-    found = []
-    for key in RESUME_KEYS:
-        node = saved_value(saved, key)
-        mine = OmegaConf.select(cfg, key)
-        mine = mine.value if hasattr(mine, "value") else mine
-        if key not in allowed and node is not None and node != mine:
-            found.append(f"{key} {str(node)[:40]} -> {mine}")
+    found = [f"{key} {str(value)[:40]} -> {mine}"
+             for key, value, mine in differences(saved, cfg, [*model_keys(cfg, sections), *RESUME_KEYS])
+             if key not in allowed]
     if cfg.checkpoint.optim_state and not meta["optim_state"] and "checkpoint.optim_state" not in allowed:
         found.append("checkpoint.optim_state: the checkpoint has no optimizer state (Adam would restart from zero)")
     return found
 
 
-def checkpoint_to_resume(cfg: DictConfig) -> Path | None:
+def checkpoint_to_resume(cfg: DictConfig, sections: ConfigSectionRegistry | None = None) -> Path | None:
     """The checkpoint ``checkpoint.load`` resumes, if any, once the resume policy accepts it: it is short of
     ``training.steps`` and :func:`resume_differences` finds nothing."""
     if cfg.checkpoint.load is None:
@@ -64,8 +64,8 @@ def checkpoint_to_resume(cfg: DictConfig) -> Path | None:
     if meta["step"] >= cfg.training.steps:
         raise ConfigError(f"training.steps: {resumed} is at step {meta['step']} and training.steps="
                           f"{cfg.training.steps}, so there is nothing to train; raise training.steps")
-    if differences := resume_differences(cfg, resumed, meta):
-        raise ConfigError(f"checkpoint.load: resuming {resumed} would change {'; '.join(differences)}; keep "
+    if changes := resume_differences(cfg, resumed, meta, sections):
+        raise ConfigError(f"checkpoint.load: resuming {resumed} would change {'; '.join(changes)}; keep "
                           f"them, or list the keys in checkpoint.allow_changes to accept the change")
     return resumed
 

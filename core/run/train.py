@@ -96,7 +96,7 @@ def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[di
     A non-finite loss or gradient norm skips the update; ``training.max_consecutive_skips`` in a row stop
     the run. SIGINT or SIGTERM saves a checkpoint (when saving is on) and stops with exit code 130 or 143.
     """
-    resumed = checkpoint_to_resume(cfg)
+    resumed = checkpoint_to_resume(cfg, hooks.registrations.config_sections)
     data = data_source(cfg)
     validation = validation_source(cfg, data) if cfg.training.eval_steps else None
     check_output_dir(cfg)

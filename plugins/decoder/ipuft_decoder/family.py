@@ -74,8 +74,8 @@ GPTJ = ModelFamily(
     write_config=write_config,
     parameter_names=parameter_names,
     source_keys={**{key: hf for hf, key in HF_SHAPES.items()}, "model.tie_embeddings": "tie_word_embeddings"},
-    preset="gptj-6b",
     positions_key="n_positions",
     component_keys={"decoder": ("activation_function",)},
+    model_keys=(*HF_SHAPES.values(), "model.attention.rotary_positional_embeddings_base"),
     description="GPT-J: parallel attention and MLP, interleaved rotary, gelu_new",
 )

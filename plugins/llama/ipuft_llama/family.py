@@ -173,7 +173,6 @@ def parameter_names(cfg: DictConfig) -> set[str]:
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _TITLES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
-_PRESETS = {"llama": "llama3-8b", "mistral": "mistral-7b", "qwen2": None}
 # The config.json key behind each ipuft key read_config sets (for messages).
 SOURCE_KEYS = {
     "model.layers": "num_hidden_layers", "model.hidden_size": "hidden_size",
@@ -184,6 +183,15 @@ SOURCE_KEYS = {
     f"plugins.{SECTION}.kv_heads": "num_key_value_heads", f"plugins.{SECTION}.head_dim": "head_dim",
     f"plugins.{SECTION}.rope_scaling": "rope_scaling", f"plugins.{SECTION}.sliding_window": "sliding_window",
 }
+
+
+# Every key read_config sets: a checkpoint of the family fixes them (ipuft.config.identity).
+MODEL_KEYS = (
+    "model.layers", "model.hidden_size", "model.intermediate_size", "model.attention.heads",
+    "model.attention.rotary_dim", "model.attention.rotary_positional_embeddings_base", "model.embedding.vocab_size",
+    "model.layer_norm_epsilon", *(f"plugins.{SECTION}.{key}" for key in (
+        "kv_heads", "head_dim", "qkv_bias", "output_bias", "sliding_window", "rope_scaling")),
+)  # fmt: skip
 
 
 def family(model_type: str) -> ModelFamily:
@@ -200,8 +208,8 @@ def family(model_type: str) -> ModelFamily:
         write_config=write,
         parameter_names=parameter_names,
         source_keys=SOURCE_KEYS,
-        preset=_PRESETS[model_type],
         positions_key="max_position_embeddings",
+        model_keys=MODEL_KEYS,
         description=f"{_TITLES[model_type]}: RMSNorm, rotate-half rotary, grouped-query attention, SwiGLU",
     )
 

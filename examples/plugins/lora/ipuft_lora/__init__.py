@@ -86,4 +86,4 @@ def ipuft_register_components(registry: ComponentRegistry) -> None:
 
 @hookimpl
 def ipuft_register_config_sections(registry: ConfigSectionRegistry) -> None:
-    registry.add(SECTION, LoRAOptions, used_when={"model.decoder": NAME})
+    registry.add(SECTION, LoRAOptions, used_when={"model.decoder": NAME}, model_keys=("rank", "alpha", "targets"))
