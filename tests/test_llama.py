@@ -225,16 +225,22 @@ def styled_dirs(tmp_path_factory):
             "qwen2": save_hf(root / "qwen2", "qwen2", seed=5, tokenizer="chatml", max_position_embeddings=40)}
 
 
-def test_generation_starts_with_bos_and_stops_at_the_checkpoints_eos(capsys, hf_dirs):
-    """Greedy decoding from the checkpoint's directory equals transformers' with the same bos-prefixed prompt,
-    and stops at config.json's eos."""
-    hf, src = hf_dirs["llama"]
+@pytest.mark.parametrize("style", ["llama3", "chatml"])
+def test_generation_encodes_as_the_tokenizer_does_and_stops_at_the_checkpoints_eos(capsys, styled_dirs, style):
+    """Greedy decoding from the checkpoint's directory equals transformers' on the prompt as transformers'
+    tokenizer encodes it: bos first for Llama 3's, nothing forced for a ChatML tokenizer that adds none; a row
+    stops at config.json's eos."""
+    from transformers import AutoTokenizer
+
+    hf, src = styled_dirs[style]
     prompt = "w5 w17 w9 w40"
-    ids = torch.tensor([[1, 5, 17, 9, 40]])  # <s> prepended: the word-level tokenizer adds nothing itself
+    ids = torch.tensor([AutoTokenizer.from_pretrained(src)(prompt)["input_ids"]])
+    assert ids[0].tolist() == ([1] if style == "llama3" else []) + [5, 17, 9, 40]
     code, out, err = cli(capsys, "generate", "--checkpoint", str(src), "--max-new-tokens", "8", prompt)
     assert code == 0, err
     with torch.no_grad():
-        theirs = hf.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=2, pad_token_id=0)
+        theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                             eos_token_id=2, pad_token_id=0)
     new = theirs[0, ids.shape[1]:].tolist()
     if 2 in new:
         new = new[: new.index(2) + 1]
