@@ -28,7 +28,7 @@ from ipuft.config import checkpoint_config
 from ipuft.data.tokenizer import EOS, tokenizer_from_bytes
 from ipuft.engine.model import build_model
 from ipuft.engine.precision import DTYPES
-from ipuft.errors import CheckpointError, first_line
+from ipuft.errors import CheckpointError, PluginError, described, first_line
 from ipuft.families import HFConfigError, ModelFamily
 from ipuft.io.checkpoint import (
     SOURCE_CONFIG,
@@ -63,6 +63,9 @@ def source_mismatches(cfg: DictConfig, family: ModelFamily, source: dict) -> lis
         settings = family.read_config(source)
     except HFConfigError as exc:
         return [f"the family reads it as: {exc}"]
+    except Exception as exc:  # noqa: BLE001 (the family plugin's bug on odd input: one line naming it)
+        raise PluginError(f"model family {family.model_type!r} of plugin {family.plugin!r} failed to read the "
+                          f"source's config.json: {described(exc)}") from None
     found = []
     for key, value in settings.items():
         current = OmegaConf.select(cfg, key, default=None)
