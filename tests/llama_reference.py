@@ -51,9 +51,52 @@ def tokenizer_json(path: Path, vocab_size: int = 101) -> Path:
     return path
 
 
-def save_hf(directory: Path, kind: str, seed: int = 0, **extra):
-    """:func:`hf_model` saved to ``directory`` (safetensors and config.json, with a tokenizer.json)."""
+# Two tokenizers as real checkpoints' are, both word-level over w3... with their special tokens at ids 0-2:
+# Llama 3's post-processor puts <|begin_of_text|> first; a ChatML tokenizer (Qwen2's, SmolLM2's) adds nothing,
+# though SmolLM2-Instruct names <|im_start|> its bos.
+STYLES = {
+    "llama3": {"specials": ["<unk>", "<|begin_of_text|>", "<|end_of_text|>"], "bos": "<|begin_of_text|>",
+               "eos": "<|end_of_text|>", "unk": "<unk>",
+               "template": "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|> "
+                           "{{ m.content }}<|eot_id|>{% endfor %}"},
+    "chatml": {"specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "bos": "<|im_start|>",
+               "eos": "<|im_end|>", "unk": "<|endoftext|>",
+               "template": "{% for m in messages %}<|im_start|>{{ m.role }} {{ m.content }}<|im_end|>{% endfor %}"},
+}
+
+
+def styled_tokenizer(directory: Path, style: str, vocab_size: int = 101) -> Path:
+    """A tokenizer of :data:`STYLES` saved into ``directory`` as transformers saves one (tokenizer.json,
+    tokenizer_config.json with its bos and eos, chat_template.jinja) and a special_tokens_map.json as older
+    versions wrote: the files a checkpoint's directory holds."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    spec = STYLES[style]
+    vocab = {**{t: i for i, t in enumerate(spec["specials"])}, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=spec["unk"]))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens(spec["specials"])
+    if style == "llama3":
+        tokenizer.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
+                                                                 special_tokens=[("<|begin_of_text|>", 1)])
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=spec["bos"], eos_token=spec["eos"],
+                                      unk_token=spec["unk"], chat_template=spec["template"])
+    wrapped.save_pretrained(directory)
+    (directory / "special_tokens_map.json").write_text(json.dumps({"bos_token": spec["bos"], "eos_token": spec["eos"],
+                                                                   "unk_token": spec["unk"]}))
+    return directory
+
+
+def save_hf(directory: Path, kind: str, seed: int = 0, tokenizer: str | None = None, **extra):
+    """:func:`hf_model` saved to ``directory`` (safetensors, config.json and generation_config.json), with the
+    word-level tokenizer.json of :func:`tokenizer_json`, or the tokenizer of :data:`STYLES` ``tokenizer`` names."""
     model = hf_model(kind, seed, **extra)
     model.save_pretrained(directory, safe_serialization=True)
-    tokenizer_json(directory / "tokenizer.json")
+    if tokenizer is None:
+        tokenizer_json(directory / "tokenizer.json")
+    else:
+        styled_tokenizer(directory, tokenizer)
     return model, directory

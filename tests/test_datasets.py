@@ -175,6 +175,84 @@ def test_template_packing_puts_every_token_in_the_loss(tmp_path, tok):
     assert (b.labels != IGNORE_INDEX).all()
 
 
+@pytest.fixture(scope="module")
+def styled(tmp_path_factory):
+    """A Llama-3-style and a ChatML-style tokenizer directory (tokenizer.json, tokenizer_config.json, ...)."""
+    from llama_reference import styled_tokenizer
+
+    root = tmp_path_factory.mktemp("styled")
+    return {style: styled_tokenizer(root / style, style) for style in ("llama3", "chatml")}
+
+
+def documents(style):
+    """Fifteen short documents; one in five already ends with the style's eos."""
+    from llama_reference import STYLES
+
+    return ["w5 w6 w7", "w8 w9", f"w10 w11 {STYLES[style]['eos']}", "w12", "w13 w14 w15 w16"] * 3
+
+
+@pytest.mark.parametrize("style", ["llama3", "chatml"])
+def test_packed_text_holds_the_tokenizers_specials_and_eos_between_documents(tmp_path, styled, style):
+    """Each document is encoded as transformers' tokenizer of the directory encodes it (Llama 3: bos first;
+    ChatML: nothing added) and, packed, ends with its tokenizer_config.json's eos unless it already does;
+    data.add_eos=false leaves the eos out, and an unpacked document has none added."""
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(styled[style])
+    docs = documents(style)
+    encoded = [reference(doc)["input_ids"] for doc in docs]
+    assert all((e[0] == reference.bos_token_id) == (style == "llama3") for e in encoded)
+    eos = reference.eos_token_id
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": doc} for doc in docs])
+    common = [f"data.tokenizer={styled[style]}", "data.format=text", "data.shuffle=false", "data.cache=false"]
+    for add_eos in (True, False):
+        ds = TokenDataset.from_config(config(path, *common, f"data.add_eos={add_eos}", seq=7, vocab=101),
+                                      load_tokenizer(str(styled[style])))
+        stream = [i for e in encoded for i in (e + [eos] if add_eos and e[-1] != eos else e)]
+        assert ds.tokens.tolist() == stream[:len(ds) * 8] and len(ds) == len(stream) // 8
+        assert stream.count(eos) == (len(docs) if add_eos else len(docs) // 5)
+    unpacked = TokenDataset.from_config(config(path, *common, "data.packing=false", seq=7, vocab=101),
+                                        load_tokenizer(str(styled[style])))
+    assert [unpacked.tokens[a:b].tolist() for a, b in zip(unpacked.offsets, unpacked.offsets[1:])] == \
+        [e for e in encoded if len(e) >= 2]
+
+
+@pytest.mark.parametrize("style", ["llama3", "chatml"])
+def test_a_template_example_is_wrapped_as_the_tokenizer_wraps_a_text(tmp_path, styled, style):
+    """The prompt's loss mask moves with the tokenizer's bos: the target starts at the same token it would
+    in the tokenizer's encoding of prompt + target."""
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(styled[style])
+    rows = [{"q": "w5 w6", "a": "w7 w8"}]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    ds = TokenDataset.from_config(config(path, f"data.tokenizer={styled[style]}", "data.template={q} w3 {a}",
+                                         "data.packing=false", "data.cache=false", seq=8, vocab=101),
+                                  load_tokenizer(str(styled[style])))
+    assert ds.tokens.tolist() == reference("w5 w6 w3 w7 w8")["input_ids"]
+    # With packing and add_eos, the template's example ends with the eos too.
+    packed = TokenDataset.from_config(config(path, f"data.tokenizer={styled[style]}", "data.template={q} w3 {a}",
+                                             "data.shuffle=false", "data.cache=false", seq=len(ds.tokens), vocab=101),
+                                      load_tokenizer(str(styled[style])))
+    assert packed.tokens.tolist() == reference("w5 w6 w3 w7 w8")["input_ids"] + [reference.eos_token_id]
+
+
+def test_packed_text_without_an_eos_token_is_one_line(tmp_path, styled):
+    """A tokenizer that names no eos (no tokenizer_config.json, no model eos, no <|endoftext|>) cannot end packed
+    documents: one line saying how to go on, unless data.add_eos=false."""
+    lone = tmp_path / "lone.json"
+    lone.write_bytes((styled["llama3"] / "tokenizer.json").read_bytes())
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": doc} for doc in documents("llama3")])
+    common = [f"data.tokenizer={lone}", "data.format=text", "data.cache=false"]
+    with pytest.raises(DataError, match=r"^data.add_eos: the tokenizer names no end-of-sequence token .*"
+                                        r"set data.add_eos=false") as info:
+        TokenDataset.from_config(config(path, *common, seq=7, vocab=101), load_tokenizer(str(lone)))
+    assert "\n" not in str(info.value)
+    ds = TokenDataset.from_config(config(path, *common, "data.add_eos=false", seq=7, vocab=101),
+                                  load_tokenizer(str(lone)))
+    assert 2 not in ds.tokens.tolist()[:3] and ds.tokens.tolist()[0] == 1
+
+
 # -- Sampling ------------------------------------------------------------------------------------------
 
 
@@ -344,6 +422,10 @@ def test_tokenized_data_is_cached_and_a_second_run_reads_it_without_tokenizing(h
     cfg = load_config("tiny", [*overrides, "data.template={premise} => {hypothesis}"], hooks.registrations.config_sections)
     datasets.data_source(cfg)
     assert len(list((tmp_path / "cache" / "tokens").iterdir())) == 3
+    # What the encoding adds (the packed examples' eos) is in the key too.
+    cfg = load_config("tiny", [*overrides, "data.add_eos=false"], hooks.registrations.config_sections)
+    datasets.data_source(cfg)
+    assert len(list((tmp_path / "cache" / "tokens").iterdir())) == 4
     for entry in entries:
         (entry / "tokens.npy").write_bytes(b"garbage")
     encoded = []

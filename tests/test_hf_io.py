@@ -158,6 +158,25 @@ def test_train_from_hf_then_export_and_transformers_reloads(hooks, tmp_path):
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
 
 
+def test_a_run_from_a_runs_checkpoint_carries_the_source_config_into_its_export(hooks, tmp_path):
+    """model.init_checkpoint takes the model's own files from the checkpoint it starts from, so the second run's
+    export still writes the source's config.json (its n_positions, not max(sequence, 2048)) and
+    generation_config.json."""
+    cfg0 = load_config("tiny", ["model.sequence_length=32"], hooks.registrations.config_sections)
+    _, src = save_hf(tmp_path, cfg0)
+    common = ["model.sequence_length=8", "training.global_batch_size=4", "training.steps=1"]
+    first, second = tmp_path / "first", tmp_path / "second"
+    train(load_config(None, [f"model.hf_checkpoint={src}", *common, f"output_dir={first}"],
+                      hooks.registrations.config_sections), hooks, progress=False)
+    train(load_config(None, [f"model.init_checkpoint={first}", *common, f"output_dir={second}"],
+                      hooks.registrations.config_sections), hooks, progress=False)
+    out = export_hf(second, tmp_path / "exported", hooks)
+    source = json.loads((src / "config.json").read_text())
+    assert source["n_positions"] == 32
+    assert json.loads((out / "config.json").read_text()) == source
+    assert (out / "generation_config.json").read_bytes() == (src / "generation_config.json").read_bytes()
+
+
 def test_export_refuses_a_non_empty_directory(hooks, tmp_path):
     run = tmp_path / "run"
     train(load_config("tiny", ["training.steps=1", f"output_dir={run}"], hooks.registrations.config_sections),

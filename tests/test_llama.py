@@ -24,6 +24,7 @@ from ipuft.data.tokens import data_source
 from ipuft.engine.model import build_model
 from ipuft.engine.plan import estimate
 from ipuft.errors import CheckpointError
+from ipuft.io.checkpoint import find_checkpoint
 from ipuft.io.hf_export import export_hf
 from ipuft.run.runtime import build_engine
 from ipuft.run.schedule import learning_rate
@@ -303,22 +304,131 @@ def test_a_new_run_starts_from_a_run_of_a_checkpoint_with_its_whole_model(hooks,
     assert "would change plugins.llama.kv_heads 2 -> 3;" in err
 
 
-def test_generation_starts_with_bos_and_stops_at_the_checkpoints_eos(capsys, hf_dirs):
-    """Greedy decoding from the checkpoint's directory equals transformers' with the same bos-prefixed prompt,
-    and stops at config.json's eos."""
-    hf, src = hf_dirs["llama"]
+@pytest.fixture(scope="module")
+def styled_dirs(tmp_path_factory):
+    """A Llama checkpoint with a Llama-3-style tokenizer (its post-processor adds <|begin_of_text|>), one with a
+    ChatML tokenizer as SmolLM2-Instruct has (it adds nothing, though config.json's bos_token_id is
+    <|im_start|>), and a Qwen2 one with the ChatML tokenizer; positions and rope bases of their own."""
+    root = tmp_path_factory.mktemp("styled")
+    return {"llama3": save_hf(root / "llama3", "llama", seed=3, tokenizer="llama3"),
+            "chatml": save_hf(root / "chatml", "llama", seed=4, tokenizer="chatml", max_position_embeddings=48,
+                              rope_theta=20000.0, rope_scaling=None),
+            "qwen2": save_hf(root / "qwen2", "qwen2", seed=5, tokenizer="chatml", max_position_embeddings=40)}
+
+
+@pytest.mark.parametrize("style", ["llama3", "chatml"])
+def test_generation_encodes_as_the_tokenizer_does_and_stops_at_the_checkpoints_eos(capsys, styled_dirs, style):
+    """Greedy decoding from the checkpoint's directory equals transformers' on the prompt as transformers'
+    tokenizer encodes it: bos first for Llama 3's, nothing forced for a ChatML tokenizer that adds none; a row
+    stops at config.json's eos."""
+    from transformers import AutoTokenizer
+
+    hf, src = styled_dirs[style]
     prompt = "w5 w17 w9 w40"
-    ids = torch.tensor([[1, 5, 17, 9, 40]])  # <s> prepended: the word-level tokenizer adds nothing itself
+    ids = torch.tensor([AutoTokenizer.from_pretrained(src)(prompt)["input_ids"]])
+    assert ids[0].tolist() == ([1] if style == "llama3" else []) + [5, 17, 9, 40]
     code, out, err = cli(capsys, "generate", "--checkpoint", str(src), "--max-new-tokens", "8", prompt)
     assert code == 0, err
     with torch.no_grad():
-        theirs = hf.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=2, pad_token_id=0)
+        theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                             eos_token_id=2, pad_token_id=0)
     new = theirs[0, ids.shape[1]:].tolist()
     if 2 in new:
         new = new[: new.index(2) + 1]
     from ipuft.data.tokenizer import load_tokenizer
 
     assert out == prompt + load_tokenizer(str(src)).decode(new, skip_special_tokens=False) + "\n"
+
+
+MODEL_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+               "generation_config.json")
+
+
+@pytest.mark.parametrize("style", ["llama3", "chatml", "qwen2"])
+def test_an_export_keeps_config_json_and_the_tokenizer_files(hooks, styled_dirs, tmp_path, style):
+    """Trained from a checkpoint's directory, the run's checkpoint carries the source's config.json and tokenizer
+    files, and its export writes them back: config.json field for field (positions, rope, ids, window; only the
+    dtype the run decides), the tokenizer's files byte for byte, so AutoConfig and AutoTokenizer on the export
+    give the source's."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    _, src = styled_dirs[style]
+    run = tmp_path / "run"
+    cfg = config(hooks, src, "training.global_batch_size=2", "training.steps=1",
+                 "training.optimizer.learning_rate.maximum=0.0", f"output_dir={run}")
+    train(cfg, hooks, progress=False)
+    checkpoint = find_checkpoint(run)
+    assert {"hf_config.json", *MODEL_FILES} <= set(json.loads((checkpoint / "manifest.json").read_text()))
+    out = export_hf(run, tmp_path / "exported", hooks, dtype="bfloat16")
+    source = json.loads((src / "config.json").read_text())
+    assert source["max_position_embeddings"] == {"llama3": 64, "chatml": 48, "qwen2": 40}[style]  # not 2048
+    assert json.loads((out / "config.json").read_text()) == {**source, "dtype": "bfloat16"}
+    for name in MODEL_FILES:
+        assert (out / name).read_bytes() == (src / name).read_bytes(), name
+    theirs, ours = AutoConfig.from_pretrained(src), AutoConfig.from_pretrained(out)
+    for key in ("max_position_embeddings", "rope_parameters", "bos_token_id", "eos_token_id", "sliding_window",
+                "rms_norm_eps", "num_key_value_heads"):
+        assert getattr(ours, key, None) == getattr(theirs, key, None), key
+    theirs, ours = AutoTokenizer.from_pretrained(src), AutoTokenizer.from_pretrained(out)
+    assert (ours.bos_token, ours.eos_token, ours.chat_template) == (theirs.bos_token, theirs.eos_token,
+                                                                     theirs.chat_template)
+    assert ours.chat_template is not None and ours.eos_token is not None
+    messages = [{"role": "user", "content": "w5 w6"}]
+    assert ours.apply_chat_template(messages, tokenize=False) == theirs.apply_chat_template(messages, tokenize=False)
+    if style != "qwen2":  # transformers reads a qwen2 directory's tokenizer as a byte-level BPE, not this one
+        assert ours("w5 w6")["input_ids"] == theirs("w5 w6")["input_ids"] == ([1] if style == "llama3" else []) + [5, 6]
+
+
+def test_the_model_files_are_read_as_untrusted_data(hooks, styled_dirs, tmp_path, capsys):
+    """A hub cache snapshot's links into its blobs are followed; a link out of the directory, a JSON file that is
+    not an object, or one over its size are one line naming the file, before the run writes anything."""
+    import shutil
+
+    from ipuft.io.checkpoint import SOURCE_CONFIG
+    from ipuft.run.resume import run_files
+
+    _, src = styled_dirs["chatml"]
+    repo = tmp_path / "hub" / "models--someone--tiny"
+    snapshot = repo / "snapshots" / ("a" * 40)
+    shutil.copytree(src, snapshot)
+    (repo / "blobs").mkdir()
+    for name in MODEL_FILES:  # as huggingface_hub lays a snapshot out: each file a link to its blob
+        (snapshot / name).rename(repo / "blobs" / name)
+        (snapshot / name).symlink_to(f"../../blobs/{name}")
+    files = run_files(config(hooks, snapshot))
+    assert files[SOURCE_CONFIG] == (src / "config.json").read_bytes()
+    assert {name: files[name] for name in MODEL_FILES} == {name: (src / name).read_bytes() for name in MODEL_FILES}
+
+    outside = tmp_path / "elsewhere.json"
+    outside.write_text("{}")
+    cases = {"link": (lambda d: (d / "tokenizer_config.json").unlink() or
+                      (d / "tokenizer_config.json").symlink_to(outside), "is a link out of its directory"),
+             "array": (lambda d: (d / "tokenizer_config.json").write_text("[1, 2]"), "must be a JSON object, not list"),
+             "json": (lambda d: (d / "generation_config.json").write_text("{"), "is not valid JSON"),
+             "big": (lambda d: (d / "chat_template.jinja").write_bytes(b" " * (1 << 20 | 1)), "is larger than")}
+    for name, (damage, fragment) in cases.items():
+        bad = tmp_path / name
+        shutil.copytree(src, bad)
+        damage(bad)
+        code, _, err = cli(capsys, "train", f"model.hf_checkpoint={bad}", "model.sequence_length=16",
+                           "training.global_batch_size=4", f"output_dir={tmp_path / name}-run")
+        assert code == 2 and err.startswith(f"ipuft: error: model.hf_checkpoint: {bad}/") and fragment in err, name
+        assert err.count("\n") == 1 and not (tmp_path / f"{name}-run").exists(), name
+
+
+def test_an_export_refuses_a_source_config_that_does_not_describe_the_model(hooks, styled_dirs):
+    """The source's config.json is written back only where the family reads it as the run's model."""
+    from ipuft.io.hf_export import hf_config
+
+    _, src = styled_dirs["llama3"]
+    cfg = config(hooks, src)
+    family = hooks.registrations.families.get("llama")
+    source = json.loads((src / "config.json").read_text())
+    assert hf_config(cfg, family, None, source=source)["rope_parameters"] == source["rope_parameters"]
+    other = {**source, "rope_parameters": {**source["rope_parameters"], "rope_theta": 10000.0}}
+    with pytest.raises(CheckpointError, match=r"does not describe the model: rope_theta=10000.0 but "
+                                              r"model.attention.rotary_positional_embeddings_base=5000.0"):
+        hf_config(cfg, family, None, source=other)
 
 
 def test_a_config_json_it_cannot_run_is_one_line_and_writes_nothing(hooks, hf_dirs, tmp_path):

@@ -85,9 +85,9 @@ class ModelConfig:
     # A local Hugging Face directory (config.json and safetensors or pytorch_model*.bin weights) to initialise
     # from; its config.json's model_type picks the family, which sets the components and the shapes.
     hf_checkpoint: Optional[str] = None
-    # The special tokens generation uses: each prompt starts with bos_token_id, and a row ends at any of
-    # eos_token_ids. A Hugging Face checkpoint's config.json sets them; unset, the tokenizer's <|endoftext|>
-    # ends a row and nothing is prepended (GPT-J's way).
+    # The model's special tokens, as its config.json has them (a Hugging Face checkpoint's sets them; an export
+    # writes them back): generation stops a row at any of eos_token_ids (unset: the tokenizer's <|endoftext|>).
+    # Prompts start with what the tokenizer itself adds (its post-processor), never a forced bos_token_id.
     bos_token_id: Optional[int] = None
     eos_token_ids: list[int] = field(default_factory=list)
     # An ipuft checkpoint (or a run directory's latest) whose weights start a new run: step 0, fresh
@@ -190,6 +190,11 @@ class DataConfig:
     # Concatenate examples and cut chunks of sequence_length + 1 (the reference's group_texts); false pads
     # each example and masks padding (and the prompt, where the template marks a target) out of the loss.
     packing: bool = True
+    # With packing, end each text or template example with the tokenizer's end-of-sequence token (its
+    # tokenizer_config.json's eos_token), unless it already ends with it, so the model learns where documents
+    # end. Either way each example is encoded as the tokenizer encodes a text: with what its post-processor
+    # adds (Llama 3's <|begin_of_text|> first; nothing for Qwen2, SmolLM2 or GPT-J).
+    add_eos: bool = True
     shuffle: bool = True
     seed: int = 0
     # Rows to evaluate on every training.eval_steps: a file like data.path (same format, template, packing

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from ipuft.data.tokens import TokenDataset
 
 
-CACHE_VERSION = 1  # bump when tokenization or packing changes what a cache entry holds
+CACHE_VERSION = 2  # bump when tokenization or packing changes what a cache entry holds
 
 
 def cache_root() -> Path:
@@ -50,11 +50,15 @@ class TokenCache:
         self.directory = directory
 
     @classmethod
-    def for_config(cls, cfg: DictConfig, path: Path, tokenizer: Tokenizer | None) -> TokenCache:
+    def for_config(cls, cfg: DictConfig, path: Path, tokenizer: Tokenizer | None,
+                   added: tuple = ()) -> TokenCache:
+        """The entry of ``path`` as ``cfg`` and ``tokenizer`` tokenize it; ``added``: the ids the encoding adds
+        around each example (the post-processor's, and the packed examples' eos), which the tokenizer.json alone
+        does not fix (the eos comes from tokenizer_config.json or the model)."""
         data = cfg.data
         key = {"version": CACHE_VERSION, "data": sha256_file(path), "format": DataFormat(data.format).value,
                "template": data.template, "text_field": data.text_field, "packing": bool(data.packing),
-               "sequence_length": cfg.model.sequence_length,
+               "sequence_length": cfg.model.sequence_length, "added": json.loads(json.dumps(added)),
                "tokenizer": hashlib.sha256(tokenizer.to_str().encode()).hexdigest() if tokenizer else None}
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
         return cls(cache_root() / "tokens" / digest)

@@ -1,8 +1,16 @@
 """The run's tokenizer: ``data.tokenizer`` (the shipped sample, a directory holding ``tokenizer.json``, or the
-file), else the checkpoint's. Loaded by the ``tokenizers`` library; nothing reaches the network."""
+file), else the checkpoint's. Loaded by the ``tokenizers`` library; nothing reaches the network.
+
+What it adds to a text is its own: the post-processor in its tokenizer.json (Llama 3's puts
+``<|begin_of_text|>`` first; Qwen2's, SmolLM2's and GPT-J's add nothing), read once as :class:`Specials`
+together with the token that ends a document (tokenizer_config.json's ``eos_token``), so that training data
+and ``generate``'s prompts are encoded alike, as transformers' tokenizer encodes them.
+"""
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -69,3 +77,71 @@ def load_tokenizer(spec: str, key: str = "data.tokenizer") -> Tokenizer:
     except Exception as exc:  # noqa: BLE001 (the Rust side raises plain Exceptions)
         why = first_line(exc, type(exc).__name__)
         raise DataError(f"{key}: {path} is not a valid tokenizer.json ({why})") from None
+
+
+@dataclass(frozen=True)
+class Specials:
+    """What the tokenizer adds around one text: ``prefix`` and ``suffix``, the ids its post-processor puts before
+    and after the text's own (``encode(text)`` with special tokens is ``prefix + ids + suffix``), and ``eos``, the
+    id that ends a document (None where the tokenizer names none)."""
+
+    prefix: tuple[int, ...] = ()
+    suffix: tuple[int, ...] = ()
+    eos: int | None = None
+
+    def wrap(self, ids: list[int]) -> list[int]:
+        """``ids`` as the tokenizer's post-processor gives them: between :attr:`prefix` and :attr:`suffix`."""
+        return [*self.prefix, *ids, *self.suffix]
+
+
+_PROBES = ("a", "0", " ", "x y")  # texts whose encoding has a token of their own, to tell prefix from suffix
+
+
+def post_processor_ids(tokenizer: Tokenizer) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The ids ``tokenizer``'s post-processor puts before and after one sequence's own, found by encoding a short
+    text with special tokens: the tokens of no sequence (``sequence_ids`` None) before its first token and after
+    its last."""
+    for probe in _PROBES:
+        encoding = tokenizer.encode(probe, add_special_tokens=True)
+        own = [i for i, s in enumerate(encoding.sequence_ids) if s is not None]
+        if own:
+            return tuple(encoding.ids[:own[0]]), tuple(encoding.ids[own[-1] + 1:])
+    return tuple(tokenizer.encode("", add_special_tokens=True).ids), ()
+
+
+def _token_name(value: object) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or an object with its ``content``."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def tokenizer_config(cfg: DictConfig) -> dict | None:
+    """The run's tokenizer_config.json (untrusted, checked as a JSON object), from the directory or checkpoint its
+    tokenizer comes from (:func:`tokenizer_source`); None where there is none (a lone tokenizer.json, the sample)."""
+    from ipuft.io.model_files import home_files
+
+    source = tokenizer_source(cfg)
+    if source is None or source[0] == SAMPLE_TOKENIZER or not Path(source[0]).is_dir():
+        return None
+    found = home_files(Path(source[0]), ("tokenizer_config.json",), f"{source[1]}: ")
+    return json.loads(found["tokenizer_config.json"]) if found else None
+
+
+def specials(tokenizer: Tokenizer, cfg: DictConfig) -> Specials:
+    """What ``tokenizer`` adds (its post-processor's ids) and the token that ends a document: tokenizer_config.json's
+    ``eos_token`` where the tokenizer's directory has one, else the model's first ``model.eos_token_ids``, else
+    <|endoftext|> where the vocabulary has it."""
+    prefix, suffix = post_processor_ids(tokenizer)
+    settings = tokenizer_config(cfg) or {}
+    name = _token_name(settings.get("eos_token"))
+    if name is not None:
+        eos = tokenizer.token_to_id(name)
+        if eos is None:
+            raise DataError(f"{tokenizer_source(cfg)[1]}: tokenizer_config.json's eos_token {name[:40]!r} is not a "
+                            f"token of its tokenizer.json")
+    elif len(cfg.model.eos_token_ids):
+        eos = int(cfg.model.eos_token_ids[0])
+    else:
+        eos = tokenizer.token_to_id(EOS)
+    return Specials(prefix, suffix, eos)

@@ -28,7 +28,7 @@ from ipuft.data.cache import TokenCache
 from ipuft.data.files import read_rows, resolve_data_path
 from ipuft.data.synthetic import SampleData
 from ipuft.data.templates import Template, resolve_template
-from ipuft.data.tokenizer import load_tokenizer, tokenizer_source
+from ipuft.data.tokenizer import Specials, load_tokenizer, specials, tokenizer_source
 from ipuft.errors import DataError
 
 if TYPE_CHECKING:
@@ -147,7 +147,15 @@ class TokenDataset:
             raise DataError(f"data.tokenizer: format {fmt.value!r} needs a tokenizer; set data.tokenizer=DIR "
                             f"or model.hf_checkpoint=DIR")
         resolved = resolve_data_path(path)
-        cache = TokenCache.for_config(cfg, resolved, tokenizer) if data.cache else None
+        added = specials(tokenizer, cfg) if tokenizer is not None else Specials()
+        ends = data.packing and data.add_eos and fmt is not DataFormat.tokens  # packed examples end with eos
+        if ends and added.eos is None:
+            raise DataError("data.add_eos: the tokenizer names no end-of-sequence token (no tokenizer_config.json "
+                            "eos_token, no model.eos_token_ids, no <|endoftext|> in its vocabulary); set "
+                            "data.add_eos=false, or give data.tokenizer a directory with tokenizer_config.json")
+        eos = added.eos if ends else None
+        cache = TokenCache.for_config(cfg, resolved, tokenizer, (added.prefix, added.suffix, eos)) \
+            if data.cache else None
         shuffle = data.shuffle if shuffle is None else shuffle
         if cache is not None and (hit := cache.load(name, cfg.model.embedding.vocab_size)) is not None:
             tokens, offsets, target_starts = hit
@@ -159,10 +167,11 @@ class TokenDataset:
                 builder.add(number, _token_ids(row, number, name), 0)
         elif fmt is DataFormat.text:
             _encode(builder, tokenizer, ((n, _text(row, data.text_field, f"{name} row {n}"), None)
-                                         for n, row in rows))
+                                         for n, row in rows), added, eos)
         else:
             template = resolve_template(data.template)
-            _encode(builder, tokenizer, ((n, *_rendered(template, row, f"{name} row {n}")) for n, row in rows))
+            _encode(builder, tokenizer, ((n, *_rendered(template, row, f"{name} row {n}")) for n, row in rows),
+                    added, eos)
         dataset = builder.build(shuffle=shuffle, seed=data.seed)
         if cache is not None:
             cache.store(dataset)
@@ -305,23 +314,27 @@ def _rendered(template: Template, row: dict[str, Any], where: str) -> tuple[str,
     return prompt, target if template.target is not None else None
 
 
-def _encode(builder: _Builder, tokenizer: Tokenizer, items: Iterator[tuple[int, str, str | None]]) -> None:
+def _encode(builder: _Builder, tokenizer: Tokenizer, items: Iterator[tuple[int, str, str | None]],
+            added: Specials, eos: int | None) -> None:
     """Tokenize ``(row_number, prompt, target)`` items in chunks and add them to ``builder``.
 
     Prompt and target are tokenized separately and concatenated, so the target starts at an exact token
     (a BPE merge across the boundary cannot blur it). Special tokens written in the text, such as
-    ``<|endoftext|>``, become their single ids; none are added that the text does not contain.
+    ``<|endoftext|>``, become their single ids. The example is then wrapped as the tokenizer's post-processor
+    wraps one text (``added``: Llama 3's bos before it), and ends with ``eos`` where given and it does not
+    already end with it.
     """
+    prefix = len(added.prefix)
+
     def flush(chunk: list[tuple[int, str, str | None]]) -> None:
         prompts = tokenizer.encode_batch([p for _, p, _ in chunk], add_special_tokens=False)
         with_target = [t for _, _, t in chunk if t is not None]
         targets = iter(tokenizer.encode_batch(with_target, add_special_tokens=False) if with_target else [])
         for (number, _, target), prompt in zip(chunk, prompts):
-            ids = prompt.ids
-            if target is None:
-                builder.add(number, ids, 0)
-            else:
-                builder.add(number, ids + next(targets).ids, len(ids))
+            ids = added.wrap(prompt.ids if target is None else prompt.ids + next(targets).ids)
+            if eos is not None and ids[-1:] != [eos]:
+                ids.append(eos)
+            builder.add(number, ids, 0 if target is None else prefix + len(prompt.ids))
 
     chunk: list[tuple[int, str, str | None]] = []
     for item in items:

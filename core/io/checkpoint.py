@@ -7,8 +7,9 @@ A checkpoint is a directory ``<root>/step-<N>/`` holding:
 - ``optim.safetensors`` (with ``checkpoint.optim_state``): the optimizer state, ``<unit>.<variable>.<state>``;
 - ``state.safetensors``: the RNG states, as byte tensors;
 - ``config.yaml`` (the run's config, loadable as a preset), ``meta.json`` (step, Adam's update count, the
-  loss-scale state, the data position, the versions of ipuft and its plugins), the run's
-  ``tokenizer.json`` when known, and ``manifest.json``: the SHA-256 of every other file.
+  loss-scale state, the data position, the versions of ipuft and its plugins), the model's own files where
+  it has them (its tokenizer's and its source's config.json as ``hf_config.json``:
+  :mod:`ipuft.io.model_files`), and ``manifest.json``: the SHA-256 of every other file.
 
 Saving streams, tensor by tensor, so that it fits in the memory training needs. Every rank takes part in
 gathering one variable at a time over DP and TP, in the same order (units in program order; each unit's
@@ -38,7 +39,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable, Container, Iterable
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -57,6 +58,13 @@ WEIGHTS = "model.safetensors"
 OPTIM = "optim.safetensors"
 STATE = "state.safetensors"
 MANIFEST = "manifest.json"
+# The model's own small files, as its source had them (read, checked and written back by
+# :mod:`ipuft.io.model_files`): the tokenizer's, and the source's config.json (kept as hf_config.json, so that
+# a checkpoint is never taken for a Hugging Face directory) with its generation_config.json.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+SOURCE_CONFIG = "hf_config.json"
+SOURCE_FILES = (SOURCE_CONFIG, "generation_config.json")
+MODEL_FILES = TOKENIZER_FILES + SOURCE_FILES
 
 
 def checkpoint_root(cfg: DictConfig, run_dir: Path) -> Path | None:
@@ -128,11 +136,13 @@ def _write_small(path: Path, data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def save_checkpoint(contents: Contents, cfg: DictConfig, root: Path, step: int, tokenizer: Path | None = None,
-                    keep: int | None = None, state: dict | None = None) -> Path:
+def save_checkpoint(contents: Contents, cfg: DictConfig, root: Path, step: int,
+                    files: Mapping[str, bytes] | None = None, keep: int | None = None,
+                    state: dict | None = None) -> Path:
     """Write checkpoint ``root/step-<step>`` atomically and return its path; keep the newest ``keep``.
 
-    ``contents``' tensors are written as they come, hashed as they are written. ``state``: JSON-ready
+    ``contents``' tensors are written as they come, hashed as they are written. ``files``: the model's own
+    files (:data:`MODEL_FILES`, checked by the caller), by name. ``state``: JSON-ready
     training state (update count, loss scale, data position) stored in meta.json. The RNG states are
     saved too.
     """
@@ -143,7 +153,7 @@ def save_checkpoint(contents: Contents, cfg: DictConfig, root: Path, step: int, 
     tmp = root / f".tmp-step-{step:08d}-{os.getpid()}"
     tmp.mkdir()
     try:
-        _write_files(contents, cfg, tmp, step, tokenizer, state)
+        _write_files(contents, cfg, tmp, step, files or {}, state)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -161,7 +171,7 @@ def save_checkpoint(contents: Contents, cfg: DictConfig, root: Path, step: int, 
     return final
 
 
-def _write_files(contents: Contents, cfg: DictConfig, tmp: Path, step: int, tokenizer: Path | None,
+def _write_files(contents: Contents, cfg: DictConfig, tmp: Path, step: int, files: Mapping[str, bytes],
                  state: dict | None) -> None:
     """Write every file of a checkpoint into ``tmp``, each fsynced and hashed as it is written; the manifest
     last."""
@@ -187,8 +197,10 @@ def _write_files(contents: Contents, cfg: DictConfig, tmp: Path, step: int, toke
     config["gradient_accumulation"] = None  # derived again on load
     config["checkpoint"]["load"] = None  # a checkpoint's own config starts fresh, not from another one
     manifest["config.yaml"] = _write_small(tmp / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(config)).encode())
-    if tokenizer is not None and tokenizer.is_file():
-        manifest["tokenizer.json"] = _write_small(tmp / "tokenizer.json", tokenizer.read_bytes())
+    for name, data in files.items():
+        if name not in MODEL_FILES:
+            raise ValueError(f"{name!r} is not one of a checkpoint's model files ({', '.join(MODEL_FILES)})")
+        manifest[name] = _write_small(tmp / name, data)
     meta = {"format": FORMAT, "version": 1, "step": step, "units": list(contents.units),
             "optim_state": OPTIM in contents.files, "versions": _versions(), **(state or {})}
     manifest["meta.json"] = _write_small(tmp / "meta.json", json.dumps(meta, indent=2).encode())
@@ -219,7 +231,7 @@ def find_checkpoint(path: str | Path) -> Path:
 
 
 REQUIRED = (WEIGHTS, STATE, "config.yaml", "meta.json")
-OPTIONAL = (OPTIM, "tokenizer.json")
+OPTIONAL = (OPTIM, *MODEL_FILES)
 _MANIFEST_LIMIT = 1 << 20  # bytes; a manifest of a few names is far smaller
 
 

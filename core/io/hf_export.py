@@ -1,11 +1,15 @@
 """``ipuft export``: an ipuft checkpoint as a Hugging Face directory of its ``model.family`` (config.json,
-safetensors weights with an index when they exceed one shard, the tokenizer), which transformers loads
-(``GPTJForCausalLM``, ``LlamaForCausalLM``, ...).
+safetensors weights with an index when they exceed one shard, the tokenizer's files and
+generation_config.json), which transformers loads (``GPTJForCausalLM``, ``LlamaForCausalLM``, ...).
+
+config.json is the source's, written back as it was read, where the model came from a Hugging Face checkpoint
+(:func:`hf_config`), and the tokenizer's files are the source's too (:mod:`ipuft.io.model_files`), so
+``AutoTokenizer`` and ``AutoConfig`` on the export give the source's special tokens, chat template and positions.
 
 It streams: each tensor is read from the checkpoint's model.safetensors (verified as it is read) and
 written into its shard before the next is read, so export needs about one tensor of memory. It reads, and
-so verifies, only model.safetensors, config.yaml, meta.json and tokenizer.json: a damaged optimizer state
-does not stop an export.
+so verifies, only model.safetensors, config.yaml, meta.json and the model's own files: a damaged optimizer
+state does not stop an export.
 """
 
 from __future__ import annotations
@@ -17,31 +21,73 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from ipuft.components import VariableSpec
 from ipuft.config import checkpoint_config
-from ipuft.data.tokenizer import EOS, TOKENIZER_LIMIT, tokenizer_from_bytes
+from ipuft.data.tokenizer import EOS, tokenizer_from_bytes
 from ipuft.engine.model import build_model
 from ipuft.engine.precision import DTYPES
-from ipuft.errors import CheckpointError, first_line
+from ipuft.errors import CheckpointError, PluginError, described, first_line
 from ipuft.families import HFConfigError, ModelFamily
 from ipuft.io.checkpoint import (
+    SOURCE_CONFIG,
     WEIGHTS,
     find_checkpoint,
     open_tensors,
     read_manifest,
     read_meta,
-    read_verified,
 )
 from ipuft.io.hf_names import DEFAULT_SHARD_BYTES, component_hf_config, export_names, unit_mappings
+from ipuft.io.model_files import checkpoint_files
 from ipuft.plugins import PluginHooks
+
+# config.json keys the run decides whatever its source said, besides the weights' dtype: as the family's
+# write_config gives it for the model the run built, whether the head is tied to the embeddings.
+RUN_KEYS = ("tie_word_embeddings",)
+# Source keys an export drops: auto_map names code files, which ipuft never copies.
+DROPPED = ("auto_map",)
+
+
+def _agrees(current, value) -> bool:
+    """Whether the run's value of a key is the one the source's config.json gives (an object: every key it gives)."""
+    if isinstance(value, dict) and isinstance(current, dict):
+        return all(k in current and _agrees(current[k], v) for k, v in value.items())
+    return current == value
+
+
+def source_mismatches(cfg: DictConfig, family: ModelFamily, source: dict) -> list[str]:
+    """Where the source's config.json (as the family reads it) says otherwise than the run's config: a
+    config.json that no longer describes the model cannot be written back as it was read."""
+    try:
+        settings = family.read_config(source)
+    except HFConfigError as exc:
+        return [f"the family reads it as: {exc}"]
+    except Exception as exc:  # noqa: BLE001 (the family plugin's bug on odd input: one line naming it)
+        raise PluginError(f"model family {family.model_type!r} of plugin {family.plugin!r} failed to read the "
+                          f"source's config.json: {described(exc)}") from None
+    found = []
+    for key, value in settings.items():
+        current = OmegaConf.select(cfg, key, default=None)
+        if OmegaConf.is_config(current):
+            current = OmegaConf.to_container(current)
+        if not _agrees(current, value):
+            found.append(f"{family.source_keys.get(key, key)}={str(value)[:40]} but {key}={str(current)[:40]}")
+    return found
 
 
 def hf_config(cfg: DictConfig, family: ModelFamily, eos_id: int | None, dtype: str = "float32",
-              components: dict | None = None) -> dict:
-    """A transformers config, as JSON, for the run's model: the family's keys (:attr:`ModelFamily.write_config`:
-    the shapes import reads back, the architecture's fixed settings), what the components contribute
+              components: dict | None = None, source: dict | None = None) -> dict:
+    """A transformers config, as JSON, for the run's model.
+
+    With ``source``, the config.json the model came from (kept in its checkpoints as hf_config.json), every
+    field is written back as it was read (positions, rope, ids, window, norms, and fields ipuft does not read),
+    after checking that the family reads it as the run's model (:func:`source_mismatches`); only what the run
+    decides changes: ``architectures`` and ``model_type`` (the family's), what the components contribute, the
+    weights' ``dtype``, :data:`RUN_KEYS`, and the special tokens where the run set its own.
+
+    Without one (a model from scratch), the family's keys (:attr:`ModelFamily.write_config`: the shapes import
+    reads back, the architecture's fixed settings), what the components contribute
     (:func:`ipuft.io.hf_names.component_hf_config`: GPT-J's ``activation_function``), the special tokens
     (``model.bos_token_id`` and ``model.eos_token_ids`` where the model came with them, else ``eos_id``, the
     tokenizer's <|endoftext|>, for both) and the weights' ``dtype``."""
@@ -49,9 +95,23 @@ def hf_config(cfg: DictConfig, family: ModelFamily, eos_id: int | None, dtype: s
         written = family.write_config(cfg)
     except HFConfigError as exc:
         raise CheckpointError(f"model.family={family.model_type}: {exc}") from None
-    config = {"architectures": [family.architecture], "model_type": family.model_type, **written,
-              **(components or {}), "torch_dtype": dtype}
-    eos = list(cfg.model.eos_token_ids) or ([] if eos_id is None else [eos_id])
+    own = {"architectures": [family.architecture], "model_type": family.model_type}
+    eos = list(cfg.model.eos_token_ids)
+    if source is not None:
+        if mismatches := source_mismatches(cfg, family, source):
+            raise CheckpointError(f"model.family={family.model_type}: the source's config.json (hf_config.json) does "
+                                  f"not describe the model: {'; '.join(mismatches[:4])}")
+        config = {**{k: v for k, v in source.items() if k not in DROPPED}, **own, **(components or {}),
+                  **{k: written[k] for k in RUN_KEYS if k in written}}
+        for key in [k for k in ("torch_dtype", "dtype") if k in source] or ["torch_dtype"]:
+            config[key] = dtype  # transformers 5 writes dtype, earlier versions torch_dtype
+        if cfg.model.bos_token_id is not None:
+            config["bos_token_id"] = cfg.model.bos_token_id
+        if eos:
+            config["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+        return config
+    config = {**own, **written, **(components or {}), "torch_dtype": dtype}
+    eos = eos or ([] if eos_id is None else [eos_id])
     bos = cfg.model.bos_token_id if cfg.model.bos_token_id is not None else eos_id
     if bos is not None:
         config["bos_token_id"] = bos
@@ -81,13 +141,15 @@ def export_hf(path: str | Path, out: str | Path, hooks: PluginHooks, shard_bytes
     # model of the family.
     names = export_names(parts.modules, parts.variables, cfg, family)
     components = component_hf_config(parts.modules, family)
-    # The checkpoint's tokenizer (verified as it is read) gives config.json's special tokens where the model has
-    # none of its own; the config is complete before anything is written.
-    tokenizer = eos_id = None
-    if "tokenizer.json" in manifest:
-        tokenizer = read_verified(checkpoint, "tokenizer.json", TOKENIZER_LIMIT)
-        eos_id = tokenizer_from_bytes(tokenizer, checkpoint / "tokenizer.json").token_to_id(EOS)
-    config = hf_config(cfg, family, eos_id, dtype, components)
+    # The model's own files (verified as they are read): the source's config.json, written back, and the
+    # tokenizer's files, copied; without a source, the tokenizer gives config.json's special tokens where the
+    # model has none of its own. The config is complete before anything is written.
+    files = checkpoint_files(checkpoint)
+    eos_id = None
+    if "tokenizer.json" in files:
+        eos_id = tokenizer_from_bytes(files["tokenizer.json"], checkpoint / "tokenizer.json").token_to_id(EOS)
+    source = json.loads(files[SOURCE_CONFIG]) if SOURCE_CONFIG in files else None
+    config = hf_config(cfg, family, eos_id, dtype, components, source)
     units = list(unit_mappings(parts.modules, cfg.model.layers))
     merging = {unit for unit in units if hasattr(parts.modules[unit.role], "hf_merge")}
     shapes = {f"{unit}.{v.name}": tuple(v.shape) for unit in units for v in parts.variables[unit.role]}
@@ -147,8 +209,9 @@ def export_hf(path: str | Path, out: str | Path, hooks: PluginHooks, shard_bytes
         if len(shards) > 1:
             (tmp / "model.safetensors.index.json").write_text(
                 json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-        if tokenizer is not None:
-            (tmp / "tokenizer.json").write_bytes(tokenizer)
+        for name, data in files.items():
+            if name != SOURCE_CONFIG:  # the tokenizer's files and generation_config.json, as the source had them
+                (tmp / name).write_bytes(data)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         umask = os.umask(0)
         os.umask(umask)

@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 from ipuft.components import IGNORE_INDEX
 from ipuft.data.files import read_rows, resolve_data_path
 from ipuft.data.templates import resolve_template
-from ipuft.data.tokenizer import EOS, load_tokenizer, tokenizer_source
+from ipuft.data.tokenizer import EOS, load_tokenizer, specials, tokenizer_source
 from ipuft.data.tokens import TokenDataset, data_source
 from ipuft.engine.inference import LayerMajor, dataset_loss
 from ipuft.errors import DataError
@@ -99,11 +99,13 @@ def evaluate_mnli(cfg: DictConfig, hooks: PluginHooks, mode: str = "score", batc
     if source is None:
         raise DataError("data.tokenizer: eval --task mnli needs a tokenizer; set data.tokenizer or model.hf_checkpoint")
     tokenizer = load_tokenizer(*source)
+    prefix = list(specials(tokenizer, cfg).prefix)  # what the tokenizer puts first, as training data has it
     path = resolve_data_path(cfg.data.path)
     examples = []
     for number, row in read_rows(path):
         prompt, target = template.render(row, f"{path} row {number}")
-        examples.append((tokenizer.encode(prompt, add_special_tokens=False).ids, target.replace(EOS, "").strip()))
+        examples.append((prefix + tokenizer.encode(prompt, add_special_tokens=False).ids,
+                         target.replace(EOS, "").strip()))
     if not examples:
         raise DataError(f"{path}: the dataset is empty")
     labels = [template.labels[k] for k in sorted(template.labels)]

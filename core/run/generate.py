@@ -49,17 +49,15 @@ def generate_texts(cfg: DictConfig, hooks: PluginHooks, prompts: list[str], max_
                    batch_size: int = 8, **sampling) -> dict:
     """Continue each prompt, ``batch_size`` prompts decoded together; ``{"completions", "new_tokens",
     "tokens_per_s" (new tokens per second), "device_peak_bytes"}``. ``sampling``: temperature, top_k, top_p,
-    seed (see :func:`ipuft.generate.generate`). Each prompt starts with the model's ``model.bos_token_id``
-    where it has one, and a row stops at any of ``model.eos_token_ids``, else at the tokenizer's
-    <|endoftext|>."""
+    seed (see :func:`ipuft.generate.generate`). Each prompt is encoded as the tokenizer encodes a text, with
+    what its post-processor adds (Llama 3's <|begin_of_text|>; nothing for a tokenizer that adds nothing), as
+    training data is; a row stops at any of ``model.eos_token_ids``, else at the tokenizer's <|endoftext|>."""
     tokenizer = tokenizer_for(cfg)
-    encoded = [tokenizer.encode(p, add_special_tokens=False).ids for p in prompts]
-    for number, ids in enumerate(encoded, start=1):
-        if not ids:
+    encodings = [tokenizer.encode(p, add_special_tokens=True) for p in prompts]
+    for number, encoding in enumerate(encodings, start=1):
+        if all(s is None for s in encoding.sequence_ids):  # nothing of the prompt's own, only added tokens
             raise DataError(f"prompt {number} is empty after tokenization")
-    bos = cfg.model.bos_token_id  # the model's own start token (a Llama checkpoint's), once before each prompt
-    if bos is not None:
-        encoded = [ids if ids[0] == bos else [bos, *ids] for ids in encoded]
+    encoded = [encoding.ids for encoding in encodings]
     stops = [t for t in list(cfg.model.eos_token_ids) or [tokenizer.token_to_id(EOS)] if t is not None]
     engine = inference_engine(cfg, hooks)
     runner = LayerMajor(engine)

@@ -15,10 +15,12 @@ from omegaconf import DictConfig
 from ipuft.config.identity import differences, model_keys
 from ipuft.config.migrate import saved_config_data
 from ipuft.config.sections import ConfigSectionRegistry
-from ipuft.data.tokenizer import tokenizer_path, tokenizer_source
+from ipuft.data.tokenizer import SAMPLE_TOKENIZER, tokenizer_path
 from ipuft.errors import ConfigError
 from ipuft.io.checkpoint import (
     OPTIM,
+    SOURCE_FILES,
+    TOKENIZER_FILES,
     WEIGHTS,
     Contents,
     checkpoint_initializer,
@@ -27,6 +29,7 @@ from ipuft.io.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
+from ipuft.io.model_files import home_files, model_home, read_directory_file
 
 if TYPE_CHECKING:
     from ipuft.engine.phased import PhasedEngine
@@ -70,19 +73,33 @@ def checkpoint_to_resume(cfg: DictConfig, sections: ConfigSectionRegistry | None
     return resumed
 
 
-def tokenizer_file(cfg: DictConfig) -> Path | None:
-    """The tokenizer.json the run's data was tokenized with, if any, else the Hugging Face checkpoint's own
-    (copied into checkpoints, so that an export or ``generate`` has the model's tokenizer)."""
-    if cfg.data.path is None:  # synthetic tokens: no tokenizer made them
-        own = Path(cfg.model.hf_checkpoint) / "tokenizer.json" if cfg.model.hf_checkpoint else None
-        return own if own is not None and own.is_file() else None
-    source = tokenizer_source(cfg)
-    return None if source is None else tokenizer_path(source[0])
+def run_files(cfg: DictConfig) -> dict[str, bytes]:
+    """The model's own files a run's checkpoints carry: the source's (:data:`~ipuft.io.checkpoint.SOURCE_FILES`)
+    from where the model comes from, and the tokenizer's (:data:`~ipuft.io.checkpoint.TOKENIZER_FILES`) from the
+    run's tokenizer: ``data.tokenizer``'s directory (a lone file or the shipped sample: its tokenizer.json alone)
+    where the data was tokenized with it, else the model's. Read and checked once, when the run starts, so that a
+    bad file stops it before training."""
+    files: dict[str, bytes] = {}
+    home = model_home(cfg)
+    if home is not None:
+        files.update(home_files(home[0], SOURCE_FILES, f"{home[1]}: "))
+    spec = cfg.data.tokenizer if cfg.data.path is not None else None
+    if spec is None:
+        if home is not None:
+            files.update(home_files(home[0], TOKENIZER_FILES, f"{home[1]}: "))
+    elif spec != SAMPLE_TOKENIZER and Path(spec).is_dir():
+        files.update(home_files(Path(spec), TOKENIZER_FILES, "data.tokenizer: "))
+    elif (path := tokenizer_path(spec)).is_file():
+        files["tokenizer.json"] = read_directory_file(path.parent, "tokenizer.json", "data.tokenizer: ", path.name)
+    return files
 
 
-def save(engine: PhasedEngine, cfg: DictConfig, root: Path | None, step: int, data=None) -> Path | None:
+def save(engine: PhasedEngine, cfg: DictConfig, root: Path | None, step: int, data=None,
+         model_files: dict[str, bytes] | None = None) -> Path | None:
     """Every rank takes part in gathering the full weights (and optimizer state), one tensor at a time; rank 0
-    writes each into the checkpoint as it arrives (see :mod:`ipuft.io.checkpoint`)."""
+    writes each into the checkpoint as it arrives (see :mod:`ipuft.io.checkpoint`), with the model's own files
+    (``model_files``, read when the run started; by default :func:`run_files` now), so that an
+    export or ``generate`` has the model's tokenizer and source config."""
     if root is None:
         return None
     groups = ("fwd", "optim") if cfg.checkpoint.optim_state else ("fwd",)
@@ -100,7 +117,8 @@ def save(engine: PhasedEngine, cfg: DictConfig, root: Path | None, step: int, da
         tensors=((files[group], f"{unit}.{spec.name}", t) for unit, group, spec, t in tensors))
     state = {"updates": engine.updates, "loss_scale": engine.scale.state_dict(),
              "data": data.state_dict() if hasattr(data, "state_dict") else {"step": step}}
-    return save_checkpoint(contents, cfg, root, step, tokenizer_file(cfg), keep=cfg.checkpoint.to_keep, state=state)
+    model_files = run_files(cfg) if model_files is None else model_files
+    return save_checkpoint(contents, cfg, root, step, model_files, keep=cfg.checkpoint.to_keep, state=state)
 
 
 def restore(engine: PhasedEngine, cfg: DictConfig, checkpoint: Path, data) -> int:

@@ -35,7 +35,7 @@ from ipuft.io.checkpoint import checkpoint_root
 from ipuft.loggers import Backends
 from ipuft.parallel import Layout, collective_errors
 from ipuft.plugins import PluginHooks
-from ipuft.run.resume import checkpoint_to_resume, restore, save
+from ipuft.run.resume import checkpoint_to_resume, restore, run_files, save
 from ipuft.run.rundir import FINISHED, check_output_dir, check_run_paths, exclusive_run, metrics_file, run_directory
 from ipuft.run.runtime import build_engine
 from ipuft.run.schedule import learning_rate
@@ -98,6 +98,7 @@ def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[di
     """
     resumed = checkpoint_to_resume(cfg, hooks.registrations.config_sections)
     data = data_source(cfg)
+    files = run_files(cfg)  # the model's tokenizer and source config, checked now, carried in every checkpoint
     validation = validation_source(cfg, data) if cfg.training.eval_steps else None
     check_output_dir(cfg)
     # One optimizer for the run: the model rules check its state's layout, the run-path check sizes a
@@ -148,13 +149,13 @@ def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[di
                                     f"execution.loss_scaling=dynamic")
             received = signals.agreed(engine.layout, engine.device)
             if received is not None:
-                saved = save(engine, cfg, root, step + 1, data)
+                saved = save(engine, cfg, root, step + 1, data, files)
                 where = f"; checkpoint {saved}" if saved else ""
                 raise Stopped(f"stopped by {signal.Signals(received).name} after step {step + 1}{where}", received)
             every = cfg.checkpoint.steps
             if every and (step + 1) % every == 0 and step + 1 < steps:
-                save(engine, cfg, root, step + 1, data)
-        saved = save(engine, cfg, root, steps, data)
+                save(engine, cfg, root, step + 1, data, files)
+        saved = save(engine, cfg, root, steps, data, files)
         if main:
             (out / FINISHED).touch()
     if progress and main and records:
