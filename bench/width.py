@@ -1,7 +1,8 @@
 """Training at GPT-J-6B's width (hidden 4096, 16 heads, rotary 64, vocabulary 50400), one and two layers, on
 this machine's CPU: what toy widths hide.
 
-    python bench/width.py [--layers 1 2] [--seq 256 128] [--micro-batch 1 4] [--steps 3] [--precision ...]
+    python bench/width.py [--layers 1 2] [--seq 256 128] [--micro-batch 1 4] [--steps 3] [--precision ...] \
+        [KEY=VALUE ...]   # e.g. model.tie_embeddings=true: the head uses the embedding table
 
 Each configuration (gradient accumulation 2) runs as ``ipuft bench --profile`` in a process of its own (its
 peak RSS and page faults are that process's), after ``ipuft plan`` of the same config, and prints:
@@ -66,11 +67,12 @@ def ipuft(args: list[str], env: dict) -> tuple[dict, dict]:
                     "major_faults": usage.ru_majflt, "seconds": time.perf_counter() - began}
 
 
-def run(layers: int, seq: int, micro_batch: int, precision: str, steps: int, env: dict) -> dict:
-    """One configuration: gradient accumulation 2 of ``micro_batch`` rows of ``seq`` tokens."""
+def run(layers: int, seq: int, micro_batch: int, precision: str, steps: int, env: dict,
+        overrides: tuple[str, ...] = ()) -> dict:
+    """One configuration: gradient accumulation 2 of ``micro_batch`` rows of ``seq`` tokens, with ``overrides``."""
     config = [*WIDTH, f"model.layers={layers}", f"model.sequence_length={seq}", f"model.precision={precision}",
               f"execution.micro_batch_size={micro_batch}", f"training.global_batch_size={2 * micro_batch}",
-              *SIXTEEN_BIT.get(precision, [])]
+              *SIXTEEN_BIT.get(precision, []), *overrides]
     plan, _ = ipuft(["plan", *config], env)
     bench, usage = ipuft(["bench", *config, "--profile", "--steps", str(steps)], env)
     profile, peak = bench["profile"], bench["matmul_peak"]["flops_per_s"]
@@ -120,6 +122,7 @@ def main() -> None:
     parser.add_argument("--precision", nargs="+", default=None, help="default: float32 and the fast 16-bit dtypes")
     parser.add_argument("--no-huge-pages", action="store_true", help="THP_MEM_ALLOC_ENABLE=0 (ipuft.engine.hostmem)")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("overrides", nargs="*", help="KEY=VALUE settings for every run")
     args = parser.parse_args()
     env = dict(os.environ, **({"THP_MEM_ALLOC_ENABLE": "0"} if args.no_huge_pages else {}))
     precisions = args.precision or fast_dtypes()
@@ -132,7 +135,7 @@ def main() -> None:
         for layers in args.layers:
             for seq in args.seq:
                 for micro_batch in args.micro_batch:
-                    results.append(run(layers, seq, micro_batch, precision, args.steps, env))
+                    results.append(run(layers, seq, micro_batch, precision, args.steps, env, tuple(args.overrides)))
                     print(json.dumps(results[-1]) if args.json else report(results[-1]), flush=True)
 
 

@@ -63,8 +63,7 @@ def config_arguments(command: Callable) -> Callable:
 def warn(cfg, training: bool = True) -> None:
     """The warnings of a command that computes, on rank 0: 16-bit updates that vanish (a command that trains),
     and 16-bit compute on a CPU without fast 16-bit kernels."""
-    from ipuft.engine.kernels import slow_precision_warning
-    from ipuft.engine.memory import compute_device
+    from ipuft.engine.kernels import compute_device, slow_precision_warning
     from ipuft.engine.precision import vanishing_updates_warning
 
     if os.environ.get("RANK", "0") != "0":
@@ -120,8 +119,7 @@ def plan(hooks: PluginHooks, cfg, as_json: bool, batch_size: int) -> None:
       ipuft plan --config gptj-6b execution.data_parallel=8 --json
     """
     from ipuft.engine.fit import fit, format_fit, format_plan
-    from ipuft.engine.kernels import require_precision_support
-    from ipuft.engine.memory import compute_device
+    from ipuft.engine.kernels import compute_device, require_precision_support
     from ipuft.engine.model import build_model
     from ipuft.engine.plan import estimate
 

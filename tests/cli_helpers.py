@@ -1,5 +1,7 @@
 """Run the ``ipuft`` command line in process, as the console script would."""
 
+import re
+
 import pytest
 
 from ipuft.cli.main import main
@@ -12,3 +14,10 @@ def run_cli(capsys, *args):
         raise SystemExit(0)
     out, err = capsys.readouterr()
     return info.value.code or 0, out, err
+
+
+def without_recipe(err: str) -> str:
+    """``err`` without the line a checkpoint given without --config starts with (its fine-tuning recipe, said once
+    its config is read, before anything can fail)."""
+    return re.sub(r"\Aipuft: recipe finetune, as model\.(hf|init)_checkpoint is given without --config: [^\n]*\n",
+                  "", err)

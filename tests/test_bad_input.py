@@ -2,11 +2,11 @@
 
 import hashlib
 import json
-import re
 import shutil
 from pathlib import Path
 
 import pytest
+from cli_helpers import without_recipe
 
 from ipuft.cli.main import main
 
@@ -374,8 +374,7 @@ def test_bad_input_is_one_clear_line(tmp_path, trained, capsys, monkeypatch, arg
     with pytest.raises(SystemExit) as info:
         main(argv)
     _, err = capsys.readouterr()
-    # A checkpoint without --config: the run's recipe is said once its config is read, before anything fails.
-    err = re.sub(r"\Aipuft: recipe finetune, as model\.hf_checkpoint is given without --config: [^\n]*\n", "", err)
+    err = without_recipe(err)
     assert info.value.code not in (0, None)
     assert err.count("\n") == 1 and err.startswith("ipuft: error: "), err
     assert fragment in err, err

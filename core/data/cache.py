@@ -16,6 +16,7 @@ import torch
 
 from ipuft.config.schema import DataFormat
 from ipuft.io.checkpoint import sha256_file
+from ipuft.paths import cache_root
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -25,14 +26,6 @@ if TYPE_CHECKING:
 
 
 CACHE_VERSION = 2  # bump when tokenization or packing changes what a cache entry holds
-
-
-def cache_root() -> Path:
-    """Where tokenized datasets are cached: ``IPUFT_CACHE_DIR``, else ``$XDG_CACHE_HOME/ipuft``, else
-    ``~/.cache/ipuft``."""
-    if os.environ.get("IPUFT_CACHE_DIR"):
-        return Path(os.environ["IPUFT_CACHE_DIR"]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "ipuft"
 
 
 class TokenCache:

@@ -7,7 +7,7 @@ import os
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ipuft.engine.memory import compute_device
+from ipuft.engine.kernels import compute_device
 from ipuft.engine.model import build_model
 from ipuft.engine.plan import estimate
 from ipuft.plugins import PluginHooks

@@ -38,6 +38,13 @@ CACHE_FILE = "kernels.json"
 _CACHE_LIMIT = 1 << 20  # bytes: a few entries of a few rates
 
 
+def compute_device(cfg: DictConfig) -> torch.device:
+    """The device the run computes on (``execution.device``; ``auto``: CUDA when there is one), as the plan
+    sees it (device 0)."""
+    cuda = cfg.execution.device.value != "cpu" and torch.cuda.is_available()
+    return torch.device("cuda" if cuda else "cpu")
+
+
 def cpu_identity() -> str:
     """What the probe's result depends on: the CPU (model and flags), the threads torch uses, torch's version
     and the CPU capability its kernels were chosen for."""
@@ -69,7 +76,7 @@ def probe_rate(dtype: torch.dtype, n: int = PROBE) -> float:
 
 
 def _cache_path() -> Path:
-    from ipuft.data.cache import cache_root
+    from ipuft.paths import cache_root
 
     return cache_root() / CACHE_FILE
 

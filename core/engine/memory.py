@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 
 from ipuft.components import VariableSpec
 from ipuft.engine.gradients import gradient_working_bytes, take_every, writes_into_stored
+from ipuft.engine.kernels import compute_device
 from ipuft.engine.measure import UnitCost
 from ipuft.engine.model import ModelParts
 from ipuft.engine.precision import Recipe, compute_dtype, recipe
@@ -120,13 +121,6 @@ def phase_io(moves: PhaseMoves, unit: dict[str, int]) -> tuple[dict[str, int], d
         if tied:
             moved[group] = moved.get(group, 0) + unit[key]
     return loads, stores
-
-
-def compute_device(cfg: DictConfig) -> torch.device:
-    """The device the run computes on (``execution.device``; ``auto``: CUDA when there is one), as the plan
-    sees it (device 0)."""
-    cuda = cfg.execution.device.value != "cpu" and torch.cuda.is_available()
-    return torch.device("cuda" if cuda else "cpu")
 
 
 def update_transient_bytes(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer, role: str) -> int:
