@@ -1,8 +1,8 @@
 """Training at GPT-J-6B's width (hidden 4096, 16 heads, rotary 64, vocabulary 50400), one and two layers, on
 this machine's CPU: what toy widths hide.
 
-    python bench/width.py [--layers 1 2] [--seq 256 128] [--micro-batch 1 4] [--steps 3] [--precision ...] \
-        [KEY=VALUE ...]   # e.g. model.tie_embeddings=true: the head uses the embedding table
+    python bench/width.py [KEY=VALUE ...] [--layers 1 2] [--seq 256 128] [--micro-batch 1 4] [--steps 3] \
+        [--precision ...]   # KEY=VALUE first, e.g. model.tie_embeddings=true: the head uses the embedding table
 
 Each configuration (gradient accumulation 2) runs as ``ipuft bench --profile`` in a process of its own (its
 peak RSS and page faults are that process's), after ``ipuft plan`` of the same config, and prints:

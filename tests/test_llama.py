@@ -5,6 +5,8 @@ Adam steps, parallel layouts, a bit-exact import → train(lr=0) → export, gen
 line for each config.json it cannot run."""
 
 import json
+import shutil
+from pathlib import Path
 
 import dist_workers
 import pytest
@@ -385,7 +387,6 @@ def test_an_export_keeps_config_json_and_the_tokenizer_files(hooks, styled_dirs,
 def test_the_model_files_are_read_as_untrusted_data(hooks, styled_dirs, tmp_path, capsys):
     """A hub cache snapshot's links into its blobs are followed; a link out of the directory, a JSON file that is
     not an object, or one over its size are one line naming the file, before the run writes anything."""
-    import shutil
 
     from ipuft.io.checkpoint import SOURCE_CONFIG
     from ipuft.run.resume import run_files
@@ -478,3 +479,29 @@ def test_phased_bfloat16_equals_a_plain_bfloat16_reference(hooks, hf_dirs):
     float32 = plain_16bit_reference(cfg, engine.modules, {u: {n: t.float() for n, t in w.items()}
                                                           for u, w in initial.items()}, step_batches)[2]
     assert_16bit_close(cfg, results, engine.model.weights(), expected, float32, torch.bfloat16)
+
+
+def test_a_checkpoint_stands_alone_once_its_source_is_gone(capsys, tmp_path, monkeypatch):
+    """A run started from a relative model.hf_checkpoint: export and generate from its checkpoint, from another
+    working directory and after the source directory is deleted, give what they gave beside it: the checkpoint
+    holds the model, its config.json and its tokenizer."""
+    work = tmp_path / "work"
+    save_hf(work / "src", "llama", seed=6, tie_word_embeddings=True)
+    monkeypatch.chdir(work)
+    code, _, err = cli(capsys, "train", "model.hf_checkpoint=src", "model.sequence_length=16", "model.precision=float32",
+                       "training.global_batch_size=2", "training.steps=1", "output_dir=run")
+    assert code == 0, err
+    prompt = ["--max-new-tokens", "5", "--json", "w5 w17 w9"]
+
+    def outputs(out: Path) -> tuple[dict, dict]:
+        code, _, err = cli(capsys, "export", "--checkpoint", str(work / "run"), "--hf", str(out))
+        assert code == 0, err
+        code, text, err = cli(capsys, "generate", "--checkpoint", str(work / "run"), *prompt)
+        assert code == 0, err
+        return {p.name: p.read_bytes() for p in sorted(out.iterdir())}, json.loads(text)["completions"]
+
+    files, completions = outputs(tmp_path / "beside")
+    assert "config.json" in files and "tokenizer.json" in files
+    shutil.rmtree(work / "src")
+    monkeypatch.chdir(tmp_path)
+    assert outputs(tmp_path / "alone") == (files, completions)

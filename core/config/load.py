@@ -238,6 +238,11 @@ def checkpoint_config(path: str | Path, sections: ConfigSectionRegistry | None,
     The file is untrusted data: it may hold no interpolation (none is ever resolved), and it never
     chooses where the new run writes: ``output_dir`` and ``checkpoint.save`` fall back to their defaults
     unless ``overrides`` set them (:func:`ipuft.config.migrate.migrate`).
+
+    The checkpoint stands alone: its config holds the whole model and its weights are the checkpoint's, so the
+    places the run it comes from started from (``model.hf_checkpoint``, ``model.init_checkpoint``, which may
+    have moved, gone, or been relative to another working directory) are not read again, and the tokenizer is
+    the checkpoint's copy (unless ``overrides`` set ``data.tokenizer``).
     """
     from ipuft.config.migrate import migrate, saved_config_data
     from ipuft.io.checkpoint import find_checkpoint
@@ -245,6 +250,14 @@ def checkpoint_config(path: str | Path, sections: ConfigSectionRegistry | None,
     found = find_checkpoint(path)
     data = saved_config_data(found)
     migrate(data, sections)
+    typed = {o.split("=", 1)[0].strip() for o in overrides}
+    model, data_section = data.get("model"), data.get("data")
+    if isinstance(model, dict):
+        for key in ("hf_checkpoint", "init_checkpoint"):
+            if f"model.{key}" not in typed:
+                model[key] = None
+    if isinstance(data_section, dict) and "data.tokenizer" not in typed and (found / "tokenizer.json").is_file():
+        data_section["tokenizer"] = str(found)
     return load_config((str(found / "config.yaml"), data), [f"checkpoint.load={found}", *overrides], sections)
 
 
