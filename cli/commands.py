@@ -276,13 +276,13 @@ def generate(hooks: PluginHooks, path: str, prompts_file: str | None, batch_size
             raise click.UsageError("give a PROMPT, or --prompts FILE")
         prompts, overrides = [args[0]], args[1:]
     else:
+        from ipuft.io.files import read_bounded
+
+        # bounded: a prompt file is text, never gigabytes (nor a FIFO or a device)
+        data = read_bounded(prompts_file, PROMPTS_LIMIT, f"--prompts {prompts_file}:", click.UsageError, "; split it")
         try:
-            with open(prompts_file, "rb") as f:  # bounded: a prompt file is text, never gigabytes
-                data = f.read(PROMPTS_LIMIT + 1)
-            if len(data) > PROMPTS_LIMIT:
-                raise click.UsageError(f"--prompts {prompts_file}: larger than {PROMPTS_LIMIT} bytes; split it")
             text = data.decode("utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
+        except UnicodeDecodeError as exc:
             raise click.UsageError(f"--prompts {prompts_file}: cannot be read ({exc})") from None
         prompts, overrides = [line for line in text.splitlines() if line.strip()], args
         if not prompts:

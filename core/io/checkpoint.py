@@ -50,6 +50,7 @@ from omegaconf import DictConfig, OmegaConf
 from ipuft import __version__
 from ipuft.components import VariableSpec
 from ipuft.errors import CheckpointError
+from ipuft.io.files import open_regular, read_bounded, read_json
 from ipuft.io.safetensors import SafetensorsReader, SafetensorsWriter
 
 FORMAT = "ipuft-checkpoint"
@@ -95,7 +96,7 @@ def _fsync(path: Path) -> None:
 def sha256_file(path: Path) -> str:
     """The SHA-256 hex digest of a file, read in 4 MiB blocks."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path, str(path)) as f:
         for block in iter(lambda: f.read(1 << 22), b""):
             digest.update(block)
     return digest.hexdigest()
@@ -244,16 +245,9 @@ def read_manifest(checkpoint: Path) -> dict[str, str]:
     """
     where = f"checkpoint {checkpoint}"
     path = checkpoint / MANIFEST
-    try:
-        if path.is_symlink() or not path.is_file():
-            raise FileNotFoundError
-        if path.stat().st_size > _MANIFEST_LIMIT:
-            raise CheckpointError(f"{where}/{MANIFEST} is larger than {_MANIFEST_LIMIT} bytes: not a manifest")
-        manifest = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{where} has no {MANIFEST}: it is incomplete") from None
-    except (OSError, ValueError, RecursionError) as exc:
-        raise CheckpointError(f"{where}/{MANIFEST} cannot be read ({type(exc).__name__}: {exc})") from None
+    if path.is_symlink() or not path.is_file():
+        raise CheckpointError(f"{where} has no {MANIFEST}: it is incomplete")
+    manifest = read_json(path, _MANIFEST_LIMIT, f"{where}/{MANIFEST}", hint=": not a manifest")
     if not isinstance(manifest, dict):
         raise CheckpointError(f"{where}/{MANIFEST} must be a JSON object of file name -> SHA-256")
     allowed = REQUIRED + OPTIONAL
@@ -299,12 +293,7 @@ def read_verified(checkpoint: Path, name: str, limit: int) -> bytes:
     path = checkpoint / name
     if name not in manifest:
         raise CheckpointError(f"checkpoint {checkpoint} has no {name}")
-    try:
-        if path.stat().st_size > limit:
-            raise CheckpointError(f"{path} is larger than {limit} bytes: not a checkpoint's {name}")
-        data = path.read_bytes()
-    except OSError as exc:
-        raise CheckpointError(f"{path} cannot be read ({exc.strerror or exc})") from None
+    data = read_bounded(path, limit, str(path), hint=f": not a checkpoint's {name}")
     if hashlib.sha256(data).hexdigest() != manifest[name]:
         raise CheckpointError(f"checkpoint {checkpoint}: {name} does not match its checksum (corrupted)")
     return data

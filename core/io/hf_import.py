@@ -5,7 +5,6 @@ and their weights streamed one tensor at a time (safetensors, possibly sharded w
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Callable
@@ -20,20 +19,16 @@ from ipuft.components import VariableSpec
 from ipuft.errors import CheckpointError, ConfigError, PluginError, described
 from ipuft.families import HFConfigError, ModelFamily, ModelFamilyRegistry, config_int
 from ipuft.io.checkpoint import checked
+from ipuft.io.files import read_json, read_text, require_regular
 from ipuft.io.hf_names import unit_mappings
 
 _CONFIG_LIMIT = 1 << 20  # bytes; a config.json is a few kB
 
 
 def _read_json(path: Path, limit: int, key: str = "") -> object:
-    """The JSON value in ``path`` (an untrusted file of at most ``limit`` bytes, read as data); one line naming
-    it (after ``key``, the config key that led there) if it is larger, unreadable, or not JSON."""
-    try:
-        if path.stat().st_size > limit:
-            raise CheckpointError(f"{key}{path} is larger than {limit} bytes; such a file is a few kB")
-        return json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError) as exc:
-        raise CheckpointError(f"{key}{path} is not valid JSON ({type(exc).__name__}: {str(exc)[:200]})") from None
+    """The JSON value in ``path`` (an untrusted regular file of at most ``limit`` bytes, read as data); one line
+    naming it (after ``key``, the config key that led there) if it is larger, not a regular file, or not JSON."""
+    return read_json(path, limit, f"{key}{path}", hint="; such a file is a few kB")
 
 
 def hub_cache_dirs() -> list[Path]:
@@ -47,6 +42,7 @@ def hub_cache_dirs() -> list[Path]:
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 _REVISION = re.compile(r"^[0-9a-f]{40}$")
+_REF_LIMIT = 1 << 10  # bytes; refs/main is a 40-hex commit
 
 
 def resolve_hf_directory(spec: str) -> Path:
@@ -62,9 +58,10 @@ def resolve_hf_directory(spec: str) -> Path:
         looked.append(str(repo))
         if not (repo / "snapshots").is_dir():
             continue
-        try:
-            revision = (repo / "refs" / "main").read_text().strip()
-        except OSError:
+        ref = repo / "refs" / "main"
+        if ref.exists() or ref.is_symlink():  # a 40-hex commit and a newline; anything else is refused below
+            revision = read_text(ref, _REF_LIMIT, f"model.hf_checkpoint: {ref}", hint="; it names one snapshot").strip()
+        else:
             snapshots = sorted(p.name for p in (repo / "snapshots").iterdir() if _REVISION.match(p.name))
             revision = snapshots[0] if len(snapshots) == 1 else ""
         if not _REVISION.match(revision):  # refs/main is data: it may only name a snapshot, never a path
@@ -210,6 +207,7 @@ class HFWeights:
         if file not in self._open:
             if not file.exists():
                 raise CheckpointError(f"{file} is listed in the weight index but does not exist")
+            require_regular(file, str(file))  # a FIFO would block the open, a device map garbage
             try:
                 if file.suffix == ".safetensors":
                     from safetensors import safe_open
