@@ -156,8 +156,10 @@ def bench(hooks: PluginHooks, cfg, as_json: bool, profile: bool, steps: int, tra
     from ipuft.engine.profiling import format_profile
     from ipuft.run.bench import benchmark
 
-    if trace is not None and not Path(trace).resolve().parent.is_dir():
-        raise click.UsageError(f"--trace {trace}: its directory does not exist")
+    if trace is not None:
+        from ipuft.run.bench import check_trace_path
+
+        check_trace_path(Path(trace))  # before the config's warnings and any compute
     warn(cfg)
     result = benchmark(cfg, hooks, timed_steps=steps, profile=profile, trace=None if trace is None else Path(trace))
     if as_json:
