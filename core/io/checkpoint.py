@@ -49,7 +49,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ipuft import __version__
 from ipuft.components import VariableSpec
-from ipuft.errors import CheckpointError
+from ipuft.errors import CheckpointError, shown
 from ipuft.io.files import open_regular, read_bounded, read_json
 from ipuft.io.safetensors import SafetensorsReader, SafetensorsWriter
 
@@ -323,9 +323,9 @@ def _meta_problem(meta) -> str | None:
     if meta.get("format") != FORMAT:
         return f"is not an ipuft checkpoint (format {str(meta.get('format'))[:40]!r})"
     if not _integer(meta.get("step")):
-        return f"step must be an integer in [0, 2^53], got {str(meta.get('step'))[:40]}"
+        return f"step must be an integer in [0, 2^53], got {shown(meta.get('step'))}"
     if "updates" in meta and not (_integer(meta["updates"]) and meta["updates"] <= meta["step"]):
-        return f"updates must be an integer in [0, step={meta['step']}], got {str(meta['updates'])[:40]}"
+        return f"updates must be an integer in [0, step={meta['step']}], got {shown(meta['updates'])}"
     if not isinstance(meta.get("units"), list) or not all(isinstance(u, str) for u in meta["units"]):
         return "units must be a list of unit names"
     if not isinstance(meta.get("optim_state"), bool):
@@ -336,7 +336,7 @@ def _meta_problem(meta) -> str | None:
             return "loss_scale must be an object of scale, dynamic, growth_interval and clean_steps"
         number = scale["scale"]
         if not (isinstance(number, (int, float)) and not isinstance(number, bool) and 0 < number < float("inf")):
-            return f"loss_scale.scale must be a finite number > 0, got {str(number)[:40]}"
+            return f"loss_scale.scale must be a finite number > 0, got {shown(number)}"
         if not isinstance(scale["dynamic"], bool) or not _integer(scale["growth_interval"], 1) \
                 or not _integer(scale["clean_steps"]):
             return "loss_scale: dynamic must be a boolean, growth_interval an integer > 0, clean_steps >= 0"
@@ -346,7 +346,7 @@ def _meta_problem(meta) -> str | None:
             return "data must be an object"
         for key, value in data.items():
             if not _integer(value):
-                return f"data.{str(key)[:40]} must be an integer >= 0, got {str(value)[:40]}"
+                return f"data.{str(key)[:40]} must be an integer >= 0, got {shown(value)}"
     return None
 
 

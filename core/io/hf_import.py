@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ipuft.components import VariableSpec
-from ipuft.errors import CheckpointError, ConfigError, PluginError, described
+from ipuft.errors import CheckpointError, ConfigError, PluginError, described, shown
 from ipuft.families import HFConfigError, ModelFamily, ModelFamilyRegistry, config_int
 from ipuft.io.checkpoint import checked
 from ipuft.io.files import read_json, read_text, require_regular
@@ -106,7 +106,7 @@ def _special_tokens(config: dict) -> dict[str, Any]:
     if eos is not None:
         ids = eos if isinstance(eos, list) else [eos]
         if not ids or len(ids) > 64:
-            raise HFConfigError(f"eos_token_id must be a token id or a list of 1 to 64 ids, got {str(eos)[:40]}")
+            raise HFConfigError(f"eos_token_id must be a token id or a list of 1 to 64 ids, got {shown(eos)}")
         out["model.eos_token_ids"] = [config_int({"eos_token_id": i}, "eos_token_id", minimum=0) for i in ids]
     return out
 
