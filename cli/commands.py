@@ -156,8 +156,10 @@ def bench(hooks: PluginHooks, cfg, as_json: bool, profile: bool, steps: int, tra
     from ipuft.engine.profiling import format_profile
     from ipuft.run.bench import benchmark
 
-    if trace is not None and not Path(trace).resolve().parent.is_dir():
-        raise click.UsageError(f"--trace {trace}: its directory does not exist")
+    if trace is not None:
+        from ipuft.run.bench import check_trace_path
+
+        check_trace_path(Path(trace))  # before the config's warnings and any compute
     warn(cfg)
     result = benchmark(cfg, hooks, timed_steps=steps, profile=profile, trace=None if trace is None else Path(trace))
     if as_json:
@@ -276,13 +278,13 @@ def generate(hooks: PluginHooks, path: str, prompts_file: str | None, batch_size
             raise click.UsageError("give a PROMPT, or --prompts FILE")
         prompts, overrides = [args[0]], args[1:]
     else:
+        from ipuft.io.files import read_bounded
+
+        # bounded: a prompt file is text, never gigabytes (nor a FIFO or a device)
+        data = read_bounded(prompts_file, PROMPTS_LIMIT, f"--prompts {prompts_file}:", click.UsageError, "; split it")
         try:
-            with open(prompts_file, "rb") as f:  # bounded: a prompt file is text, never gigabytes
-                data = f.read(PROMPTS_LIMIT + 1)
-            if len(data) > PROMPTS_LIMIT:
-                raise click.UsageError(f"--prompts {prompts_file}: larger than {PROMPTS_LIMIT} bytes; split it")
             text = data.decode("utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
+        except UnicodeDecodeError as exc:
             raise click.UsageError(f"--prompts {prompts_file}: cannot be read ({exc})") from None
         prompts, overrides = [line for line in text.splitlines() if line.strip()], args
         if not prompts:

@@ -59,6 +59,21 @@ def described(exc: BaseException, limit: int = 300) -> str:
     return f"{type(exc).__name__}{': ' + message if message else ''}"
 
 
+def shown(value: object, limit: int = 40) -> str:
+    """A value read from a file (JSON or YAML), as an error message shows what it got: a number as itself, and
+    anything else with its type, so that ``"4"`` reads as the string '4', not as the number 4."""
+    if isinstance(value, bool):
+        return f"the boolean {str(value).lower()}"
+    if isinstance(value, (int, float)):
+        return str(value)[:limit]
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return f"the string {value[:limit]!r}"
+    kind = {list: "a list", tuple: "a list", dict: "an object"}.get(type(value), f"a {type(value).__name__}")
+    return f"{kind} ({str(value)[:limit]})"
+
+
 def choices(values: Iterable[str]) -> str:
     """Format a list of valid choices for an error message."""
     values = sorted(values)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ipuft.errors import PluginError, choices
+from ipuft.errors import PluginError, choices, shown
 from ipuft.registry import Registry
 
 if TYPE_CHECKING:
@@ -124,7 +124,7 @@ def config_int(config: Mapping, key: str, default: Any = _ABSENT, *, minimum: in
         return default
     if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= 1 << 40:
         kind = {0: "a non-negative integer", 1: "a positive integer"}.get(minimum, f"an integer of at least {minimum}")
-        raise HFConfigError(f"{key} must be {kind}, got {str(value)[:40]}")
+        raise HFConfigError(f"{key} must be {kind}, got {shown(value)}")
     return value
 
 
@@ -137,7 +137,7 @@ def config_float(config: Mapping, key: str, default: Any = _ABSENT, *, low: floa
             raise HFConfigError(f"lacks {key}")
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not low < value < high:
-        raise HFConfigError(f"{key} must be a number in ({low:g}, {high:g}), got {str(value)[:40]}")
+        raise HFConfigError(f"{key} must be a number in ({low:g}, {high:g}), got {shown(value)}")
     return float(value)
 
 
@@ -147,5 +147,5 @@ def config_flag(config: Mapping, key: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise HFConfigError(f"{key} must be true or false, got {str(value)[:40]}")
+        raise HFConfigError(f"{key} must be true or false, got {shown(value)}")
     return value

@@ -444,10 +444,10 @@ def test_a_config_json_it_cannot_run_is_one_line_and_writes_nothing(hooks, hf_di
         "missing": ({"hidden_size": None}, "lacks hidden_size"),
         "heads": ({"num_attention_heads": 5, "head_dim": None}, "num_attention_heads=5 does not divide hidden_size=48"),
         "kv": ({"num_key_value_heads": 4}, "num_key_value_heads=4 does not divide num_attention_heads=6"),
-        "tied": ({"tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false, got yes"),
+        "tied": ({"tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false, got the string 'yes'"),
         "act": ({"hidden_act": "gelu"}, "hidden_act 'gelu': ipuft runs llama's SwiGLU MLP with silu only"),
         "rope": ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_parameters's rope_type 'yarn'"),
-        "type": ({"vocab_size": "101"}, "vocab_size must be a positive integer, got 101"),
+        "type": ({"vocab_size": "101"}, "vocab_size must be a positive integer, got the string '101'"),
     }
     for name, (change, fragment) in cases.items():
         bad = tmp_path / name

@@ -61,7 +61,7 @@ def _read_chain(spec: str, within: Path | None, chain: list[str]) -> tuple[dict,
             if not path.resolve().is_relative_to(within.resolve()):
                 raise ConfigError(f"{named}: the base leaves {within}, the directory of the file naming it; "
                                   f"keep it there or below")
-        if not path.is_file():
+        if not path.exists() and not path.is_symlink():  # anything else not a regular file: read_config_data says
             raise ConfigError(f"{named}: preset file {path} does not exist")
         identity, shipped = str(path.resolve()), False
         data = read_config_data(path, f"{named}: preset {path}")

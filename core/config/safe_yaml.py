@@ -11,20 +11,19 @@ from pathlib import Path
 import yaml
 
 from ipuft.errors import CheckpointError, ConfigError
+from ipuft.io.files import read_bounded
 
 _PRESET_LIMIT = 1 << 20  # bytes: a config is a few kB; more is not a config
 
 
 def read_config_data(path: Path, source: str) -> dict:
     """The mapping in YAML file ``path`` (a preset or a checkpoint's config.yaml); ``source`` names it in
-    errors. Size-bounded, and parsed with PyYAML's safe loader: no object is constructed."""
+    errors. A regular file, size-bounded (:func:`ipuft.io.files.read_bounded`), and parsed with PyYAML's safe
+    loader: no object is constructed."""
+    data = read_bounded(path, _PRESET_LIMIT, f"{source}: {path}", ConfigError, hint="; a config is a few kB")
     try:
-        if path.stat().st_size > _PRESET_LIMIT:
-            raise ConfigError(f"{source}: {path} is larger than {_PRESET_LIMIT} bytes; a config is a few kB")
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{source}: {path} does not exist") from None
-    except (OSError, UnicodeDecodeError) as exc:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
         raise ConfigError(f"{source}: {path} cannot be read as UTF-8 text ({type(exc).__name__})") from None
     return parse_config_mapping(text, source)
 

@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from ipuft.config.schema import DataFormat
+from ipuft.errors import CheckpointError
 from ipuft.io.checkpoint import sha256_file
+from ipuft.io.files import require_regular
 from ipuft.paths import cache_root
 
 if TYPE_CHECKING:
@@ -60,10 +62,14 @@ class TokenCache:
         """The cached ``(tokens, offsets, target_starts)`` (offsets None when packed), or None on a miss."""
         import numpy as np
 
+        arrays = {}
         try:
-            arrays = {f: np.load(self.directory / f"{f}.npy", mmap_mode="r", allow_pickle=False)
-                      for f in self.FILES if (self.directory / f"{f}.npy").exists()}
-        except (OSError, ValueError):
+            for f in self.FILES:
+                file = self.directory / f"{f}.npy"
+                if file.exists() or file.is_symlink():
+                    require_regular(file, str(file))  # a FIFO would block np.load, a device map garbage
+                    arrays[f] = np.load(file, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError, CheckpointError):
             return None
         tokens = arrays.get("tokens")
         if tokens is None or tokens.dtype != np.int32 or tokens.ndim != 1 or not len(tokens):

@@ -5,6 +5,7 @@ UTF-8 are one :class:`~ipuft.errors.DataError` line naming the file and row."""
 from __future__ import annotations
 
 import csv
+import io
 import json
 from collections.abc import Iterator
 from importlib import resources
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ipuft.errors import DataError
+from ipuft.io.files import open_regular
 
 SAMPLE_DATASET = "mnli-sample"
 READERS = (".jsonl", ".json", ".csv", ".tsv", ".parquet", ".txt")
@@ -66,7 +68,7 @@ def _rows(path: Path, name: str, suffix: str) -> Iterator[tuple[int, dict[str, A
     if suffix in (".jsonl", ".json"):
         yield from _read_json(path, name)
     elif suffix in (".csv", ".tsv"):
-        with path.open(newline="", encoding="utf-8-sig") as f:  # a spreadsheet's BOM is not a column name
+        with _open_text(path, name, "utf-8-sig", newline="") as f:  # a spreadsheet's BOM is not a column name
             reader = csv.DictReader(f, delimiter="\t" if suffix == ".tsv" else ",")
             for number, row in enumerate(reader, 1):
                 # A row with more cells than the header gets them under the key None: drop them.
@@ -75,15 +77,21 @@ def _rows(path: Path, name: str, suffix: str) -> Iterator[tuple[int, dict[str, A
     elif suffix == ".parquet":
         yield from _read_parquet(path, name)
     else:
-        with path.open(encoding="utf-8") as f:
+        with _open_text(path, name, "utf-8") as f:
             for number, raw in enumerate(f, 1):
                 line = raw.rstrip("\r\n")
                 if line.strip():
                     yield number, {"text": line}
 
 
+def _open_text(path: Path, name: str, encoding: str, newline: str | None = None) -> io.TextIOWrapper:
+    """``path`` open as text, once the opened file is known to be a regular one (:mod:`ipuft.io.files`: a FIFO
+    swapped in after :func:`read_rows`' check is refused, not waited on)."""
+    return io.TextIOWrapper(open_regular(path, name, DataError), encoding=encoding, newline=newline)
+
+
 def _read_json(path: Path, name: str) -> Iterator[tuple[int, dict[str, Any]]]:
-    with path.open(encoding="utf-8-sig") as f:
+    with _open_text(path, name, "utf-8-sig") as f:
         first = f.read(1)
         while first.isspace():
             first = f.read(1)

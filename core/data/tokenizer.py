@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ipuft.errors import DataError, first_line
+from ipuft.io.files import read_bounded
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -65,15 +66,17 @@ def tokenizer_from_bytes(data: bytes, path: Path) -> Tokenizer:
 
 def load_tokenizer(spec: str, key: str = "data.tokenizer") -> Tokenizer:
     """A ``tokenizers.Tokenizer`` from ``"sample"`` (shipped with ipuft), a directory holding
-    ``tokenizer.json``, or the file itself. ``key`` names the config key in error messages."""
+    ``tokenizer.json``, or the file itself: a regular file of at most :data:`TOKENIZER_LIMIT` bytes
+    (:func:`ipuft.io.files.read_bounded`). ``key`` names the config key in error messages."""
     from tokenizers import Tokenizer
 
     path = tokenizer_path(spec)
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         raise DataError(f"{key}: no tokenizer.json at {path}; give a directory holding tokenizer.json "
                         f"or the file itself")
+    data = read_bounded(path, TOKENIZER_LIMIT, f"{key}: {path}", DataError, "; a tokenizer.json is a few MB")
     try:
-        return Tokenizer.from_file(str(path))
+        return Tokenizer.from_str(data.decode("utf-8"))
     except Exception as exc:  # noqa: BLE001 (the Rust side raises plain Exceptions)
         why = first_line(exc, type(exc).__name__)
         raise DataError(f"{key}: {path} is not a valid tokenizer.json ({why})") from None

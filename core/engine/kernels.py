@@ -30,12 +30,16 @@ import torch
 from omegaconf import DictConfig
 
 from ipuft.engine.precision import compute_dtype
-from ipuft.errors import ConfigError
+from ipuft.errors import CheckpointError, ConfigError
+from ipuft.io.files import read_json
 
 PROBE = 384  # an n × n × n matmul: 113 MFLOP, under a millisecond in float32 on one modern core
 SLOW = 0.5  # a 16-bit rate under this share of the float32 rate gets the warning
 CACHE_FILE = "kernels.json"
 _CACHE_LIMIT = 1 << 20  # bytes: a few entries of a few rates
+# FLOP/s a cached rate may be: from 1 MFLOP/s (slower, the probe would take minutes) to 10 PFLOP/s, beyond any
+# CPU; a rate outside is impossible, not measured, so it is measured again.
+RATE_RANGE = (1e6, 1e16)
 
 
 def compute_device(cfg: DictConfig) -> torch.device:
@@ -82,19 +86,24 @@ def _cache_path() -> Path:
 
 
 def _read_cache(path: Path) -> dict:
-    """The cache file's entries; whatever is not ``{identity: {dtype: positive finite rate}}`` is dropped (the
-    file is only an accelerator: a bad one is measured again and rewritten)."""
+    """The cache file's entries; whatever is not ``{identity: {dtype: possible rate}}`` (:data:`RATE_RANGE`) is
+    dropped, and a file that is not a regular one (:mod:`ipuft.io.files`), too large or not JSON is read as none:
+    the file is only an accelerator, so a bad one is measured again and rewritten."""
+    if not path.exists() and not path.is_symlink():
+        return {}
     try:
-        if path.stat().st_size > _CACHE_LIMIT:
-            return {}
-        data = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError):
+        data = read_json(path, _CACHE_LIMIT, str(path))
+    except CheckpointError:  # not a regular file (a FIFO is never waited on), too large, not JSON
         return {}
     if not isinstance(data, dict):
         return {}
     return {key: rates for key, rates in data.items()
-            if isinstance(rates, dict) and all(isinstance(r, float) and math.isfinite(r) and r > 0
-                                               for r in rates.values())}
+            if isinstance(rates, dict) and all(map(_possible, rates.values()))}
+
+
+def _possible(rate: object) -> bool:
+    """Whether ``rate`` is a rate one CPU's matmul can have: a float within :data:`RATE_RANGE`."""
+    return isinstance(rate, float) and RATE_RANGE[0] <= rate <= RATE_RANGE[1]
 
 
 def _write_cache(path: Path, entries: dict) -> None:

@@ -49,7 +49,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from ipuft import __version__
 from ipuft.components import VariableSpec
-from ipuft.errors import CheckpointError
+from ipuft.errors import CheckpointError, shown
+from ipuft.io.files import open_regular, read_bounded, read_json
 from ipuft.io.safetensors import SafetensorsReader, SafetensorsWriter
 
 FORMAT = "ipuft-checkpoint"
@@ -95,7 +96,7 @@ def _fsync(path: Path) -> None:
 def sha256_file(path: Path) -> str:
     """The SHA-256 hex digest of a file, read in 4 MiB blocks."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path, str(path)) as f:
         for block in iter(lambda: f.read(1 << 22), b""):
             digest.update(block)
     return digest.hexdigest()
@@ -244,16 +245,9 @@ def read_manifest(checkpoint: Path) -> dict[str, str]:
     """
     where = f"checkpoint {checkpoint}"
     path = checkpoint / MANIFEST
-    try:
-        if path.is_symlink() or not path.is_file():
-            raise FileNotFoundError
-        if path.stat().st_size > _MANIFEST_LIMIT:
-            raise CheckpointError(f"{where}/{MANIFEST} is larger than {_MANIFEST_LIMIT} bytes: not a manifest")
-        manifest = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{where} has no {MANIFEST}: it is incomplete") from None
-    except (OSError, ValueError, RecursionError) as exc:
-        raise CheckpointError(f"{where}/{MANIFEST} cannot be read ({type(exc).__name__}: {exc})") from None
+    if path.is_symlink() or not path.is_file():
+        raise CheckpointError(f"{where} has no {MANIFEST}: it is incomplete")
+    manifest = read_json(path, _MANIFEST_LIMIT, f"{where}/{MANIFEST}", hint=": not a manifest")
     if not isinstance(manifest, dict):
         raise CheckpointError(f"{where}/{MANIFEST} must be a JSON object of file name -> SHA-256")
     allowed = REQUIRED + OPTIONAL
@@ -299,12 +293,7 @@ def read_verified(checkpoint: Path, name: str, limit: int) -> bytes:
     path = checkpoint / name
     if name not in manifest:
         raise CheckpointError(f"checkpoint {checkpoint} has no {name}")
-    try:
-        if path.stat().st_size > limit:
-            raise CheckpointError(f"{path} is larger than {limit} bytes: not a checkpoint's {name}")
-        data = path.read_bytes()
-    except OSError as exc:
-        raise CheckpointError(f"{path} cannot be read ({exc.strerror or exc})") from None
+    data = read_bounded(path, limit, str(path), hint=f": not a checkpoint's {name}")
     if hashlib.sha256(data).hexdigest() != manifest[name]:
         raise CheckpointError(f"checkpoint {checkpoint}: {name} does not match its checksum (corrupted)")
     return data
@@ -334,9 +323,9 @@ def _meta_problem(meta) -> str | None:
     if meta.get("format") != FORMAT:
         return f"is not an ipuft checkpoint (format {str(meta.get('format'))[:40]!r})"
     if not _integer(meta.get("step")):
-        return f"step must be an integer in [0, 2^53], got {str(meta.get('step'))[:40]}"
+        return f"step must be an integer in [0, 2^53], got {shown(meta.get('step'))}"
     if "updates" in meta and not (_integer(meta["updates"]) and meta["updates"] <= meta["step"]):
-        return f"updates must be an integer in [0, step={meta['step']}], got {str(meta['updates'])[:40]}"
+        return f"updates must be an integer in [0, step={meta['step']}], got {shown(meta['updates'])}"
     if not isinstance(meta.get("units"), list) or not all(isinstance(u, str) for u in meta["units"]):
         return "units must be a list of unit names"
     if not isinstance(meta.get("optim_state"), bool):
@@ -347,7 +336,7 @@ def _meta_problem(meta) -> str | None:
             return "loss_scale must be an object of scale, dynamic, growth_interval and clean_steps"
         number = scale["scale"]
         if not (isinstance(number, (int, float)) and not isinstance(number, bool) and 0 < number < float("inf")):
-            return f"loss_scale.scale must be a finite number > 0, got {str(number)[:40]}"
+            return f"loss_scale.scale must be a finite number > 0, got {shown(number)}"
         if not isinstance(scale["dynamic"], bool) or not _integer(scale["growth_interval"], 1) \
                 or not _integer(scale["clean_steps"]):
             return "loss_scale: dynamic must be a boolean, growth_interval an integer > 0, clean_steps >= 0"
@@ -357,7 +346,7 @@ def _meta_problem(meta) -> str | None:
             return "data must be an object"
         for key, value in data.items():
             if not _integer(value):
-                return f"data.{str(key)[:40]} must be an integer >= 0, got {str(value)[:40]}"
+                return f"data.{str(key)[:40]} must be an integer >= 0, got {shown(value)}"
     return None
 
 

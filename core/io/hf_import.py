@@ -5,7 +5,6 @@ and their weights streamed one tensor at a time (safetensors, possibly sharded w
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Callable
@@ -17,23 +16,19 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ipuft.components import VariableSpec
-from ipuft.errors import CheckpointError, ConfigError, PluginError, described
+from ipuft.errors import CheckpointError, ConfigError, PluginError, described, shown
 from ipuft.families import HFConfigError, ModelFamily, ModelFamilyRegistry, config_int
 from ipuft.io.checkpoint import checked
+from ipuft.io.files import read_json, read_text, require_regular
 from ipuft.io.hf_names import unit_mappings
 
 _CONFIG_LIMIT = 1 << 20  # bytes; a config.json is a few kB
 
 
 def _read_json(path: Path, limit: int, key: str = "") -> object:
-    """The JSON value in ``path`` (an untrusted file of at most ``limit`` bytes, read as data); one line naming
-    it (after ``key``, the config key that led there) if it is larger, unreadable, or not JSON."""
-    try:
-        if path.stat().st_size > limit:
-            raise CheckpointError(f"{key}{path} is larger than {limit} bytes; such a file is a few kB")
-        return json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError) as exc:
-        raise CheckpointError(f"{key}{path} is not valid JSON ({type(exc).__name__}: {str(exc)[:200]})") from None
+    """The JSON value in ``path`` (an untrusted regular file of at most ``limit`` bytes, read as data); one line
+    naming it (after ``key``, the config key that led there) if it is larger, not a regular file, or not JSON."""
+    return read_json(path, limit, f"{key}{path}", hint="; such a file is a few kB")
 
 
 def hub_cache_dirs() -> list[Path]:
@@ -47,6 +42,7 @@ def hub_cache_dirs() -> list[Path]:
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 _REVISION = re.compile(r"^[0-9a-f]{40}$")
+_REF_LIMIT = 1 << 10  # bytes; refs/main is a 40-hex commit
 
 
 def resolve_hf_directory(spec: str) -> Path:
@@ -62,9 +58,10 @@ def resolve_hf_directory(spec: str) -> Path:
         looked.append(str(repo))
         if not (repo / "snapshots").is_dir():
             continue
-        try:
-            revision = (repo / "refs" / "main").read_text().strip()
-        except OSError:
+        ref = repo / "refs" / "main"
+        if ref.exists() or ref.is_symlink():  # a 40-hex commit and a newline; anything else is refused below
+            revision = read_text(ref, _REF_LIMIT, f"model.hf_checkpoint: {ref}", hint="; it names one snapshot").strip()
+        else:
             snapshots = sorted(p.name for p in (repo / "snapshots").iterdir() if _REVISION.match(p.name))
             revision = snapshots[0] if len(snapshots) == 1 else ""
         if not _REVISION.match(revision):  # refs/main is data: it may only name a snapshot, never a path
@@ -109,7 +106,7 @@ def _special_tokens(config: dict) -> dict[str, Any]:
     if eos is not None:
         ids = eos if isinstance(eos, list) else [eos]
         if not ids or len(ids) > 64:
-            raise HFConfigError(f"eos_token_id must be a token id or a list of 1 to 64 ids, got {str(eos)[:40]}")
+            raise HFConfigError(f"eos_token_id must be a token id or a list of 1 to 64 ids, got {shown(eos)}")
         out["model.eos_token_ids"] = [config_int({"eos_token_id": i}, "eos_token_id", minimum=0) for i in ids]
     return out
 
@@ -185,31 +182,48 @@ def _weight_map(index: Path) -> dict[str, str]:
 
 
 class HFWeights:
-    """Read a Hugging Face checkpoint's tensors one at a time, by name."""
+    """Read a Hugging Face checkpoint's tensors one at a time, by name.
+
+    Every weight file is opened (its header only: safetensors maps, ``.bin`` files are memory-mapped) when the
+    reader is made, each checked first to be a regular file, and an index is checked against them: a tensor it
+    puts in a file that does not hold it is one line naming both, before anything is computed or written."""
 
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
         self._open: dict[Path, object] = {}
+        self._held: dict[Path, dict[str, None]] = {}  # each file's tensor names, in its order
+        self.index: Path | None = None
         self.files = self._weight_map()
+        for file in dict.fromkeys(self.files.values()):
+            held = self._names(file)
+            missing = [name for name, f in self.files.items() if f == file and name not in held]
+            if missing:
+                more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+                raise CheckpointError(f"{self.index}: weight_map puts {missing[0][:80]}{more} in {file.name}, which "
+                                      f"does not hold it; the index does not match its weight files")
 
     def _weight_map(self) -> dict[str, Path]:
         d = self.directory
         for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
             index = d / index_name
             if index.exists():
+                self.index = index
                 return {name: d / file for name, file in _weight_map(index).items()}
         for single in ("model.safetensors", "pytorch_model.bin"):
             if (d / single).exists():
                 return {name: d / single for name in self._names(d / single)}
         raise CheckpointError(f"model.hf_checkpoint: {d} holds no model.safetensors, pytorch_model.bin or index")
 
-    def _names(self, file: Path) -> list[str]:
-        return list(self._handle(file).keys())
+    def _names(self, file: Path) -> dict[str, None]:
+        if file not in self._held:
+            self._held[file] = dict.fromkeys(self._handle(file).keys())
+        return self._held[file]
 
     def _handle(self, file: Path):
         if file not in self._open:
             if not file.exists():
                 raise CheckpointError(f"{file} is listed in the weight index but does not exist")
+            require_regular(file, str(file))  # a FIFO would block the open, a device map garbage
             try:
                 if file.suffix == ".safetensors":
                     from safetensors import safe_open
@@ -219,6 +233,9 @@ class HFWeights:
                     self._open[file] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
             except Exception as exc:  # noqa: BLE001 (a truncated or corrupted file: one line, naming it)
                 raise CheckpointError(f"{file} cannot be read: {type(exc).__name__}: {exc}") from None
+            if not hasattr(self._open[file], "keys"):
+                raise CheckpointError(f"{file} cannot be read: it holds a {type(self._open[file]).__name__}, not "
+                                      f"a mapping of tensor names to tensors")
         return self._open[file]
 
     def get(self, name: str) -> torch.Tensor:
@@ -227,6 +244,16 @@ class HFWeights:
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
+
+    def layers(self, modules) -> tuple[int, str] | None:
+        """The highest decoder layer these weights hold, as the decoder component names its tensors
+        (``modules["decoder"].hf_mapping``), and one tensor of it; None if they hold none."""
+        sentinel = "1000000007"  # a layer index no name holds otherwise: where a name carries its layer
+        patterns = {re.compile(re.escape(before) + r"(\d+)" + re.escape(after))
+                    for hf in modules["decoder"].hf_mapping(int(sentinel)).values() if sentinel in hf
+                    for before, _, after in [hf.partition(sentinel)]}
+        found = [(int(m.group(1)), name) for name in self.files for p in patterns if (m := p.fullmatch(name))]
+        return max(found) if found else None
 
 
 def hf_initializer(directory: str | Path, modules, layers: int,
@@ -239,6 +266,11 @@ def hf_initializer(directory: str | Path, modules, layers: int,
     weights = HFWeights(directory)
     mappings = unit_mappings(modules, layers)
     source = f"model.hf_checkpoint {weights.directory}"
+    highest = weights.layers(modules)
+    if highest is not None and highest[0] >= layers:
+        raise CheckpointError(f"{source}: its weights hold layer {highest[0]} ({highest[1][:80]}), but its "
+                              f"config.json names {layers} layers; config.json must describe all the weights "
+                              f"(their first {layers} layers alone are another model)")
 
     def initial(unit: str, specs: list[VariableSpec]) -> dict[str, torch.Tensor]:
         hf_names = mappings[unit]

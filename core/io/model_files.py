@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from ipuft.errors import CheckpointError
 from ipuft.io.checkpoint import MODEL_FILES, SOURCE_CONFIG, find_checkpoint, read_manifest, read_verified
+from ipuft.io.files import read_bounded
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -81,16 +82,9 @@ def read_directory_file(directory: Path, name: str, where: str, file: str | None
     target = path.resolve()
     if not any(target.is_relative_to(root) for root in _roots(directory)):
         raise CheckpointError(f"{where}{path} is a link out of its directory; copy the file itself there")
-    if not target.is_file():
-        what = "a dangling link" if not target.exists() else "not a regular file"
-        raise CheckpointError(f"{where}{path} is {what}")
-    try:
-        if target.stat().st_size > limit(name):
-            raise CheckpointError(f"{where}{path} is larger than {limit(name)} bytes: not a model's {path.name}")
-        with open(target, "rb") as f:
-            data = f.read(limit(name) + 1)
-    except OSError as exc:
-        raise CheckpointError(f"{where}{path} cannot be read ({exc.strerror or exc})") from None
+    if not target.exists():
+        raise CheckpointError(f"{where}{path} is a dangling link")
+    data = read_bounded(target, limit(name), f"{where}{path}", hint=f": not a model's {path.name}")
     return checked(name, data, f"{where}{path}")
 
 

@@ -27,6 +27,7 @@ import torch
 
 from ipuft.components import VariableSpec
 from ipuft.errors import CheckpointError
+from ipuft.io.files import open_regular
 
 _NAMES = {
     "bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "int32": "I32", "int64": "I64", "uint16": "U16",
@@ -140,11 +141,8 @@ class SafetensorsReader:
         self._finished = False
         self._digest = hashlib.sha256()
         self._buffer = bytearray(_BLOCK)
-        try:
-            self._file = open(self.path, "rb")  # noqa: SIM115 (closed by finish() or close())
-            self.size = os.fstat(self._file.fileno()).st_size
-        except OSError as exc:
-            raise CheckpointError(f"{where} cannot be read ({exc.strerror or exc})") from None
+        self._file = open_regular(self.path, where)  # closed by finish() or close(); never a FIFO or device
+        self.size = os.fstat(self._file.fileno()).st_size
         try:
             self.entries, self.metadata = self._header()
         except BaseException:

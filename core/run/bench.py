@@ -5,6 +5,8 @@ of :mod:`ipuft.engine.flops`; ``--profile`` (where a step's time goes, :mod:`ipu
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +34,9 @@ def benchmark(cfg: DictConfig, hooks: PluginHooks, timed_steps: int = 5, profile
     the last, the run's matmul (that of the peak) runs for half a second: their rate over all that time is the
     profile's ``"matmul_rate"``, the matmul's speed in the same minutes as the phases it is set against.
     ``trace``: then one step recorded by ``torch.profiler``, with a range per phase, written there as a Chrome
-    trace."""
+    trace (checked to be writable before anything is built: :func:`check_trace_path`)."""
+    if trace is not None:
+        check_trace_path(trace)
     data = data_source(cfg)
     engine = build_engine(cfg, hooks)
     batch = replica_batch(cfg, data, 0, engine.layout)
@@ -106,7 +110,40 @@ def trace_step(engine: PhasedEngine, batch: Batch, lr: float, path: Path) -> Non
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
     with torch_profile(activities=activities) as recorded, profiling(PhaseLabels()):
         engine.step(batch, lr)
+    # Written beside ``path`` and moved there once complete: torch's exporter does not say when it fails to write.
+    where = f"--trace {path}"
     try:
-        recorded.export_chrome_trace(str(path))
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=path.suffix, dir=path.parent)
+        os.close(fd)
     except OSError as exc:
-        raise ConfigError(f"--trace {path}: cannot be written ({exc.strerror or exc})") from None
+        raise ConfigError(f"{where}: cannot be written ({exc.strerror or exc})") from None
+    try:
+        recorded.export_chrome_trace(tmp)
+        if os.path.getsize(tmp) == 0:
+            raise ConfigError(f"{where}: torch.profiler wrote nothing (is its file system full?)")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # as a file opened for writing would be, not mkstemp's 0600
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot be written ({exc.strerror or exc})") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def check_trace_path(path: Path) -> None:
+    """Refuse, in one line, a ``--trace`` path that cannot be written: its directory missing or not writable
+    (a file is made there and removed), or the path something other than a regular file."""
+    where = f"--trace {path}"
+    if not path.parent.is_dir():
+        raise ConfigError(f"{where}: its directory does not exist")
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        what = "a link" if path.is_symlink() else "not a regular file"
+        raise ConfigError(f"{where}: exists and is {what}; give a regular file's path, or a new one")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{path.stem}.", dir=path.parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot be written ({exc.strerror or exc})") from None
