@@ -137,13 +137,12 @@ def derive_and_validate(cfg: DictConfig) -> None:
     if model.intermediate_size is None:
         model.intermediate_size = 4 * model.hidden_size
     _require(model.intermediate_size > 0, "model.intermediate_size", f"must be > 0, got {model.intermediate_size}")
+    # How wide a head is, and so how much of it rotates, is the decoder's to say (GPT-J's is hidden / heads,
+    # Llama's may be plugins.llama.head_dim): each decoder checks it when built. Every rotary turns pairs.
     heads = model.attention.heads
-    _require(model.hidden_size % heads == 0, "model.hidden_size",
-             f"{model.hidden_size} is not divisible by model.attention.heads={heads}")
-    head_dim = model.hidden_size // heads
     rotary = model.attention.rotary_dim
-    _require(rotary <= head_dim and rotary % 2 == 0, "model.attention.rotary_dim",
-             f"must be even and at most the head size {head_dim}, got {rotary}")
+    _require(rotary % 2 == 0, "model.attention.rotary_dim",
+             f"must be even (rotary embeddings turn pairs of dimensions), got {rotary}")
 
     tp = execution.tensor_parallel
     for key, value in (("model.attention.heads", heads), ("model.hidden_size", model.hidden_size),
