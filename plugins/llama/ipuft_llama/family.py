@@ -21,6 +21,9 @@ NAME = "llama"  # the component name of every role
 SECTION = "llama"  # plugins.llama
 
 _ROPE_TYPES = ("llama3", "linear")
+# transformers' defaults where config.json lacks the key (MistralConfig, Qwen2Config); LlamaConfig has none.
+_KV_HEADS_DEFAULT = {"mistral": 8, "qwen2": 32}
+_WINDOW_DEFAULT = {"mistral": 4096, "qwen2": 4096}
 
 
 # The largest rope scaling factor ipuft takes: real ones are 2 to 64; beyond this every frequency is ~0.
@@ -73,7 +76,10 @@ def read_config(config: Mapping, model_type: str) -> dict[str, Any]:
     """A Llama-architecture config.json as ipuft config keys, every value checked."""
     hidden = config_int(config, "hidden_size")
     heads = config_int(config, "num_attention_heads")
-    kv_heads = config_int(config, "num_key_value_heads", heads)
+    # Absent, num_key_value_heads and sliding_window take their transformers config class's defaults (null: all
+    # heads, no window).
+    kv_default = _KV_HEADS_DEFAULT.get(model_type, heads) if "num_key_value_heads" not in config else heads
+    kv_heads = config_int(config, "num_key_value_heads", kv_default)
     if hidden % heads and config.get("head_dim") is None:
         raise HFConfigError(f"num_attention_heads={heads} does not divide hidden_size={hidden} and no head_dim "
                             f"is given")
@@ -87,12 +93,12 @@ def read_config(config: Mapping, model_type: str) -> dict[str, Any]:
         raise HFConfigError(f"hidden_act {str(act)[:40]!r}: ipuft runs {model_type}'s SwiGLU MLP with silu only")
     if config_flag(config, "mlp_bias", False):
         raise HFConfigError("mlp_bias=true: ipuft's Llama MLP has no biases")
+    window = config.get("sliding_window", _WINDOW_DEFAULT.get(model_type))
     if model_type == "qwen2":
         qkv_bias, out_bias = True, False  # Qwen2's attention always has q/k/v biases, never an output bias
-        window = config.get("sliding_window") if config_flag(config, "use_sliding_window", False) else None
+        window = window if config_flag(config, "use_sliding_window", False) else None
     else:
         qkv_bias = out_bias = config_flag(config, "attention_bias", False)
-        window = config.get("sliding_window")
     if window is not None:
         window = config_int({"sliding_window": window}, "sliding_window")
     if config.get("attention_dropout") not in (None, 0, 0.0):
