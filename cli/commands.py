@@ -271,8 +271,9 @@ def generate(hooks: PluginHooks, path: str, prompts_file: str | None, batch_size
       ipuft generate --checkpoint runs/a --prompts prompts.txt --batch-size 16 --json
       ipuft generate --checkpoint /models/gpt-j-6b --temperature 0.8 --top-p 0.9 "Once upon" data.tokenizer=DIR
     """
-    from ipuft.run.generate import generate_texts, inference_config
+    from ipuft.run.generate import check_sampling, generate_texts, inference_config
 
+    check_sampling(max_new_tokens, temperature, top_k, top_p, seed)  # before any model is read
     if prompts_file is None:
         if not args:
             raise click.UsageError("give a PROMPT, or --prompts FILE")

@@ -12,6 +12,7 @@ of them under :meth:`LayerKVCache.attention_mask` when the rows are padded.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 from typing import TYPE_CHECKING
 
@@ -121,8 +122,8 @@ def next_token(
     """
     if temperature == 0.0:
         return int(logits.argmax())
-    if temperature < 0.0:
-        raise ValueError(f"temperature must be ≥ 0, not {temperature}")
+    if not (0.0 < temperature < math.inf):
+        raise ValueError(f"temperature must be 0 (greedy) or finite and > 0, not {temperature}")
     logits = logits.float() / temperature
     if 0 < top_k < logits.shape[-1]:
         keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, logits.topk(top_k).indices, True)

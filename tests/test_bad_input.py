@@ -368,6 +368,12 @@ def snapshot(root: Path) -> dict[str, str]:
 
 @pytest.mark.parametrize(("args", "fragment"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_input_is_one_clear_line(tmp_path, trained, capsys, monkeypatch, args, fragment):
+    assert_one_clear_line(tmp_path, trained, capsys, monkeypatch, args, fragment)
+
+
+def assert_one_clear_line(tmp_path, trained, capsys, monkeypatch, args, fragment) -> int:
+    """``ipuft ARGS`` (``args(tmp_path, trained)``) fails with one line holding ``fragment``, no traceback, and
+    changes nothing under ``tmp_path``; returns its exit code."""
     monkeypatch.chdir(tmp_path)
     argv = args(tmp_path, trained)
     before = snapshot(tmp_path)
@@ -380,6 +386,7 @@ def test_bad_input_is_one_clear_line(tmp_path, trained, capsys, monkeypatch, arg
     assert fragment in err, err
     assert "Traceback" not in err
     assert snapshot(tmp_path) == before  # nothing written, nothing damaged
+    return info.value.code
 
 
 def test_checkpoint_config_never_chooses_where_a_run_writes(tmp_path, trained, monkeypatch):

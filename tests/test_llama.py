@@ -68,7 +68,12 @@ def test_config_json_sets_the_family_components_and_shapes(hooks, hf_dirs, kind)
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_logits_loss_and_gradients_match_transformers(hooks, hf_dirs, kind):
-    hf, src = hf_dirs[kind]
+    match_transformers(hooks, *hf_dirs[kind])
+
+
+def match_transformers(hooks, hf, src):
+    """ipuft's model of directory ``src`` computes transformers' ``hf``: logits, loss and every gradient on
+    random tokens; returns the run's config."""
     cfg = config(hooks, src)
     parts = build_model(cfg, hooks)
     units = hf_units(parts.modules, 2, {k: v.detach().clone().requires_grad_() for k, v in hf.state_dict().items()})
@@ -86,6 +91,7 @@ def test_logits_loss_and_gradients_match_transformers(hooks, hf_dirs, kind):
     assert set(ours) == set(hf_params)
     for name, p in hf_params.items():
         torch.testing.assert_close(ours[name].grad, p.grad, atol=1e-5, rtol=1e-5, msg=name)
+    return cfg
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])

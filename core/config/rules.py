@@ -137,13 +137,13 @@ def derive_and_validate(cfg: DictConfig) -> None:
     if model.intermediate_size is None:
         model.intermediate_size = 4 * model.hidden_size
     _require(model.intermediate_size > 0, "model.intermediate_size", f"must be > 0, got {model.intermediate_size}")
+    # How wide a head is, and so how much of it rotates, is the decoder's to say (GPT-J's is hidden / heads,
+    # Llama's may be plugins.llama.head_dim): each decoder checks it when built. Every rotary turns pairs.
     heads = model.attention.heads
-    _require(model.hidden_size % heads == 0, "model.hidden_size",
-             f"{model.hidden_size} is not divisible by model.attention.heads={heads}")
-    head_dim = model.hidden_size // heads
     rotary = model.attention.rotary_dim
-    _require(rotary <= head_dim and rotary % 2 == 0, "model.attention.rotary_dim",
-             f"must be even and at most the head size {head_dim}, got {rotary}")
+    _require(rotary % 2 == 0, "model.attention.rotary_dim",
+             f"must be even (rotary embeddings turn pairs of dimensions), got {rotary}")
+    _check_token_ids(model)
 
     tp = execution.tensor_parallel
     for key, value in (("model.attention.heads", heads), ("model.hidden_size", model.hidden_size),
@@ -168,6 +168,18 @@ def derive_and_validate(cfg: DictConfig) -> None:
             _require(not execution[key], "execution.recompute",
                      f"false keeps every layer's autograd graph, and the weights it references, on the device; "
                      f"set execution.{key}=false with it (or recompute=true)")
+
+
+def _check_token_ids(model: DictConfig) -> None:
+    """``model.bos_token_id`` and each of ``model.eos_token_ids`` name a token of the vocabulary."""
+    vocab = model.embedding.vocab_size
+    ids = [("model.bos_token_id", model.bos_token_id)] if model.bos_token_id is not None else []
+    ids += [("model.eos_token_ids", i) for i in model.eos_token_ids]
+    for key, token in ids:
+        _require(0 <= token < vocab, key, f"token id {token} is outside the vocabulary (0 to {vocab - 1}: "
+                                          f"model.embedding.vocab_size={vocab})")
+    _require(len(model.eos_token_ids) <= 64, "model.eos_token_ids",
+             f"{len(model.eos_token_ids)} ids; a model has a few (at most 64)")
 
 
 def check_plugins(cfg: DictConfig, registrations: Registrations) -> None:

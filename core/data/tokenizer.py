@@ -131,20 +131,36 @@ def tokenizer_config(cfg: DictConfig) -> dict | None:
     return json.loads(found["tokenizer_config.json"]) if found else None
 
 
+def check_in_vocabulary(ids, vocab_size: int, what: str) -> None:
+    """Each of ``ids`` (from a tokenizer: its specials, a prompt's encoding) is a token of the model's
+    ``vocab_size``; else one line naming ``what`` gave it, the id and the vocabulary's size."""
+    for token_id in ids:
+        if not 0 <= token_id < vocab_size:
+            raise DataError(f"{what}: token id {token_id} is outside the model's vocabulary (0 to {vocab_size - 1}: "
+                            f"model.embedding.vocab_size={vocab_size}); the tokenizer is not the model's")
+
+
 def specials(tokenizer: Tokenizer, cfg: DictConfig) -> Specials:
     """What ``tokenizer`` adds (its post-processor's ids) and the token that ends a document: tokenizer_config.json's
     ``eos_token`` where the tokenizer's directory has one, else the model's first ``model.eos_token_ids``, else
-    <|endoftext|> where the vocabulary has it."""
+    <|endoftext|> where the vocabulary has it. Every id it names is checked against the model's vocabulary."""
     prefix, suffix = post_processor_ids(tokenizer)
+    vocab = cfg.model.embedding.vocab_size
+    source = tokenizer_source(cfg)
+    where = source[1] if source is not None else "data.tokenizer"
+    check_in_vocabulary(prefix + suffix, vocab, f"{where}: what its post-processor adds")
     settings = tokenizer_config(cfg) or {}
     name = _token_name(settings.get("eos_token"))
     if name is not None:
         eos = tokenizer.token_to_id(name)
         if eos is None:
-            raise DataError(f"{tokenizer_source(cfg)[1]}: tokenizer_config.json's eos_token {name[:40]!r} is not a "
-                            f"token of its tokenizer.json")
+            raise DataError(f"{where}: tokenizer_config.json's eos_token {name[:40]!r} is not a token of its "
+                            f"tokenizer.json")
+        check_in_vocabulary([eos], vocab, f"{where}: tokenizer_config.json's eos_token {name[:40]!r}")
     elif len(cfg.model.eos_token_ids):
-        eos = int(cfg.model.eos_token_ids[0])
+        eos = int(cfg.model.eos_token_ids[0])  # checked against the vocabulary with the config
     else:
         eos = tokenizer.token_to_id(EOS)
+        if eos is not None and eos >= vocab:
+            eos = None  # a guess that is no token of this model: none named
     return Specials(prefix, suffix, eos)

@@ -148,6 +148,8 @@ def export_hf(path: str | Path, out: str | Path, hooks: PluginHooks, shard_bytes
     eos_id = None
     if "tokenizer.json" in files:
         eos_id = tokenizer_from_bytes(files["tokenizer.json"], checkpoint / "tokenizer.json").token_to_id(EOS)
+        if eos_id is not None and eos_id >= cfg.model.embedding.vocab_size:
+            eos_id = None  # no token of the model: never written as its bos or eos
     source = json.loads(files[SOURCE_CONFIG]) if SOURCE_CONFIG in files else None
     config = hf_config(cfg, family, eos_id, dtype, components, source)
     units = list(unit_mappings(parts.modules, cfg.model.layers))

@@ -96,18 +96,25 @@ def read_hf_config(directory: str | Path, families: ModelFamilyRegistry | None) 
     return families.get(model_type), config
 
 
-def _special_tokens(config: dict) -> dict[str, Any]:
+def _special_tokens(config: dict, vocab_size: int) -> dict[str, Any]:
     """config.json's ``bos_token_id`` and ``eos_token_id`` (an id, a list of ids, or null) as
-    ``model.bos_token_id`` and ``model.eos_token_ids``."""
+    ``model.bos_token_id`` and ``model.eos_token_ids``, each a token of the model's ``vocab_size``."""
+    def token(value: object, key: str) -> int:
+        token_id = config_int({key: value}, key, minimum=0)
+        if token_id >= vocab_size:
+            raise HFConfigError(f"{key}={token_id} is outside the vocabulary (vocab_size={vocab_size}: ids 0 to "
+                                f"{vocab_size - 1})")
+        return token_id
+
     out: dict[str, Any] = {}
     bos, eos = config.get("bos_token_id"), config.get("eos_token_id")
     if bos is not None:
-        out["model.bos_token_id"] = config_int(config, "bos_token_id", minimum=0)
+        out["model.bos_token_id"] = token(bos, "bos_token_id")
     if eos is not None:
         ids = eos if isinstance(eos, list) else [eos]
         if not ids or len(ids) > 64:
             raise HFConfigError(f"eos_token_id must be a token id or a list of 1 to 64 ids, got {shown(eos)}")
-        out["model.eos_token_ids"] = [config_int({"eos_token_id": i}, "eos_token_id", minimum=0) for i in ids]
+        out["model.eos_token_ids"] = [token(i, "eos_token_id") for i in ids]
     return out
 
 
@@ -124,7 +131,9 @@ def apply_hf_shapes(cfg: DictConfig, typed: set[str], families: ModelFamilyRegis
     family, config = read_hf_config(cfg.model.hf_checkpoint, families)
     source = f"model.hf_checkpoint: {Path(cfg.model.hf_checkpoint) / 'config.json'}"
     try:
-        settings = {"model.family": family.model_type, **family.read_config(config), **_special_tokens(config)}
+        settings = {"model.family": family.model_type, **family.read_config(config)}
+        vocab = settings.get("model.embedding.vocab_size", cfg.model.embedding.vocab_size)
+        settings.update(_special_tokens(config, vocab))
         positions = config_int(config, family.positions_key, None) if family.positions_key else None
     except HFConfigError as exc:
         raise CheckpointError(f"{source}: {exc}") from None

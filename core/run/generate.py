@@ -4,15 +4,16 @@ one process, through an inference engine and the batched decoding of :mod:`ipuft
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
 
 from ipuft.config import checkpoint_config, load_config
-from ipuft.data.tokenizer import EOS, TOKENIZER_LIMIT, load_tokenizer, tokenizer_from_bytes
+from ipuft.data.tokenizer import EOS, TOKENIZER_LIMIT, check_in_vocabulary, load_tokenizer, tokenizer_from_bytes
 from ipuft.engine.inference import LayerMajor
-from ipuft.errors import DataError
+from ipuft.errors import ConfigError, DataError
 from ipuft.generate import generate
 from ipuft.io.checkpoint import read_verified
 from ipuft.plugins import PluginHooks
@@ -45,6 +46,38 @@ def tokenizer_for(cfg: DictConfig):
     raise DataError(f"{home} holds no tokenizer.json; set data.tokenizer=DIR")
 
 
+# Sampling's bounds. A temperature below MIN_TEMPERATURE divides logits towards float32's overflow (and is
+# greedy decoding in all but name: 0 asks for that); above MAX_TEMPERATURE every token is as likely.
+MIN_TEMPERATURE = 1e-3
+MAX_TEMPERATURE = 1e3
+SEED_LIMIT = 1 << 64  # torch seeds are unsigned 64-bit integers
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_sampling(max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                   seed: int = 0) -> None:
+    """generate's options, one :class:`~ipuft.errors.ConfigError` line naming the one out of range: every number
+    finite; temperature 0 (greedy) or in [MIN_TEMPERATURE, MAX_TEMPERATURE]; top_p in (0, 1]; top_k and
+    max_new_tokens whole numbers (top_k 0: off); a seed in [0, 2**64)."""
+    def whole(value: object) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    if not (_number(temperature) and (temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE)):
+        raise ConfigError(f"temperature: must be 0 (greedy) or a number in [{MIN_TEMPERATURE:g}, "
+                          f"{MAX_TEMPERATURE:g}], got {temperature}")
+    if not (_number(top_p) and 0 < top_p <= 1):
+        raise ConfigError(f"top_p: must be a number in (0, 1] (1: off), got {top_p}")
+    if not (whole(top_k) and 0 <= top_k <= 1 << 24):
+        raise ConfigError(f"top_k: must be a whole number from 0 (off) to {1 << 24}, got {top_k}")
+    if not (whole(seed) and 0 <= seed < SEED_LIMIT):
+        raise ConfigError(f"seed: must be a whole number in [0, 2**64), got {str(seed)[:40]}")
+    if not (whole(max_new_tokens) and max_new_tokens > 0):
+        raise ConfigError(f"max_new_tokens: must be a whole number > 0, got {max_new_tokens}")
+
+
 def generate_texts(cfg: DictConfig, hooks: PluginHooks, prompts: list[str], max_new_tokens: int,
                    batch_size: int = 8, **sampling) -> dict:
     """Continue each prompt, ``batch_size`` prompts decoded together; ``{"completions", "new_tokens",
@@ -52,13 +85,21 @@ def generate_texts(cfg: DictConfig, hooks: PluginHooks, prompts: list[str], max_
     seed (see :func:`ipuft.generate.generate`). Each prompt is encoded as the tokenizer encodes a text, with
     what its post-processor adds (Llama 3's <|begin_of_text|>; nothing for a tokenizer that adds nothing), as
     training data is; a row stops at any of ``model.eos_token_ids``, else at the tokenizer's <|endoftext|>."""
+    check_sampling(max_new_tokens, **sampling)
     tokenizer = tokenizer_for(cfg)
+    vocab, positions = cfg.model.embedding.vocab_size, cfg.model.sequence_length
     encodings = [tokenizer.encode(p, add_special_tokens=True) for p in prompts]
     for number, encoding in enumerate(encodings, start=1):
         if all(s is None for s in encoding.sequence_ids):  # nothing of the prompt's own, only added tokens
             raise DataError(f"prompt {number} is empty after tokenization")
+        check_in_vocabulary(encoding.ids, vocab, f"prompt {number}")
+        if len(encoding.ids) + max_new_tokens > positions:
+            raise DataError(f"prompt {number}: its {len(encoding.ids)} tokens and max_new_tokens={max_new_tokens} "
+                            f"pass the model's {positions} positions (model.sequence_length); shorten the prompt, "
+                            f"lower max_new_tokens or raise model.sequence_length (up to the checkpoint's positions)")
     encoded = [encoding.ids for encoding in encodings]
-    stops = [t for t in list(cfg.model.eos_token_ids) or [tokenizer.token_to_id(EOS)] if t is not None]
+    # A stop the model cannot emit (a tokenizer's <|endoftext|> past its vocabulary) is none.
+    stops = [t for t in list(cfg.model.eos_token_ids) or [tokenizer.token_to_id(EOS)] if t is not None and t < vocab]
     engine = inference_engine(cfg, hooks)
     runner = LayerMajor(engine)
     seed = sampling.pop("seed", 0)

@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 from ipuft import hookimpl
 from ipuft.components import ComponentRegistry
 from ipuft.config import ConfigSectionRegistry
+from ipuft.errors import ConfigError
 from ipuft.families import ModelFamilyRegistry
 from ipuft.sharding import COLUMN, REPLICATED, ROW
 from ipuft_decoder.family import GPTJ
@@ -40,10 +41,23 @@ class DecoderOptions:
     attention_kernel: AttentionKernel = AttentionKernel.sdpa
 
 
+def check(cfg: DictConfig) -> None:
+    """GPT-J's head rules, one line each: a head is hidden / heads wide, and rotates its first rotary_dim."""
+    m = cfg.model
+    heads, rotary = m.attention.heads, m.attention.rotary_dim
+    if m.hidden_size % heads:
+        raise ConfigError(f"model.hidden_size: {m.hidden_size} is not divisible by model.attention.heads={heads} "
+                          f"(a GPT-J head is hidden_size / heads wide)")
+    if rotary > m.hidden_size // heads:
+        raise ConfigError(f"model.attention.rotary_dim: must be at most the head size {m.hidden_size // heads} "
+                          f"(model.hidden_size / model.attention.heads), got {rotary}")
+
+
 def block_arguments(cfg: DictConfig) -> dict:
     """The block's constructor arguments: the model's sizes and ``tensor_parallel``, of which the block takes
     this rank's share of the heads and of the MLP width (for plugins that build on the block, such as a LoRA
     decoder)."""
+    check(cfg)
     m, tp = cfg.model, cfg.execution.tensor_parallel
     return {
         "hidden_size": m.hidden_size,

@@ -11,6 +11,7 @@ stays fast; the modules are in :mod:`ipuft_llama.modules`, imported when a run b
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -22,7 +23,7 @@ from ipuft.config import ConfigSectionRegistry
 from ipuft.errors import ConfigError
 from ipuft.families import ModelFamilyRegistry
 from ipuft.sharding import COLUMN, REPLICATED, ROW, VOCAB_SHARDED, ShardSpec
-from ipuft_llama.family import FAMILIES, NAME, SECTION, head_dim, kv_heads
+from ipuft_llama.family import FAMILIES, MAX_ROPE_FACTOR, NAME, SECTION, head_dim, kv_heads
 
 if TYPE_CHECKING:
     from ipuft.embeddings import TokenEmbeddings
@@ -62,9 +63,14 @@ class LlamaOptions:
 
 def _check(cfg: DictConfig) -> None:
     """The options' rules, one line each."""
-    m = cfg.model
+    m, options = cfg.model, cfg.plugins[SECTION]
+    for key, unset in (("kv_heads", "as many as model.attention.heads"), ("head_dim", "hidden_size / heads")):
+        value = options[key]
+        if value is not None and not 0 < value <= 1 << 16:
+            raise ConfigError(f"plugins.llama.{key}: must be a positive integer of at most {1 << 16} (null: "
+                              f"{unset}), got {value}")
     heads, kv, dim = m.attention.heads, kv_heads(cfg), head_dim(cfg)
-    if cfg.plugins[SECTION].head_dim is None and m.hidden_size % heads:
+    if options.head_dim is None and m.hidden_size % heads:
         raise ConfigError(f"model.attention.heads={heads} does not divide model.hidden_size={m.hidden_size}; "
                           f"set plugins.llama.head_dim")
     if heads % kv:
@@ -83,9 +89,31 @@ def _check(cfg: DictConfig) -> None:
     if window is not None and m.sequence_length > window:
         raise ConfigError(f"model.sequence_length={m.sequence_length} exceeds plugins.llama.sliding_window={window}: "
                           f"ipuft attends over the whole causal past, so a sequence must fit in the window")
-    scaling = cfg.plugins[SECTION].rope_scaling
-    if scaling is not None and scaling.rope_type not in ("llama3", "linear"):
+    scaling = options.rope_scaling
+    if scaling is not None:
+        _check_rope_scaling(scaling)
+
+
+def _check_rope_scaling(scaling: DictConfig) -> None:
+    """A rope scaling ipuft computes: a known kind, a factor in (0, MAX_ROPE_FACTOR] (0 divides every
+    frequency by zero), finite positive llama3 bounds."""
+    if scaling.rope_type not in ("llama3", "linear"):
         raise ConfigError(f"plugins.llama.rope_scaling.rope_type={scaling.rope_type!r}: one of llama3, linear")
+    factor = scaling.factor
+    if not (math.isfinite(factor) and 0 < factor <= MAX_ROPE_FACTOR):
+        raise ConfigError(f"plugins.llama.rope_scaling.factor: must be a number in (0, {MAX_ROPE_FACTOR:g}] (real "
+                          f"ones are 2 to 64), got {factor}")
+    if scaling.rope_type != "llama3":
+        return
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    for key, value in (("low_freq_factor", low), ("high_freq_factor", high),
+                       ("original_max_position_embeddings", scaling.original_max_position_embeddings)):
+        if value is None or not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"plugins.llama.rope_scaling.{key}: llama3 scaling needs a finite number > 0, "
+                              f"got {value}")
+    if high <= low:
+        raise ConfigError(f"plugins.llama.rope_scaling.high_freq_factor: must exceed low_freq_factor={low}, "
+                          f"got {high}")
 
 
 def build_embeddings(cfg: DictConfig) -> TokenEmbeddings:

@@ -21,36 +21,54 @@ NAME = "llama"  # the component name of every role
 SECTION = "llama"  # plugins.llama
 
 _ROPE_TYPES = ("llama3", "linear")
+# transformers' defaults where config.json lacks the key (MistralConfig, Qwen2Config); LlamaConfig has none.
+_KV_HEADS_DEFAULT = {"mistral": 8, "qwen2": 32}
+_WINDOW_DEFAULT = {"mistral": 4096, "qwen2": 4096}
+
+
+# The largest rope scaling factor ipuft takes: real ones are 2 to 64; beyond this every frequency is ~0.
+MAX_ROPE_FACTOR = 1e4
 
 
 def _rope(config: Mapping) -> tuple[float, dict[str, Any] | None]:
     """The rotary base and ``plugins.llama.rope_scaling`` (null, Llama 3.1's ``llama3`` scaling, or ``linear``
-    position interpolation), from config.json's ``rope_theta`` and ``rope_scaling`` (the Hub's checkpoints), or
-    from the one ``rope_parameters`` object transformers 5 writes instead."""
-    if config.get("rope_parameters") is not None:
-        scaling = config["rope_parameters"]
-        if not isinstance(scaling, dict):
-            raise HFConfigError(f"rope_parameters must be an object, got {str(scaling)[:40]}")
-        return config_float(scaling, "rope_theta", 10000.0), _rope_scaling(scaling, "rope_parameters")
-    return config_float(config, "rope_theta", 10000.0), _rope_scaling(config.get("rope_scaling"), "rope_scaling")
+    position interpolation), as transformers 5 reads them from a config.json that may hold the older
+    ``rope_theta`` and ``rope_scaling`` (the Hub's checkpoints), the one ``rope_parameters`` object transformers 5
+    writes, or both: a non-empty ``rope_scaling`` replaces ``rope_parameters`` whole; the chosen object's
+    ``rope_theta`` wins over the top-level ``rope_theta``, which wins over 10000; its ``rope_type`` (or ``type``)
+    defaults to ``default``; Llama 3.1's ``original_max_position_embeddings`` defaults to
+    ``max_position_embeddings``."""
+    key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+    params = config.get(key)
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise HFConfigError(f"{key} must be an object or null, got {str(params)[:40]}")
+    if params.get("rope_theta") is not None:
+        theta = config_float(params, "rope_theta")
+    else:
+        theta = config_float(config, "rope_theta", 10000.0)
+    return theta, _rope_scaling(params, key, config)
 
 
-def _rope_scaling(scaling: Any, key: str) -> dict[str, Any] | None:
-    if scaling is None:
-        return None
-    if not isinstance(scaling, dict):
-        raise HFConfigError(f"{key} must be an object or null, got {str(scaling)[:40]}")
+def _rope_scaling(scaling: dict, key: str, config: Mapping) -> dict[str, Any] | None:
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind in ("default", None):
         return None
     if kind not in _ROPE_TYPES:
         raise HFConfigError(f"{key}'s rope_type {str(kind)[:40]!r} is not one ipuft runs "
                             f"({', '.join(_ROPE_TYPES)})")
-    out = {"rope_type": kind, "factor": config_float(scaling, "factor", low=0.0)}
-    if kind == "llama3":
-        out["low_freq_factor"] = config_float(scaling, "low_freq_factor", low=0.0)
-        out["high_freq_factor"] = config_float(scaling, "high_freq_factor", low=out["low_freq_factor"])
-        out["original_max_position_embeddings"] = config_int(scaling, "original_max_position_embeddings")
+    try:
+        out = {"rope_type": kind, "factor": config_float(scaling, "factor", low=0.0, high=MAX_ROPE_FACTOR)}
+        if kind == "llama3":
+            out["low_freq_factor"] = config_float(scaling, "low_freq_factor", low=0.0)
+            out["high_freq_factor"] = config_float(scaling, "high_freq_factor", low=out["low_freq_factor"])
+            original = "original_max_position_embeddings"
+            source = scaling if scaling.get(original) is not None or config.get("max_position_embeddings") is None \
+                else {original: config["max_position_embeddings"]}
+            out[original] = config_int(source, original)
+    except HFConfigError as exc:
+        raise HFConfigError(f"{key}'s {exc}") from None
     return out
 
 
@@ -58,7 +76,10 @@ def read_config(config: Mapping, model_type: str) -> dict[str, Any]:
     """A Llama-architecture config.json as ipuft config keys, every value checked."""
     hidden = config_int(config, "hidden_size")
     heads = config_int(config, "num_attention_heads")
-    kv_heads = config_int(config, "num_key_value_heads", heads)
+    # Absent, num_key_value_heads and sliding_window take their transformers config class's defaults (null: all
+    # heads, no window).
+    kv_default = _KV_HEADS_DEFAULT.get(model_type, heads) if "num_key_value_heads" not in config else heads
+    kv_heads = config_int(config, "num_key_value_heads", kv_default)
     if hidden % heads and config.get("head_dim") is None:
         raise HFConfigError(f"num_attention_heads={heads} does not divide hidden_size={hidden} and no head_dim "
                             f"is given")
@@ -72,12 +93,12 @@ def read_config(config: Mapping, model_type: str) -> dict[str, Any]:
         raise HFConfigError(f"hidden_act {str(act)[:40]!r}: ipuft runs {model_type}'s SwiGLU MLP with silu only")
     if config_flag(config, "mlp_bias", False):
         raise HFConfigError("mlp_bias=true: ipuft's Llama MLP has no biases")
+    window = config.get("sliding_window", _WINDOW_DEFAULT.get(model_type))
     if model_type == "qwen2":
         qkv_bias, out_bias = True, False  # Qwen2's attention always has q/k/v biases, never an output bias
-        window = config.get("sliding_window") if config_flag(config, "use_sliding_window", False) else None
+        window = window if config_flag(config, "use_sliding_window", False) else None
     else:
         qkv_bias = out_bias = config_flag(config, "attention_bias", False)
-        window = config.get("sliding_window")
     if window is not None:
         window = config_int({"sliding_window": window}, "sliding_window")
     if config.get("attention_dropout") not in (None, 0, 0.0):
@@ -105,12 +126,14 @@ def read_config(config: Mapping, model_type: str) -> dict[str, Any]:
 
 def head_dim(cfg: DictConfig) -> int:
     """The run's head width: ``plugins.llama.head_dim``, else hidden over heads."""
-    m = cfg.model
-    return cfg.plugins[SECTION].head_dim or m.hidden_size // m.attention.heads
+    m, dim = cfg.model, cfg.plugins[SECTION].head_dim
+    return m.hidden_size // m.attention.heads if dim is None else dim
 
 
 def kv_heads(cfg: DictConfig) -> int:
-    return cfg.plugins[SECTION].kv_heads or cfg.model.attention.heads
+    """The run's key/value heads: ``plugins.llama.kv_heads``, else as many as the query heads."""
+    kv = cfg.plugins[SECTION].kv_heads
+    return cfg.model.attention.heads if kv is None else kv
 
 
 def write_config(cfg: DictConfig, model_type: str) -> dict[str, Any]:
