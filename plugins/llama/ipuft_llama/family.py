@@ -15,6 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from ipuft.errors import shown
 from ipuft.families import HFConfigError, ModelFamily, config_flag, config_float, config_int
 
 NAME = "llama"  # the component name of every role
@@ -43,7 +44,7 @@ def _rope(config: Mapping) -> tuple[float, dict[str, Any] | None]:
     if params is None:
         params = {}
     if not isinstance(params, dict):
-        raise HFConfigError(f"{key} must be an object or null, got {str(params)[:40]}")
+        raise HFConfigError(f"{key} must be an object or null, got {shown(params)}")
     if params.get("rope_theta") is not None:
         theta = config_float(params, "rope_theta")
     else:
