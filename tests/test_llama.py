@@ -489,8 +489,8 @@ def test_phased_bfloat16_equals_a_plain_bfloat16_reference(hooks, hf_dirs):
 
 def test_a_checkpoint_stands_alone_once_its_source_is_gone(capsys, tmp_path, monkeypatch):
     """A run started from a relative model.hf_checkpoint: export and generate from its checkpoint, from another
-    working directory and after the source directory is deleted, give what they gave beside it: the checkpoint
-    holds the model, its config.json and its tokenizer."""
+    working directory and after the source directory is deleted, give what they gave beside it, and the run
+    resumes: the checkpoint holds the model, its config.json and its tokenizer."""
     work = tmp_path / "work"
     save_hf(work / "src", "llama", seed=6, tie_word_embeddings=True)
     monkeypatch.chdir(work)
@@ -511,3 +511,8 @@ def test_a_checkpoint_stands_alone_once_its_source_is_gone(capsys, tmp_path, mon
     shutil.rmtree(work / "src")
     monkeypatch.chdir(tmp_path)
     assert outputs(tmp_path / "alone") == (files, completions)
+    code, _, err = cli(capsys, "train", "--checkpoint", str(work / "run"), "training.steps=2",
+                       f"output_dir={work / 'run'}")  # and it resumes
+    assert code == 0, err
+    assert [json.loads(line)["step"] for line in (work / "run" / "metrics.jsonl").read_text().splitlines()
+            if '"loss"' in line][-1] == 2
