@@ -325,3 +325,16 @@ def test_a_submodule_importing_a_name_of_its_own_package_init_is_a_cycle(tmp_pat
         ("pkg", "pkg.a"), ("pkg", "pkg.b"), ("pkg.a", "pkg.b"), ("pkg.a", "pkg.c"), ("pkg.b", "pkg"), ("pkg.c", "pkg.a")}
     assert [sorted(k) for k in knots(_graph(edges))] == [["pkg", "pkg.a", "pkg.b", "pkg.c"]]
     assert find_cycles(_graph(edges)) == [["pkg", "pkg.b", "pkg"]]
+
+
+def test_the_scheduler_holds_the_schedule_only():
+    """The engine by concern: ``phased.py`` runs the program's phases and leaves the device bookkeeping (the
+    ledger), the rounding and the checkpoints' full views to their modules; no engine module is over 350
+    lines."""
+    engine = ROOT / "core" / "engine"
+    tree = ast.parse((engine / "phased.py").read_text())
+    names = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)} | \
+        {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    assert not names & {"ledger", "acquire", "round_stochastically", "full_tensors", "full_weights", "load_full"}
+    sizes = {p.name: len(p.read_text().splitlines()) for p in engine.glob("*.py")}
+    assert max(sizes.values()) <= 350, sizes

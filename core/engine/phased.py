@@ -92,7 +92,7 @@ class PhasedEngine:
             raise ValueError(f"batch has {batch.micro_batches} micro-batches, "
                              f"expected {self.cfg.gradient_accumulation}")
         before = self.store.traffic.copy()
-        self.store.ledger.reset_peak()
+        self.store.begin_step()
         self.updates += 1
         with section("copies"):
             batch = Batch(batch.input_ids.to(self.device), batch.labels.to(self.device))
@@ -103,7 +103,7 @@ class PhasedEngine:
         profile = active_profile()
         for i, phase in enumerate(phases):
             self._prefetch(phase, phases[i + 1] if i + 1 < len(phases) else None)
-            with self.store.ledger.phase(phase.name), \
+            with self.store.phase(phase.name), \
                     (profile.phase(phase) if profile is not None else contextlib.nullcontext()):
                 self._run(phase, state)
         activation_bytes = self.buffers.peak
@@ -118,19 +118,20 @@ class PhasedEngine:
                 dist.all_reduce(loss, group=self.layout.dp_group)
             loss /= self.layout.data_parallel
         traffic = self.store.traffic.since(before)
+        peak, phase_peaks = self.store.step_peaks()
         return StepResult(
             loss=loss.item(),
             grad_norm=state.grad_norm,
             h2d_bytes=traffic.h2d_bytes,
             d2h_bytes=traffic.d2h_bytes,
-            device_peak_bytes=self.store.ledger.peak,
+            device_peak_bytes=peak,
             traffic=traffic.as_dict(),
             skipped=state.skip,
             loss_scale=state.loss_scale,
             activation_bytes=activation_bytes,
             variable_bytes=self.store.variable_bytes(),
             graph_bytes=graph_peak,
-            phase_peak_bytes=dict(self.store.ledger.phase_peaks),
+            phase_peak_bytes=phase_peaks,
         )
 
     def _prefetch(self, current: Phase, following: Phase | None) -> None:

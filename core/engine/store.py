@@ -251,6 +251,20 @@ class VariableStore:
         if self.offload:
             self.ledger.release(nbytes(tensors.values()))
 
+    # ---- what a step holds on the device (the ledger's record, for StepResult) ----
+
+    def begin_step(self) -> None:
+        """A step starts: its device peak and its phases' peaks are recorded afresh."""
+        self.ledger.reset_peak()
+
+    def phase(self, name: str):
+        """The block is phase ``name``: its peak above what it found is recorded (:meth:`DeviceLedger.phase`)."""
+        return self.ledger.phase(name)
+
+    def step_peaks(self) -> tuple[int, dict[str, int]]:
+        """The step's device peak so far, and each phase's peak above what it found, in bytes."""
+        return self.ledger.peak, dict(self.ledger.phase_peaks)
+
     def synchronize(self) -> None:
         """Wait for outstanding asynchronous copies (CUDA), so host values are final."""
         if self.compute.type == "cuda":
