@@ -41,7 +41,7 @@ def hf_dir(tmp_path_factory, hooks):
     model = GPTJForCausalLM(GPTJConfig(vocab_size=m.embedding.vocab_size, n_positions=64, n_embd=m.hidden_size,
                                        n_layer=m.layers, n_head=m.attention.heads, rotary_dim=m.attention.rotary_dim,
                                        n_inner=4 * m.hidden_size, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                       tie_word_embeddings=False)).eval()
+                                       tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)).eval()
     out = tmp_path_factory.mktemp("hf") / "gptj"
     model.save_pretrained(out)
     return out, model
