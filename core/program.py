@@ -350,17 +350,15 @@ class StepProgram:
         if missing:
             raise PluginError(f"the step program never updates {', '.join(missing)}")
 
-
     def _validate_ties(self) -> None:
         """A tied variable's owner is a unit of the model and computes its gradient after every use's."""
-        units = set(self.units())
+        units, phases = set(self.units()), self.phases
         for tie in self.ties:
             where = f"{tie.role} variable {tie.name} is tied to {tie.owner}.{tie.variable}"
             if tie.owner not in units or tie.owner.role == tie.role:
                 raise PluginError(f"{where}: not a variable of another unit of this model")
             if not tie.trainable:
                 continue
-            phases = self.phases
             owner = [i for i, p in enumerate(phases) if p.unit == tie.owner and p.computes_gradient]
             users = [i for i, p in enumerate(phases) if p.role == tie.role and p.computes_gradient]
             if len(owner) != 1 or (users and max(users) > owner[0]):

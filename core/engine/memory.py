@@ -21,7 +21,7 @@ from ipuft.engine.model import ModelParts
 from ipuft.engine.precision import Recipe, compute_dtype, recipe
 from ipuft.engine.stored import updates_on_host
 from ipuft.engine.update import group_transient_bytes, update_chunk, update_groups
-from ipuft.engine.variables import placements, unit_groups
+from ipuft.engine.variables import model_groups, placements
 from ipuft.optim import Optimizer
 from ipuft.parallel import Layout
 from ipuft.program import GROUPS, Move, Op, Phase, PhaseMoves
@@ -53,17 +53,13 @@ def rank_layout(cfg: DictConfig) -> Layout:
 
 def group_bytes(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer) -> dict[str, dict[str, int]]:
     """Bytes one rank stores of each variable group of each unit, as the engine allocates them
-    (:func:`~ipuft.engine.variables.unit_groups`: its TP shard, and with RTS its 1/DP slice of that; ``grad``
+    (:func:`~ipuft.engine.variables.model_groups`: its TP shard, and with RTS its 1/DP slice of that; ``grad``
     only where the program stores gradients, 0 elsewhere). ``trainable`` is the part of ``fwd`` that is trained
     (what an update-only phase moves)."""
-    stores_grad = parts.program.grad_units(updates_on_host(cfg))
-    tied_only = parts.program.tied_gradients(updates_on_host(cfg))
     placed = placements(parts, rank_layout(cfg), bool(cfg.execution.rts))
-    master = recipe(cfg) is Recipe.master
+    stored_groups = model_groups(parts.program, placed, optimizer, recipe(cfg) is Recipe.master, updates_on_host(cfg))
     out = {}
-    for unit in parts.program.units():
-        tied = [t.variable for t in parts.program.owned_ties(unit)]
-        groups = unit_groups(placed[unit.role], optimizer, master, unit in stores_grad, tied, unit in tied_only)
+    for unit, groups in stored_groups.items():
         sizes = dict.fromkeys(GROUPS, 0) | {group: specs_bytes(specs) for group, specs in groups.items()}
         sizes["trainable"] = specs_bytes([s for s in groups["fwd"] if s.trainable])
         # Tied variables: the owners' weights a unit of this role computes with, and the float32 gradients

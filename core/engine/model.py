@@ -117,15 +117,10 @@ def build_model(cfg: DictConfig, hooks: PluginHooks, optimizer: Optimizer | None
     return parts
 
 
-def _owner(ref: str, layers: int) -> tuple[Unit, str] | None:
-    """``<unit>.<variable>`` as (unit, variable), or None when it names no unit of a ``layers``-layer model."""
-    role, _, rest = ref.partition(".")
-    if role == "decoder":
-        layer, _, rest = rest.partition(".")
-        if not layer.isdigit() or int(layer) >= layers:
-            return None
-        return Unit("decoder", int(layer)), rest
-    return (Unit(role), rest) if role in ("embeddings", "head") and rest else None
+def _owner(ref: str, units: list[Unit]) -> tuple[Unit, str] | None:
+    """``<unit>.<variable>`` as (unit, variable), for one of ``units``; None when it names none of them."""
+    unit = next((u for u in units if ref.startswith(f"{u}.")), None)
+    return None if unit is None else (unit, ref[len(unit) + 1:])
 
 
 def _split_ties(variables: dict[str, list[VariableSpec]], shard_specs: dict[str, dict[str, ShardSpec]],
@@ -134,6 +129,7 @@ def _split_ties(variables: dict[str, list[VariableSpec]], shard_specs: dict[str,
     and the program's ties, after checking that each names another unit's own variable of the same shape and
     the same sharding, so that every rank holds the same piece of it for both uses."""
     own = {role: [v for v in specs if v.tied_to is None] for role, specs in variables.items()}
+    units = StepProgram(layers).units()
     tied: dict[str, list[VariableSpec]] = {}
     ties = []
     for role, specs in variables.items():
@@ -141,7 +137,7 @@ def _split_ties(variables: dict[str, list[VariableSpec]], shard_specs: dict[str,
             if v.tied_to is None:
                 continue
             where = f"{role} variable {v.name} is tied to {v.tied_to}"
-            owner = _owner(v.tied_to, layers)
+            owner = _owner(v.tied_to, units)
             if owner is None or owner[0].role == role:
                 raise PluginError(f"{where}, which is not <unit>.<variable> of another unit of this model")
             unit, name = owner

@@ -26,9 +26,9 @@ from ipuft.engine.variables import (
     Initializer,
     float32,
     initial_values,
+    model_groups,
     optimizer_state_specs,
     placements,
-    unit_groups,
 )
 from ipuft.optim import Optimizer
 from ipuft.parallel import Layout, active
@@ -77,17 +77,14 @@ class StoredModel:
         self._allocate(initializer or (lambda unit, specs: initial_values(unit, specs, cfg.model.seed)))
 
     def _allocate(self, initializer: Initializer) -> None:
-        """Fill the store unit by unit with the groups :func:`~ipuft.engine.variables.unit_groups` says it holds:
+        """Fill the store unit by unit with the groups :func:`~ipuft.engine.variables.model_groups` says it holds:
         the weights from ``initializer`` (one unit's full float32 weights at a time, so a rank never holds more
         besides its store; a master copy starts from them; the store keeps the weights' dtype), the optimizer
         state and the gradients allocated."""
-        stores_grad = self.program.grad_units(self.host_update)
-        tied_only = self.program.tied_gradients(self.host_update)
         master = self.recipe is Recipe.master
-        for unit in self.program.units():
+        stored_groups = model_groups(self.program, self.placed, self.optimizer, master, self.host_update)
+        for unit, groups in stored_groups.items():
             placed = self.placed[unit.role]
-            tied = [t.variable for t in self.program.owned_ties(unit)]
-            groups = unit_groups(placed, self.optimizer, master, unit in stores_grad, tied, unit in tied_only)
             full = initializer(unit, [float32(v) for v in self.parts.variables[unit.role]])
             wide = {n: placed[n].to_stored(t) for n, t in full.items()}
             del full

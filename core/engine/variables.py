@@ -19,6 +19,7 @@ from ipuft.engine.placement import Placement
 from ipuft.engine.store import Tensors
 from ipuft.optim import Optimizer
 from ipuft.parallel import Layout
+from ipuft.program import StepProgram, Unit
 
 if TYPE_CHECKING:  # an annotation only: engine.model runs config.rules, whose model rule reads optimizer state here
     from ipuft.engine.model import ModelParts
@@ -93,6 +94,18 @@ def unit_groups(placed: dict[str, Placement], optimizer: Optimizer | None, maste
             groups["grad"] = [replace(s, init=Init("zeros"), dtype=torch.float32 if s.name in tied else s.dtype)
                               for s in stored if s.trainable and (s.name in tied or not tied_only)]
     return groups
+
+
+def model_groups(program: StepProgram, placed: dict[str, dict[str, Placement]], optimizer: Optimizer | None,
+                 master: bool, host_update: bool) -> dict[Unit, dict[str, list[VariableSpec]]]:
+    """Every unit's :func:`unit_groups`, as ``program`` has it: whether the unit stores its gradient between
+    phases (:meth:`~ipuft.program.StepProgram.grad_units`), which of its variables others use (tied), and
+    whether those are the only gradients it stores (:meth:`~ipuft.program.StepProgram.tied_gradients`)."""
+    stores_grad = program.grad_units(host_update)
+    tied_only = program.tied_gradients(host_update)
+    return {unit: unit_groups(placed[unit.role], optimizer, master, unit in stores_grad,
+                              [t.variable for t in program.owned_ties(unit)], unit in tied_only)
+            for unit in program.units()}
 
 
 def initial_values(unit: str, specs: list[VariableSpec], seed: int) -> Tensors:
