@@ -289,7 +289,8 @@ def test_a_bad_row_is_one_line_naming_file_and_row(tmp_path, row, message):
     ("{{ messages.__class__.__mro__ }}", "fails: "),
     ("{{ 1 / 0 }}", "fails: ZeroDivisionError"),
     ("{{ cycler.__init__.__globals__.os.system('true') }}", "fails: "),
-    ("{% for m in messages %}{{ m.content * 100000000 }}{% endfor %}", "fails: |refuses it: it renders more"),
+    ("{% for m in messages %}{{ 'x' * 9000000 }}{% endfor %}", "refuses it: it renders more than 16,777,216 char"),
+    ("{{ 'abc'.__class__ }}{{ [].append }}{% if false %}x{% endif %}", "renders no text for it"),
 ])
 def test_a_template_that_fails_or_loops_is_one_line(tmp_path, template, message):
     home = word_tokenizer(tmp_path / "tok", template)
@@ -339,6 +340,9 @@ def test_the_template_sources_and_overrides(tmp_path):
     (home / "tokenizer_config.json").write_text(json.dumps({"chat_template": [{"name": "a", "template": "A"}]}))
     (home / "chat_template.jinja").unlink()
     with pytest.raises(DataError, match=r"chat_template names templates \(a\) but no \"default\""):
+        load_chat_template(None, home, "k")
+    (home / "tokenizer_config.json").write_text(json.dumps({"chat_template": 5}))
+    with pytest.raises(DataError, match=r"tokenizer_config\.json: chat_template is int, neither a template nor a list"):
         load_chat_template(None, home, "k")
 
 
@@ -404,3 +408,42 @@ def test_generate_chat_takes_a_jsonl_of_conversations(chat_model, capsys, tmp_pa
     code, _, err = run_cli(capsys, "generate", "--checkpoint", str(chat_model), "--chat", "--prompts", str(prompts))
     assert code == 2 and err.strip().endswith("prompt 1: messages[0]: role 'robot' is not one of system, user, "
                                               "assistant")
+
+
+def test_fine_tune_on_chat_data_end_to_end(chat_model, capsys, tmp_path):
+    """The README's path: train a Hugging Face directory on a JSONL of messages (packed whole, validated on a
+    held-out share), chat with the run's checkpoint, which carries the directory's chat template, and export it
+    with that template."""
+    rows = [{"messages": [{"role": "user", "content": f"w{5 + i} w6"}, {"role": "assistant", "content": f"w{9 + i}"}]}
+            for i in range(12)]
+    path = write_jsonl(tmp_path / "chat.jsonl", rows)
+    code, _, err = run_cli(capsys, "train", f"model.hf_checkpoint={chat_model}", f"data.path={path}",
+                           "data.format=chat", "data.validation_fraction=0.3", "training.eval_steps=2",
+                           "training.steps=2", "training.global_batch_size=2", "model.sequence_length=16",
+                           f"output_dir={tmp_path / 'run'}")
+    assert code == 0, err
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any("validation_loss" in r for r in records)
+    chatted = generated(capsys, tmp_path / "run", "w5 w6", "--max-new-tokens", "3")
+    assert chatted["new_tokens"] >= 1 and len(chatted["completions"]) == 1
+    code, _, err = run_cli(capsys, "export", "--checkpoint", str(tmp_path / "run"), "--hf", str(tmp_path / "hf"))
+    assert code == 0, err
+    assert (tmp_path / "hf" / "chat_template.jinja").read_text() == GENERATE_TEMPLATE
+
+
+def test_the_token_cache_keeps_masks_and_rows(tmp_path, monkeypatch):
+    """A second preparation, from the cache (the file is not read again), serves the same rows, masks and positions
+    as the first."""
+    import ipuft.data.tokens
+
+    first, _ = dataset(tmp_path, CHATML, CONVERSATIONS * 2, "data.cache=true", seq=47)
+
+    def unread(*args):
+        raise AssertionError("read again")
+
+    monkeypatch.setattr(ipuft.data.tokens, "read_rows", unread)
+    again, _ = dataset(tmp_path, CHATML, CONVERSATIONS * 2, "data.cache=true", seq=47)
+    for name in ("tokens", "mask", "offsets", "rows"):
+        assert torch.equal(getattr(first, name), getattr(again, name))
+    a, b = first.batch(0, len(first), 1), again.batch(0, len(again), 1)
+    assert torch.equal(a.labels, b.labels) and torch.equal(a.positions, b.positions)

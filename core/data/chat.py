@@ -187,7 +187,7 @@ class ChatTemplate:
                ) -> tuple[str, list[tuple[int, int]]]:
         """``(text, spans)``: ``messages`` rendered, and the ``[start, end)`` characters of its generation blocks
         (none without markers). One line starting with ``where`` if the template fails, refuses the
-        conversation, breaks a bound, or renders no text."""
+        conversation, breaks a bound, or renders no text for a conversation of at least one message."""
         from jinja2 import TemplateError
 
         self._budget = _Budget()
@@ -209,6 +209,8 @@ class ChatTemplate:
             raise DataError(f"{where}: the chat template ({self.source}) fails: {kind}"
                             f"{first_line(exc, type(exc).__name__)[:200]}") from None
         text = "".join(parts)
+        if not text.strip() and messages:
+            raise DataError(f"{where}: the chat template ({self.source}) renders no text for it")
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:
