@@ -288,6 +288,7 @@ def test_a_bad_row_is_one_line_naming_file_and_row(tmp_path, row, message):
      "refuses it: it loops more than 1,000,000 range"),
     ("{{ messages.__class__.__mro__ }}", "fails: "),
     ("{{ 1 / 0 }}", "fails: ZeroDivisionError"),
+    ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "fails: RecursionError"),
     ("{{ cycler.__init__.__globals__.os.system('true') }}", "fails: "),
     ("{% for m in messages %}{{ 'x' * 9000000 }}{% endfor %}", "refuses it: it renders more than 16,777,216 char"),
     ("{{ 'abc'.__class__ }}{{ [].append }}{% if false %}x{% endif %}", "renders no text for it"),
@@ -408,6 +409,14 @@ def test_generate_chat_takes_a_jsonl_of_conversations(chat_model, capsys, tmp_pa
     code, _, err = run_cli(capsys, "generate", "--checkpoint", str(chat_model), "--chat", "--prompts", str(prompts))
     assert code == 2 and err.strip().endswith("prompt 1: messages[0]: role 'robot' is not one of system, user, "
                                               "assistant")
+    (chat_model / "chat_template.jinja").rename(chat_model / "moved.jinja")
+    try:
+        code, _, err = run_cli(capsys, "generate", "--checkpoint", str(chat_model), "--chat", "w5")
+    finally:
+        (chat_model / "moved.jinja").rename(chat_model / "chat_template.jinja")
+    assert code == 2 and err.strip().endswith(f"generate --chat: --checkpoint ({chat_model}) has no chat template (no "
+                                              f"chat_template.jinja, no chat_template in tokenizer_config.json); set "
+                                              f"data.chat_template to a Jinja template or a file holding one")
 
 
 def test_fine_tune_on_chat_data_end_to_end(chat_model, capsys, tmp_path):

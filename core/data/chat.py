@@ -321,12 +321,13 @@ def _from_config(settings: dict, where: str) -> str | None:
                     f"{{\"name\", \"template\"}} objects")
 
 
-def load_chat_template(override: str | None, home: Path | None, where: str) -> ChatTemplate:
+def load_chat_template(override: str | None, home: Path | None, where: str, need: str = "data.format=chat"
+                       ) -> ChatTemplate:
     """The chat template: ``override`` (``data.chat_template``: a literal Jinja template, told by its ``{{`` or
     ``{%``, else a file holding one, read bounded), else ``home``'s (a tokenizer's or model's directory, or an
     ipuft checkpoint: chat_template.jinja, else tokenizer_config.json's chat_template). The special tokens come
-    from ``home``'s tokenizer_config.json either way. ``where`` names the key that gave ``home``. One line saying
-    what to set where there is none."""
+    from ``home``'s tokenizer_config.json either way. ``where`` names the key that gave ``home``, ``need`` what
+    asked for a template. One line saying what to set where there is none."""
     from ipuft.io.model_files import home_files
 
     found = home_files(home, ("tokenizer_config.json", "chat_template.jinja"), f"{where}: ") \
@@ -355,5 +356,5 @@ def load_chat_template(override: str | None, home: Path | None, where: str) -> C
     if text is not None:
         return ChatTemplate(text, f"{home / 'tokenizer_config.json'}'s chat_template", specials)
     place = f"{where} ({home})" if home is not None else "the run's tokenizer"
-    raise DataError(f"data.format=chat: {place} has no chat template (no chat_template.jinja, no chat_template in "
+    raise DataError(f"{need}: {place} has no chat template (no chat_template.jinja, no chat_template in "
                     f"tokenizer_config.json); set data.chat_template to a Jinja template or a file holding one")

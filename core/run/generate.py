@@ -109,7 +109,7 @@ def chat_prompts(cfg: DictConfig, tokenizer, conversations: list) -> list[list[i
     home = Path(cfg.checkpoint.load or cfg.model.hf_checkpoint)
     if not (home / "tokenizer.json").exists() and cfg.data.tokenizer is not None and Path(cfg.data.tokenizer).is_dir():
         home = Path(cfg.data.tokenizer)
-    template = load_chat_template(cfg.data.chat_template, home, "--checkpoint")
+    template = load_chat_template(cfg.data.chat_template, home, "--checkpoint", "generate --chat")
     encoded = []
     for number, conversation in enumerate(conversations, start=1):
         where = f"prompt {number}"
