@@ -233,6 +233,28 @@ def test_chunked_chat_keeps_masks_and_has_no_positions(tmp_path):
         assert batch.labels[r, 0].tolist() == [i if m else IGNORE_INDEX for i, m in zip(chunk[1:], keep)]
 
 
+def test_text_packed_whole_on_request(tmp_path):
+    """data.format=text keeps concatenating by default (positions None); data.whole_examples=true packs each
+    document whole, every token of it in the loss but its first, positions restarting at each document."""
+    home = word_tokenizer(tmp_path / "tok", None, eos="<|endoftext|>")
+    docs = ["hi there how are you", "fine thanks", "what is two plus two four", "bye"]
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": d} for d in docs])
+    tok = load_tokenizer(str(home))
+    common = ["data.format=text", "data.cache=false", "data.shuffle=false", f"data.path={path}",
+              f"data.tokenizer={home}", "model.sequence_length=8", "model.embedding.vocab_size=64"]
+    assert TokenDataset.from_config(load_config("tiny", common), tok).batch(0, 1, 1).positions is None
+    ds = TokenDataset.from_config(load_config("tiny", [*common, "data.whole_examples=true"]), tok)
+    encoded = [tok.encode(d).ids + [tok.token_to_id("<|endoftext|>")] for d in docs]
+    assert [len(e) for e in encoded] == [6, 3, 7, 2] and ds.rows.tolist() == [0, 2, 4]  # rows of 9 tokens
+    batch = ds.batch(0, 2, 1)
+    assert batch.positions[:, 0].tolist() == [[0, 1, 2, 3, 4, 5, 0, 1], [0, 1, 2, 3, 4, 5, 6, 0]]
+    assert batch.input_ids[:, 0].tolist() == [(encoded[0] + encoded[1])[:8], (encoded[2] + encoded[3])[:8]]
+    # Label k - 1 is token k, kept unless token k starts a document (token 6 of row 0, token 7 of row 1).
+    expected = [[t if k != 6 else IGNORE_INDEX for k, t in enumerate(encoded[0] + encoded[1]) if k],
+                [t if k != 7 else IGNORE_INDEX for k, t in enumerate(encoded[2] + encoded[3]) if k]]
+    assert batch.labels[:, 0].tolist() == expected
+
+
 # -- Truncation ---------------------------------------------------------------------------------------------------
 
 
@@ -397,6 +419,14 @@ def test_generate_chat_renders_the_generation_prompt_and_stops_at_the_end_of_tur
     stopped = generated(capsys, chat_model, "w5 w6", "--max-new-tokens", "8")
     assert stopped["completions"] == [" ".join(words[:stop + 1])] and stopped["new_tokens"] == stop + 1
     (chat_model / "generation_config.json").unlink()
+    # The end of turn tokenizer_config.json names (its eos_token) stops a reply as well.
+    settings = (chat_model / "tokenizer_config.json").read_text()
+    (chat_model / "tokenizer_config.json").write_text(json.dumps({**json.loads(settings), "eos_token": words[stop]}))
+    try:
+        stopped = generated(capsys, chat_model, "w5 w6", "--max-new-tokens", "8")
+    finally:
+        (chat_model / "tokenizer_config.json").write_text(settings)
+    assert stopped["completions"] == [" ".join(words[:stop + 1])] and stopped["new_tokens"] == stop + 1
 
 
 def test_generate_chat_takes_a_jsonl_of_conversations(chat_model, capsys, tmp_path):
