@@ -309,6 +309,9 @@ def test_a_bad_row_is_one_line_naming_file_and_row(tmp_path, row, message):
     ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
      "refuses it: it loops more than 1,000,000 range"),
     ("{{ messages.__class__.__mro__ }}", "fails: "),
+    ("{% set r = range(1) %}{% if r.budget is defined %}{{ r.budget.tick(-10000000) }}{% endif %}{% if r._budget is "
+     "defined %}{{ r._budget.tick(-10000000) }}{% endif %}{% for i in range(3000) %}{% for j in range(3000) %}"
+     "{% endfor %}{% endfor %}", "refuses it: it loops more than 1,000,000 range"),
     ("{{ 1 / 0 }}", "fails: ZeroDivisionError"),
     ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "fails: RecursionError"),
     ("{{ cycler.__init__.__globals__.os.system('true') }}", "fails: "),

@@ -99,17 +99,19 @@ class _Budget:
 
 
 class _Range:
-    """``range()`` in a template: a range whose every step is charged to the rendering's :class:`_Budget`."""
+    """``range()`` in a template: a range whose every step is charged to the rendering's :class:`_Budget`. Its
+    attributes are private, so that the sandbox (which refuses names starting with an underscore) lets no
+    template reach the budget or the bare range."""
 
     def __init__(self, budget: _Budget, *args: int) -> None:
-        self.budget, self.range = budget, range(*args)
+        self._budget, self._range = budget, range(*args)
 
     def __len__(self) -> int:
-        return len(self.range)
+        return len(self._range)
 
     def __iter__(self):
-        for value in self.range:
-            self.budget.tick()
+        for value in self._range:
+            self._budget.tick()
             yield value
 
 
