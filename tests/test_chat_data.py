@@ -335,6 +335,14 @@ def test_a_template_too_large_or_not_jinja_is_one_line(tmp_path):
         ChatTemplate("{% for m in messages %}", "data.chat_template")
     with pytest.raises(DataError, match=r"is neither a Jinja template .* nor an existing file$"):
         load_chat_template("no-such-template.jinja", None, "data.tokenizer")
+    with pytest.raises(DataError, match=rf"^data\.chat_template: {tmp_path} is a directory, not a regular file$"):
+        load_chat_template(str(tmp_path), None, "data.tokenizer")
+    (tmp_path / "big.jinja").write_text("{{ x }}" * 200000)
+    with pytest.raises(DataError, match=r"^data\.chat_template .*big\.jinja: the chat template has 1,400,000 char"):
+        load_chat_template(str(tmp_path / "big.jinja"), None, "data.tokenizer")
+    (tmp_path / "big.jinja").write_text("{{ x }}" * 700000)  # past the bytes read at all
+    with pytest.raises(DataError, match=r"^data\.chat_template: .*big\.jinja is larger than 4194304 bytes; a chat"):
+        load_chat_template(str(tmp_path / "big.jinja"), None, "data.tokenizer")
 
 
 def test_a_chat_file_without_a_template_says_what_to_set(tmp_path, capsys):
