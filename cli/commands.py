@@ -242,6 +242,20 @@ def eval_command(hooks: PluginHooks, cfg, as_json: bool, task: str, mode: str, b
         click.echo(f"loss {result['loss']:.4f}  perplexity {result['perplexity']:.3f}  tokens {result['tokens']}")
 
 
+def conversation_line(line: str, where: str) -> list:
+    """One line of a --chat .jsonl prompts file: a JSON list of messages, or an object holding one as ``messages``
+    (checked, as training rows are, when it is rendered)."""
+    try:
+        value = json.loads(line)
+    except (ValueError, RecursionError):
+        raise click.UsageError(f"{where}: not valid JSON; expected a list of {{role, content}} messages") from None
+    if isinstance(value, dict):
+        value = value.get("messages")
+    if not isinstance(value, list):
+        raise click.UsageError(f"{where}: expected a list of {{role, content}} messages, or an object with messages")
+    return value
+
+
 @cli.command()
 @click.option("--checkpoint", "path", required=True, metavar="PATH",
               help="An ipuft checkpoint or run directory, or a Hugging Face directory (GPT-J, Llama, Mistral, Qwen2).")
@@ -257,10 +271,15 @@ def eval_command(hooks: PluginHooks, cfg, as_json: bool, task: str, mode: str, b
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the sampling.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object: completions, new_tokens, tokens_per_s, device_peak_bytes.")
+@click.option("--chat", is_flag=True,
+              help="Each PROMPT (each line of --prompts) is a user message, or with a .jsonl --prompts each line a "
+                   "conversation ([{role, content}, ...]); rendered by the model's chat template (data.chat_template "
+                   "overrides it) with the generation prompt; each reply stops at the end of its turn.")
 @click.argument("args", nargs=-1, metavar="[PROMPT] [KEY=VALUE]...")
 @click.pass_obj
 def generate(hooks: PluginHooks, path: str, prompts_file: str | None, batch_size: int, max_new_tokens: int,
-             temperature: float, top_k: int, top_p: float, seed: int, as_json: bool, args: tuple[str, ...]) -> None:
+             temperature: float, top_k: int, top_p: float, seed: int, as_json: bool, chat: bool,
+             args: tuple[str, ...]) -> None:
     """Continue PROMPT (or every line of --prompts FILE) with a KV cache, greedily or by sampling; each
     row stops at an eos token (model.eos_token_ids; unset, <|endoftext|>). Weights stay in host memory and
     come to the device one unit at a time.
@@ -270,6 +289,8 @@ def generate(hooks: PluginHooks, path: str, prompts_file: str | None, batch_size
       ipuft generate --checkpoint runs/a "mnli hypothesis: ... target:"
       ipuft generate --checkpoint runs/a --prompts prompts.txt --batch-size 16 --json
       ipuft generate --checkpoint /models/gpt-j-6b --temperature 0.8 --top-p 0.9 "Once upon" data.tokenizer=DIR
+      ipuft generate --checkpoint runs/chat --chat "Name three primes."
+      ipuft generate --checkpoint runs/chat --chat --prompts conversations.jsonl
     """
     from ipuft.run.generate import check_sampling, generate_texts, inference_config
 
@@ -290,10 +311,13 @@ def generate(hooks: PluginHooks, path: str, prompts_file: str | None, batch_size
         prompts, overrides = [line for line in text.splitlines() if line.strip()], args
         if not prompts:
             raise click.UsageError(f"--prompts {prompts_file}: no prompt in it (one per line)")
+        if chat and prompts_file.lower().endswith(".jsonl"):
+            prompts = [conversation_line(line, f"--prompts {prompts_file} line {number}")
+                       for number, line in enumerate(prompts, start=1)]
     cfg = inference_config(path, hooks, overrides)
     warn(cfg, training=False)
-    result = generate_texts(cfg, hooks, prompts, max_new_tokens, batch_size, temperature=temperature, top_k=top_k,
-                            top_p=top_p, seed=seed)
+    result = generate_texts(cfg, hooks, prompts, max_new_tokens, batch_size, chat=chat, temperature=temperature,
+                            top_k=top_k, top_p=top_p, seed=seed)
     if as_json:
         click.echo(json.dumps(result))
     else:

@@ -109,6 +109,15 @@ def derive_and_validate(cfg: DictConfig) -> None:
              "and data.validation_path both name the validation rows; give one of them")
     _require(not data.validation_fraction or data.path is not None, "data.validation_fraction",
              "holds out rows of data.path, which is not set (synthetic data has no rows)")
+    for key in ("text_field", "prompt_field", "response_field", "messages_field", "input_field"):
+        named = isinstance(data[key], str) and data[key].strip() != ""
+        _require(named or (data[key] is None and key == "input_field"), f"data.{key}",
+                 f"must name a field of the rows, got {data[key]!r}")
+    _require(data.prompt_field != data.response_field, "data.response_field",
+             f"and data.prompt_field are both {data.prompt_field!r}; the prompt and the response are two fields")
+    _require(data.whole_examples is not True or data.packing, "data.whole_examples",
+             "packs examples whole into rows, but data.packing=false keeps one example per row; set "
+             "data.packing=true or drop it")
     _require(not training.eval_steps or data.validation_path is not None or data.validation_fraction > 0,
              "training.eval_steps", "evaluates on data.validation_path or data.validation_fraction; set one of "
              "them (or eval_steps=0)")

@@ -32,6 +32,14 @@ class DataFormat(str, Enum):
     tokens = "tokens"  # rows hold input_ids
     text = "text"  # rows hold one text field (data.text_field)
     template = "template"  # rows are rendered through data.template
+    instruction = "instruction"  # rows hold a prompt and a response (data.prompt_field, data.response_field)
+    chat = "chat"  # rows hold messages, rendered through the checkpoint's chat template
+
+
+class Truncation(str, Enum):
+    error = "error"  # an example longer than sequence_length + 1 is one error line
+    drop = "drop"  # it is left out; preparation reports how many were
+    truncate = "truncate"  # its first sequence_length + 1 tokens (and their loss mask) are kept
 
 
 class Schedule(str, Enum):
@@ -187,13 +195,39 @@ class DataConfig:
     # of unpacked examples covers only the target.
     template: str = "mnli"
     text_field: str = "text"
-    # Concatenate examples and cut chunks of sequence_length + 1 (the reference's group_texts); false pads
-    # each example and masks padding (and the prompt, where the template marks a target) out of the loss.
+    # data.format=instruction: a named template ("alpaca": Stanford Alpaca's, with or without its input) or
+    # a literal one with {field} placeholders, whose target (the only text in the loss) starts at its
+    # {<data.response_field>} placeholder; the fields of the prompt, of the optional input (alpaca's
+    # "input"; null: none) and of the response.
+    instruction_template: str = "alpaca"
+    prompt_field: str = "instruction"
+    input_field: Optional[str] = "input"
+    response_field: str = "output"
+    # data.format=chat: the field holding [{role, content}, ...] (roles system, user, assistant), and the chat
+    # template (a literal Jinja template or a file holding one; null: the tokenizer's, from its
+    # tokenizer_config.json chat_template or chat_template.jinja). The loss covers the assistant turns only.
+    messages_field: str = "messages"
+    chat_template: Optional[str] = None
+    # Concatenate examples and cut chunks of sequence_length + 1 (the reference's group_texts; every token in
+    # the loss for tokens, text and template, the masks kept for instruction and chat); false pads each
+    # example and masks padding (and the prompt, where the template marks a target) out of the loss.
     packing: bool = True
+    # With packing, keep every example whole in one row (rows filled greedily, in order, the rest padded out
+    # of the loss), its loss mask kept and its positions restarting at 0 (Batch.positions), so that an
+    # attention that honours them keeps examples apart; false: concatenate and cut as above, masks kept.
+    # null: true for data.format=instruction and chat, false for tokens, text and template.
+    whole_examples: Optional[bool] = None
+    # An example longer than sequence_length + 1 unpacked, or packed whole: error, drop (counted, reported
+    # once) or truncate (its start kept). null: truncate for instruction and chat (as torchtune and TRL do),
+    # error for tokens, text and template.
+    truncation: Optional[Truncation] = None
     # With packing, end each text or template example with the tokenizer's end-of-sequence token (its
     # tokenizer_config.json's eos_token), unless it already ends with it, so the model learns where documents
-    # end. Either way each example is encoded as the tokenizer encodes a text: with what its post-processor
-    # adds (Llama 3's <|begin_of_text|> first; nothing for Qwen2, SmolLM2 or GPT-J).
+    # end; an instruction example's response ends with it packed or not (Stanford Alpaca's), in the loss. A
+    # chat example ends as its template ends its turns. Either way each text, template or instruction example
+    # is encoded as the tokenizer encodes a text: with what its post-processor adds (Llama 3's
+    # <|begin_of_text|> first; nothing for Qwen2, SmolLM2 or GPT-J); a chat example as transformers encodes a
+    # rendered chat, with nothing added (its template writes its own bos).
     add_eos: bool = True
     shuffle: bool = True
     seed: int = 0

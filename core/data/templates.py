@@ -4,6 +4,10 @@ A template has a *prompt* and, optionally, a *target*. Both are ``str.format`` s
 placeholders filled from the row. The two halves are rendered (and later tokenized) separately so that
 the position where the target starts is exact; unpacked examples take their loss on the target only.
 A literal template given in the config has no target, so its whole text is in the loss.
+
+``data.format=instruction`` renders a prompt and a response (:func:`instruction_template`): the named ``alpaca``
+template (Stanford Alpaca's two prompts, with and without an input) or a literal template whose target starts at
+its ``{<data.response_field>}`` placeholder; only the target is in the loss.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ class Template:
     prompt: str
     target: str | None = None
     labels: dict[int, str] = field(default_factory=dict)
+    key: str = "data.template"  # the config key that gave it, for error messages
 
     @cached_property
     def fields(self) -> list[str]:
@@ -59,7 +64,7 @@ class Template:
             target = self.target.format_map(values) if self.target is not None else ""
         except (ValueError, IndexError, KeyError, AttributeError) as exc:
             # A malformed literal template (an unmatched brace, a positional "{}" or "{0}").
-            raise DataError(f"{where}: cannot render data.template: {exc}") from None
+            raise DataError(f"{where}: cannot render {self.key}: {exc}") from None
         return prompt, target
 
     def _label_name(self, value: Any, where: str) -> Any:
@@ -88,3 +93,67 @@ def resolve_template(name_or_literal: str) -> Template:
     if name_or_literal in TEMPLATES:
         return TEMPLATES[name_or_literal]
     return Template(prompt=name_or_literal)
+
+
+# Stanford Alpaca's two prompts (its train.py's PROMPT_DICT), word for word; the response follows "### Response:"
+# directly, as it did there.
+ALPACA_WITH_INPUT = ("Below is an instruction that describes a task, paired with an input that provides further "
+                     "context. Write a response that appropriately completes the request.\n\n"
+                     "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:")
+ALPACA = ("Below is an instruction that describes a task. Write a response that appropriately completes the "
+          "request.\n\n### Instruction:\n{instruction}\n\n### Response:")
+INSTRUCTION_TEMPLATES = ("alpaca",)
+
+
+@dataclass(frozen=True)
+class InstructionTemplate:
+    """How an instruction row becomes ``(prompt_text, response_text)``: the named ``alpaca`` template reading the
+    row's ``prompt_field``, ``input_field`` (optional; absent or blank: the prompt without an input) and
+    ``response_field``, or a literal :class:`Template` whose target starts at the response's placeholder."""
+
+    prompt_field: str
+    input_field: str | None
+    response_field: str
+    literal: Template | None = None
+
+    def render(self, row: dict[str, Any], where: str) -> tuple[str, str]:
+        """``(prompt, response)`` of ``row``; one :class:`DataError` line starting with ``where`` if a field the
+        template reads is missing or not text."""
+        if self.literal is not None:
+            return self.literal.render(row, where)
+        instruction = _field_text(row, self.prompt_field, "data.prompt_field", where)
+        response = _field_text(row, self.response_field, "data.response_field", where)
+        given = None if self.input_field is None else row.get(self.input_field)
+        if given is not None and not isinstance(given, str):
+            raise DataError(f"{where}: field {self.input_field!r} (data.input_field) is {type(given).__name__}, "
+                            f"not text")
+        if given is None or not given.strip():
+            return ALPACA.format_map({"instruction": instruction}), response
+        return ALPACA_WITH_INPUT.format_map({"instruction": instruction, "input": given}), response
+
+
+def _field_text(row: dict[str, Any], name: str, key: str, where: str) -> str:
+    value = row.get(name)
+    if value is None:
+        present = ", ".join(k for k, v in row.items() if v is not None) or "(no fields)"
+        raise DataError(f"{where}: field {name!r} ({key}) is missing; the row has: {present}")
+    if not isinstance(value, str):
+        raise DataError(f"{where}: field {name!r} ({key}) is {type(value).__name__}, not text")
+    return value
+
+
+def instruction_template(name_or_literal: str, prompt_field: str, input_field: str | None,
+                         response_field: str) -> InstructionTemplate:
+    """``data.instruction_template``: ``alpaca``, or a literal template split where ``{<response_field>}`` first
+    appears (the prompt before it, the target from it on); one :class:`DataError` line if a literal one has no
+    such placeholder."""
+    if name_or_literal in INSTRUCTION_TEMPLATES:
+        return InstructionTemplate(prompt_field, input_field, response_field)
+    marker = "{" + response_field + "}"
+    start = name_or_literal.find(marker)
+    if start < 0:
+        raise DataError(f"data.instruction_template: a literal template must hold {marker} (data.response_field) "
+                        f"where the response, the text in the loss, starts; or name one of: "
+                        f"{', '.join(INSTRUCTION_TEMPLATES)}")
+    literal = Template(prompt=name_or_literal[:start], target=name_or_literal[start:], key="data.instruction_template")
+    return InstructionTemplate(prompt_field, input_field, response_field, literal)

@@ -14,7 +14,6 @@ calling ``batch(step, ...)`` for the steps it has left. Nothing here touches the
 from __future__ import annotations
 
 import json
-from array import array
 from collections.abc import Iterator
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
@@ -22,12 +21,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ipuft.components import IGNORE_INDEX
-from ipuft.config.schema import DataFormat
+from ipuft.config.schema import DataFormat, Truncation
 from ipuft.data.batch import Batch
+from ipuft.data.builder import Arrays, Builder, Layout
 from ipuft.data.cache import TokenCache
 from ipuft.data.files import read_rows, resolve_data_path
 from ipuft.data.synthetic import SampleData
-from ipuft.data.templates import Template, resolve_template
+from ipuft.data.templates import instruction_template, resolve_template
 from ipuft.data.tokenizer import Specials, load_tokenizer, specials, tokenizer_source
 from ipuft.errors import DataError
 
@@ -96,24 +96,25 @@ class Sampler:
 class TokenDataset:
     """Tokenized rows of ``sequence_length + 1`` tokens, served as :class:`~ipuft.data.batch.Batch` objects.
 
-    Packed, row ``i`` is chunk ``i`` of the concatenated examples and every token is in the loss.
-    Unpacked, row ``i`` is example ``i``, padded with :data:`PAD_ID`; labels are ``IGNORE_INDEX`` where
-    the next token is padding or, for a template with a target, part of the prompt.
+    The rows are laid out as :mod:`ipuft.data.builder` says: chunks of the concatenated examples, one example
+    per row (padded with :data:`PAD_ID`), or examples packed whole (padded, with positions restarting at each
+    example). Labels are ``IGNORE_INDEX`` where the next token is padding, belongs to another example, or is
+    outside its example's loss mask (a prompt, a user turn).
     """
 
-    def __init__(self, tokens: torch.Tensor, offsets: torch.Tensor | None, target_starts: torch.Tensor | None,
-                 sequence_length: int, shuffle: bool = True, seed: int = 0, name: str = "dataset",
-                 table: torch.Tensor | None = None) -> None:
-        """``tokens``: flat int32 ids. Packed: ``offsets is None`` and ``tokens`` holds whole chunks of
-        ``sequence_length + 1``. Unpacked: example ``i`` is ``tokens[offsets[i]:offsets[i + 1]]`` and its
-        loss starts at token ``target_starts[i]`` (0: every token). ``table``: the rows of those that this
-        dataset serves, in order (a split); all of them by default."""
-        self.tokens, self.offsets, self.target_starts = tokens, offsets, target_starts
+    def __init__(self, arrays: Arrays, sequence_length: int, shuffle: bool = True, seed: int = 0,
+                 name: str = "dataset", table: torch.Tensor | None = None) -> None:
+        """``arrays``: the tokens, their mask, the examples' offsets and rows (:class:`~ipuft.data.builder.Arrays`).
+        ``table``: the rows of those that this dataset serves, in order (a split); all of them by default."""
+        self.arrays = arrays
+        self.tokens, self.mask, self.offsets, self.rows = arrays.tokens, arrays.mask, arrays.offsets, arrays.rows
         self.sequence_length, self.name = sequence_length, name
         self.width = sequence_length + 1
-        self.packed = offsets is None
+        self.packed = self.offsets is None  # chunks of the concatenated examples
         self.table = table
-        rows = len(table) if table is not None else len(tokens) // self.width if self.packed else len(offsets) - 1
+        count = len(self.tokens) // self.width if self.packed else \
+            len(self.offsets) - 1 if self.rows is None else len(self.rows) - 1
+        rows = len(table) if table is not None else count
         if rows == 0:
             raise DataError(f"{name}: the dataset is empty")
         self.sampler = Sampler(rows, shuffle, seed)
@@ -129,7 +130,7 @@ class TokenDataset:
                             f"nothing to train on; lower it or add rows")
         order = torch.randperm(count, generator=torch.Generator().manual_seed(seed + 7919))
         validation, training = order[:held].sort().values, order[held:].sort().values
-        args = (self.tokens, self.offsets, self.target_starts, self.sequence_length)
+        args = (self.arrays, self.sequence_length)
         train = TokenDataset(*args, self.sampler.shuffle, self.sampler.seed, self.name, training)
         train.held_out = TokenDataset(*args, False, 0, f"{self.name} (validation split)", validation)
         return train
@@ -148,31 +149,50 @@ class TokenDataset:
                             f"or model.hf_checkpoint=DIR")
         resolved = resolve_data_path(path)
         added = specials(tokenizer, cfg) if tokenizer is not None else Specials()
-        ends = data.packing and data.add_eos and fmt is not DataFormat.tokens  # packed examples end with eos
+        ends = data.add_eos and (fmt is DataFormat.instruction or (data.packing and fmt in TEXTS))
         if ends and added.eos is None:
             raise DataError("data.add_eos: the tokenizer names no end-of-sequence token (no tokenizer_config.json "
                             "eos_token, no model.eos_token_ids, no <|endoftext|> in its vocabulary); set "
                             "data.add_eos=false, or give data.tokenizer a directory with tokenizer_config.json")
         eos = added.eos if ends else None
-        cache = TokenCache.for_config(cfg, resolved, tokenizer, (added.prefix, added.suffix, eos)) \
-            if data.cache else None
+        chat = chat_template_of(cfg) if fmt is DataFormat.chat else None
+        layout, masked, truncation = layout_of(cfg)
+        shapes = (added.prefix, added.suffix, eos, chat.text if chat else None, layout.value, masked, truncation.value)
+        cache = TokenCache.for_config(cfg, resolved, tokenizer, shapes) if data.cache else None
         shuffle = data.shuffle if shuffle is None else shuffle
         if cache is not None and (hit := cache.load(name, cfg.model.embedding.vocab_size)) is not None:
-            tokens, offsets, target_starts = hit
-            return cls(tokens, offsets, target_starts, cfg.model.sequence_length, shuffle, data.seed, name)
-        builder = _Builder(name, cfg.model.sequence_length, cfg.model.embedding.vocab_size, data.packing)
+            return cls(hit, cfg.model.sequence_length, shuffle, data.seed, name)
+        hint = "; shorten it or set data.packing=true" if fmt in (DataFormat.tokens, *TEXTS) and not data.packing \
+            else "; shorten it, or set data.truncation=truncate or drop"
+        builder = Builder(name, cfg.model.sequence_length, cfg.model.embedding.vocab_size, layout, masked,
+                          truncation, hint)
         rows = read_rows(resolved, name)
         if fmt is DataFormat.tokens:
             for number, row in rows:
-                builder.add(number, _token_ids(row, number, name), 0)
+                builder.add(number, _token_ids(row, number, name))
         elif fmt is DataFormat.text:
             _encode(builder, tokenizer, ((n, _text(row, data.text_field, f"{name} row {n}"), None)
                                          for n, row in rows), added, eos)
+        elif fmt is DataFormat.chat:
+            from ipuft.data.chat import check_messages
+
+            def conversations():
+                for n, row in rows:
+                    where = f"{name} row {n}"
+                    yield n, *chat.assistant_spans(check_messages(row.get(data.messages_field), where,
+                                                                  data.messages_field), where)
+
+            _encode_chat(builder, tokenizer, conversations())
         else:
-            template = resolve_template(data.template)
-            _encode(builder, tokenizer, ((n, *_rendered(template, row, f"{name} row {n}")) for n, row in rows),
-                    added, eos)
-        dataset = builder.build(shuffle=shuffle, seed=data.seed)
+            template = resolve_template(data.template) if fmt is DataFormat.template else \
+                instruction_template(data.instruction_template, data.prompt_field, data.input_field,
+                                     data.response_field)
+            # Without a target the whole text is in the loss (target None); with one, only the target is.
+            has_target = fmt is DataFormat.instruction or template.target is not None
+            _encode(builder, tokenizer, ((n, *_rendered(template, row, f"{name} row {n}", has_target))
+                                         for n, row in rows), added, eos)
+        builder.report()
+        dataset = cls(builder.build(), cfg.model.sequence_length, shuffle, data.seed, name)
         if cache is not None:
             cache.store(dataset)
         return dataset
@@ -181,28 +201,41 @@ class TokenDataset:
         """The number of rows: examples (unpacked) or chunks (packed)."""
         return self.sampler.size
 
-    def row(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Row ``index`` as ``(input_ids, labels)``, int64 tensors of ``sequence_length`` each."""
+    def row(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Row ``index`` as ``(input_ids, labels, positions)``, int64 tensors of ``sequence_length`` each;
+        ``positions`` is None but for examples packed whole."""
         if self.table is not None:
             index = int(self.table[index])
         if self.packed:
             chunk = self.tokens[index * self.width:(index + 1) * self.width].long()
-            return chunk[:-1], chunk[1:]
-        start, end = int(self.offsets[index]), int(self.offsets[index + 1])
-        length = end - start
+            labels = chunk[1:].clone()
+            if self.mask is not None:
+                labels[self.mask[index * self.width + 1:(index + 1) * self.width] == 0] = IGNORE_INDEX
+            return chunk[:-1], labels, None
+        first, last = (index, index + 1) if self.rows is None else (int(self.rows[index]), int(self.rows[index + 1]))
         padded = torch.full((self.width,), PAD_ID, dtype=torch.long)
-        padded[:length] = self.tokens[start:end]
+        keep = torch.zeros(self.width, dtype=torch.bool)  # whether token t is a target of its example
+        positions = torch.zeros(self.width, dtype=torch.long)
+        at = 0
+        for example in range(first, last):
+            start, end = int(self.offsets[example]), int(self.offsets[example + 1])
+            length = end - start
+            padded[at:at + length] = self.tokens[start:end]
+            # An example's first token is predicted from no token of its own: never a label.
+            keep[at + 1:at + length] = True if self.mask is None else self.mask[start + 1:end].bool()
+            positions[at:at + length] = torch.arange(length)
+            at += length
+        positions[at:] = torch.arange(self.width - at)  # the padding: an example of its own, out of the loss
         labels = padded[1:].clone()
-        # The label at position t is token t + 1: keep it only where that token is real and in the target.
-        position = torch.arange(1, self.width)
-        labels[(position >= length) | (position < int(self.target_starts[index]))] = IGNORE_INDEX
-        return padded[:-1], labels
+        labels[~keep[1:]] = IGNORE_INDEX
+        return padded[:-1], labels, positions[:-1] if self.rows is not None else None
 
-    def _rows(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        pairs = [self.row(int(i)) for i in indices.reshape(-1)]
+    def _rows(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        rows = [self.row(int(i)) for i in indices.reshape(-1)]
         shape = (*indices.shape, self.sequence_length)
-        return (torch.stack([p[0] for p in pairs]).reshape(shape),
-                torch.stack([p[1] for p in pairs]).reshape(shape))
+        positions = None if self.rows is None else torch.stack([r[2] for r in rows]).reshape(shape)
+        return (torch.stack([r[0] for r in rows]).reshape(shape), torch.stack([r[1] for r in rows]).reshape(shape),
+                positions)
 
     def batch_at(self, start: int, global_batch_size: int, micro_batch_size: int, rank: int = 0,
                  replicas: int = 1) -> Batch:
@@ -213,9 +246,9 @@ class TokenDataset:
         """
         indices = self.sampler.indices(start, global_batch_size)
         micro = indices.reshape(-1, micro_batch_size)[rank::replicas]
-        input_ids, labels = self._rows(micro)
+        input_ids, labels, positions = self._rows(micro)
         self.sampler.samples_seen = max(self.sampler.samples_seen, start + global_batch_size)
-        return Batch(input_ids, labels)
+        return Batch(input_ids, labels, positions)
 
     def batch(self, step: int, global_batch_size: int, micro_batch_size: int, rank: int = 0,
               replicas: int = 1) -> Batch:
@@ -230,8 +263,9 @@ class TokenDataset:
         """Every row once, in order, unshuffled, as batches of one micro-batch (the last may be smaller);
         with ``replicas``, only every ``replicas``-th micro-batch, from the ``replica``-th on."""
         for start in range(replica * micro_batch_size, len(self), micro_batch_size * replicas):
-            input_ids, labels = self._rows(torch.arange(start, min(start + micro_batch_size, len(self)))[None])
-            yield Batch(input_ids, labels)
+            input_ids, labels, positions = self._rows(
+                torch.arange(start, min(start + micro_batch_size, len(self)))[None])
+            yield Batch(input_ids, labels, positions)
 
     def state_dict(self) -> dict[str, int]:
         """The data position, for checkpoints: see :meth:`Sampler.state_dict`."""
@@ -240,45 +274,6 @@ class TokenDataset:
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Restore the data position (seed and samples seen) from :meth:`state_dict`."""
         self.sampler.load_state_dict(state)
-
-
-class _Builder:
-    """Collects examples into one flat int32 buffer, checking each as it arrives."""
-
-    def __init__(self, name: str, sequence_length: int, vocab_size: int, packing: bool) -> None:
-        self.name, self.width, self.vocab_size, self.packing = name, sequence_length + 1, vocab_size, packing
-        self.tokens = array("i")
-        self.offsets = array("q", [0])
-        self.target_starts = array("q")
-
-    def add(self, number: int, ids: list[int], target_start: int) -> None:
-        """Append example ``ids`` from row ``number``; its loss starts at token ``target_start``."""
-        if not ids:
-            return
-        top, bottom = max(ids), min(ids)
-        if top >= self.vocab_size or bottom < 0:
-            bad = top if top >= self.vocab_size else bottom
-            raise DataError(f"{self.name} row {number}: token id {bad} is outside the model's vocabulary "
-                            f"(model.embedding.vocab_size = {self.vocab_size})")
-        if not self.packing:
-            if len(ids) > self.width:
-                raise DataError(f"{self.name} row {number}: {len(ids)} tokens, longer than "
-                                f"model.sequence_length + 1 = {self.width}; shorten it or set data.packing=true")
-            if len(ids) < 2 or target_start >= len(ids):
-                return  # no position has a label: the row would only dilute its micro-batch
-        self.tokens.extend(ids)
-        self.offsets.append(len(self.tokens))
-        self.target_starts.append(target_start)
-
-    def build(self, shuffle: bool, seed: int) -> TokenDataset:
-        tokens = torch.frombuffer(self.tokens, dtype=torch.int32) if self.tokens else torch.empty(0, dtype=torch.int32)
-        if self.packing:
-            # The reference's group_texts: concatenate everything, drop the remainder that fills no chunk.
-            tokens = tokens[:len(tokens) // self.width * self.width].clone()
-            return TokenDataset(tokens, None, None, self.width - 1, shuffle, seed, self.name)
-        return TokenDataset(tokens.clone(), torch.tensor(self.offsets, dtype=torch.long),
-                            torch.tensor(self.target_starts, dtype=torch.long), self.width - 1, shuffle, seed,
-                            self.name)
 
 
 def _token_ids(row: dict[str, Any], number: int, name: str) -> list[int]:
@@ -308,13 +303,53 @@ def _text(row: dict[str, Any], field: str, where: str) -> str:
     return value
 
 
-def _rendered(template: Template, row: dict[str, Any], where: str) -> tuple[str, str | None]:
+TEXTS = (DataFormat.text, DataFormat.template)  # the formats packed, by default, as the reference packed text
+MASKED = (DataFormat.instruction, DataFormat.chat)  # the formats whose loss masks are always kept
+
+
+def layout_of(cfg: DictConfig) -> tuple[Layout, bool, Truncation]:
+    """How ``cfg.data`` lays the examples out, whether their loss masks are kept, and what an example too long
+    for a row gets: see ``data.packing``, ``data.whole_examples`` and ``data.truncation`` (docs/data.md)."""
+    data = cfg.data
+    fmt = DataFormat(data.format)
+    whole = data.whole_examples if data.whole_examples is not None else fmt in MASKED
+    layout = Layout.examples if not data.packing else Layout.whole if whole else Layout.chunks
+    # Packed as chunks, a template's example trains on every token, as the reference's group_texts did.
+    masked = fmt in MASKED or (fmt is DataFormat.template and layout is not Layout.chunks)
+    truncation = Truncation(data.truncation) if data.truncation is not None else \
+        Truncation.truncate if fmt in MASKED else Truncation.error
+    return layout, masked, truncation
+
+
+def chat_template_of(cfg: DictConfig):
+    """The run's chat template (:func:`ipuft.data.chat.load_chat_template`): ``data.chat_template``, else the
+    tokenizer's directory's (or checkpoint's)."""
+    from pathlib import Path
+
+    from ipuft.data.chat import load_chat_template
+
+    source = tokenizer_source(cfg)
+    home = Path(source[0]) if source is not None and Path(source[0]).is_dir() else None
+    return load_chat_template(cfg.data.chat_template, home, source[1] if source is not None else "data.tokenizer")
+
+
+def _rendered(template, row: dict[str, Any], where: str, has_target: bool) -> tuple[str, str | None]:
     prompt, target = template.render(row, where)
-    # Without a target the whole text is in the loss (target None); with one, only the target is.
-    return prompt, target if template.target is not None else None
+    return prompt, target if has_target else None
 
 
-def _encode(builder: _Builder, tokenizer: Tokenizer, items: Iterator[tuple[int, str, str | None]],
+def _chunks(items: Iterator, size: int = ENCODE_CHUNK) -> Iterator[list]:
+    chunk: list = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _encode(builder: Builder, tokenizer: Tokenizer, items: Iterator[tuple[int, str, str | None]],
             added: Specials, eos: int | None) -> None:
     """Tokenize ``(row_number, prompt, target)`` items in chunks and add them to ``builder``.
 
@@ -322,11 +357,11 @@ def _encode(builder: _Builder, tokenizer: Tokenizer, items: Iterator[tuple[int, 
     (a BPE merge across the boundary cannot blur it). Special tokens written in the text, such as
     ``<|endoftext|>``, become their single ids. The example is then wrapped as the tokenizer's post-processor
     wraps one text (``added``: Llama 3's bos before it), and ends with ``eos`` where given and it does not
-    already end with it.
+    already end with it. Its mask: 0 up to the target's first token, 1 from it on (the eos included); none
+    without a target.
     """
     prefix = len(added.prefix)
-
-    def flush(chunk: list[tuple[int, str, str | None]]) -> None:
+    for chunk in _chunks(items):
         prompts = tokenizer.encode_batch([p for _, p, _ in chunk], add_special_tokens=False)
         with_target = [t for _, _, t in chunk if t is not None]
         targets = iter(tokenizer.encode_batch(with_target, add_special_tokens=False) if with_target else [])
@@ -334,16 +369,20 @@ def _encode(builder: _Builder, tokenizer: Tokenizer, items: Iterator[tuple[int, 
             ids = added.wrap(prompt.ids if target is None else prompt.ids + next(targets).ids)
             if eos is not None and ids[-1:] != [eos]:
                 ids.append(eos)
-            builder.add(number, ids, 0 if target is None else prefix + len(prompt.ids))
+            start = prefix + len(prompt.ids)
+            builder.add(number, ids, None if target is None else [0] * start + [1] * (len(ids) - start))
 
-    chunk: list[tuple[int, str, str | None]] = []
-    for item in items:
-        chunk.append(item)
-        if len(chunk) == ENCODE_CHUNK:
-            flush(chunk)
-            chunk = []
-    if chunk:
-        flush(chunk)
+
+def _encode_chat(builder: Builder, tokenizer: Tokenizer, items: Iterator[tuple[int, str, list]]) -> None:
+    """Tokenize ``(row_number, text, assistant_spans)`` items in chunks and add them to ``builder``, each token in
+    the loss where its characters are the assistant's. The text is encoded as transformers encodes a rendered
+    chat: without what the post-processor adds (a chat template writes its own bos)."""
+    from ipuft.data.chat import token_mask
+
+    for chunk in _chunks(items):
+        encodings = tokenizer.encode_batch([text for _, text, _ in chunk], add_special_tokens=False)
+        for (number, _, spans), encoding in zip(chunk, encodings):
+            builder.add(number, encoding.ids, token_mask(encoding, spans))
 
 
 def validation_source(cfg: DictConfig, data: SampleData | TokenDataset | None = None) -> TokenDataset | None:

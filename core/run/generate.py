@@ -4,6 +4,7 @@ one process, through an inference engine and the batched decoding of :mod:`ipuft
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -78,28 +79,81 @@ def check_sampling(max_new_tokens: int, temperature: float = 0.0, top_k: int = 0
         raise ConfigError(f"max_new_tokens: must be a whole number > 0, got {max_new_tokens}")
 
 
-def generate_texts(cfg: DictConfig, hooks: PluginHooks, prompts: list[str], max_new_tokens: int,
-                   batch_size: int = 8, **sampling) -> dict:
+def chat_stops(cfg: DictConfig, tokenizer, home: Path) -> list[int]:
+    """The ids a chat reply ends at, besides ``model.eos_token_ids``: the template's end of turn as the tokenizer
+    names it (tokenizer_config.json's ``eos_token``: ``<|im_end|>``, ``<|eot_id|>``) and generation_config.json's
+    ``eos_token_id`` (an id or a list of them), where ``home`` has them."""
+    from ipuft.io.model_files import home_files
+
+    found = home_files(home, ("tokenizer_config.json", "generation_config.json"), f"{home}: ") if home.is_dir() else {}
+    ids: list[int] = []
+    if "tokenizer_config.json" in found:
+        name = json.loads(found["tokenizer_config.json"]).get("eos_token")
+        name = name.get("content") if isinstance(name, dict) else name
+        if isinstance(name, str) and tokenizer.token_to_id(name) is not None:
+            ids.append(tokenizer.token_to_id(name))
+    if "generation_config.json" in found:
+        eos = json.loads(found["generation_config.json"]).get("eos_token_id")
+        for token in eos if isinstance(eos, list) else [eos]:
+            if isinstance(token, int) and not isinstance(token, bool):
+                ids.append(token)
+    return ids
+
+
+def chat_prompts(cfg: DictConfig, tokenizer, conversations: list) -> list[list[int]]:
+    """Each of ``conversations`` (a user message's text, or a list of ``{role, content}`` messages) rendered by the
+    model's chat template (``data.chat_template``, else the checkpoint's) with the generation prompt, and encoded
+    as transformers encodes a rendered chat (nothing added: the template writes its own bos)."""
+    from ipuft.data.chat import check_messages, load_chat_template
+
+    home = Path(cfg.checkpoint.load or cfg.model.hf_checkpoint)
+    if not (home / "tokenizer.json").exists() and cfg.data.tokenizer is not None and Path(cfg.data.tokenizer).is_dir():
+        home = Path(cfg.data.tokenizer)
+    template = load_chat_template(cfg.data.chat_template, home, "--checkpoint", "generate --chat")
+    encoded = []
+    for number, conversation in enumerate(conversations, start=1):
+        where = f"prompt {number}"
+        messages = [{"role": "user", "content": conversation}] if isinstance(conversation, str) else conversation
+        text, _ = template.render(check_messages(messages, where), True, where)
+        encoded.append(tokenizer.encode(text, add_special_tokens=False).ids)
+    return encoded
+
+
+def generate_texts(cfg: DictConfig, hooks: PluginHooks, prompts: list, max_new_tokens: int,
+                   batch_size: int = 8, chat: bool = False, **sampling) -> dict:
     """Continue each prompt, ``batch_size`` prompts decoded together; ``{"completions", "new_tokens",
     "tokens_per_s" (new tokens per second), "device_peak_bytes"}``. ``sampling``: temperature, top_k, top_p,
     seed (see :func:`ipuft.generate.generate`). Each prompt is encoded as the tokenizer encodes a text, with
     what its post-processor adds (Llama 3's <|begin_of_text|>; nothing for a tokenizer that adds nothing), as
-    training data is; a row stops at any of ``model.eos_token_ids``, else at the tokenizer's <|endoftext|>."""
+    training data is; a row stops at any of ``model.eos_token_ids``, else at the tokenizer's <|endoftext|>.
+
+    With ``chat``, each prompt is a conversation (:func:`chat_prompts`), rendered with the generation prompt; a
+    row also stops at the end of its turn (:func:`chat_stops`), and its completion is the reply alone, without
+    the special tokens that end it."""
     check_sampling(max_new_tokens, **sampling)
     tokenizer = tokenizer_for(cfg)
     vocab, positions = cfg.model.embedding.vocab_size, cfg.model.sequence_length
-    encodings = [tokenizer.encode(p, add_special_tokens=True) for p in prompts]
-    for number, encoding in enumerate(encodings, start=1):
-        if all(s is None for s in encoding.sequence_ids):  # nothing of the prompt's own, only added tokens
+    if chat:
+        encoded = chat_prompts(cfg, tokenizer, prompts)
+    else:
+        encodings = [tokenizer.encode(p, add_special_tokens=True) for p in prompts]
+        for number, encoding in enumerate(encodings, start=1):
+            if all(s is None for s in encoding.sequence_ids):  # nothing of the prompt's own, only added tokens
+                raise DataError(f"prompt {number} is empty after tokenization")
+        encoded = [encoding.ids for encoding in encodings]
+    for number, ids in enumerate(encoded, start=1):
+        if not ids:
             raise DataError(f"prompt {number} is empty after tokenization")
-        check_in_vocabulary(encoding.ids, vocab, f"prompt {number}")
-        if len(encoding.ids) + max_new_tokens > positions:
-            raise DataError(f"prompt {number}: its {len(encoding.ids)} tokens and max_new_tokens={max_new_tokens} "
+        check_in_vocabulary(ids, vocab, f"prompt {number}")
+        if len(ids) + max_new_tokens > positions:
+            raise DataError(f"prompt {number}: its {len(ids)} tokens and max_new_tokens={max_new_tokens} "
                             f"pass the model's {positions} positions (model.sequence_length); shorten the prompt, "
                             f"lower max_new_tokens or raise model.sequence_length (up to the checkpoint's positions)")
-    encoded = [encoding.ids for encoding in encodings]
     # A stop the model cannot emit (a tokenizer's <|endoftext|> past its vocabulary) is none.
-    stops = [t for t in list(cfg.model.eos_token_ids) or [tokenizer.token_to_id(EOS)] if t is not None and t < vocab]
+    stops = list(cfg.model.eos_token_ids) or [tokenizer.token_to_id(EOS)]
+    if chat:
+        stops += chat_stops(cfg, tokenizer, Path(cfg.checkpoint.load or cfg.model.hf_checkpoint))
+    stops = sorted({t for t in stops if t is not None and 0 <= t < vocab})
     engine = inference_engine(cfg, hooks)
     runner = LayerMajor(engine)
     seed = sampling.pop("seed", 0)
@@ -110,5 +164,8 @@ def generate_texts(cfg: DictConfig, hooks: PluginHooks, prompts: list[str], max_
         new += generate(runner, chunk, max_new_tokens, eos_id=stops, generator=generator,
                         **sampling)
     count = sum(len(n) for n in new)
-    return {"completions": [p + tokenizer.decode(n, skip_special_tokens=False) for p, n in zip(prompts, new)],
-            "new_tokens": count, **measured.figures(count)}
+    if chat:
+        completions = [tokenizer.decode(n, skip_special_tokens=True) for n in new]
+    else:
+        completions = [p + tokenizer.decode(n, skip_special_tokens=False) for p, n in zip(prompts, new)]
+    return {"completions": completions, "new_tokens": count, **measured.figures(count)}
