@@ -10,10 +10,15 @@ import torch
 
 @dataclass
 class Batch:
-    """One optimizer step's data for this replica: ``[GA, micro_batch_size, sequence_length]`` each."""
+    """One optimizer step's data for this replica: ``[GA, micro_batch_size, sequence_length]`` each.
+
+    ``positions``: each token's position within its example, ``[GA, micro_batch_size, sequence_length]`` int64,
+    restarting at 0 where a packed example starts; None: one example per row (positions 0, 1, ...).
+    """
 
     input_ids: torch.Tensor
     labels: torch.Tensor
+    positions: torch.Tensor | None = None
 
     @property
     def micro_batches(self) -> int:
