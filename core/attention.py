@@ -74,6 +74,12 @@ def examples_apart(positions: torch.Tensor | None) -> Iterator[None]:
         _POSITIONS.reset(token)
 
 
+def packed_positions() -> torch.Tensor | None:
+    """The positions :func:`examples_apart` set for the module call running now (``None``: one example per row):
+    what a decoder with an attention of its own reads to keep packed examples apart (with :func:`example_mask`)."""
+    return _POSITIONS.get()
+
+
 def example_mask(positions: torch.Tensor) -> torch.Tensor:
     """``[B, 1, T, T]`` bool: query ``i`` sees key ``j`` iff ``j ≤ i`` and ``j`` is in ``i``'s example, whose
     first token is ``i - positions[i]`` (block-diagonal causal; the examples are consecutive tokens)."""
@@ -279,7 +285,7 @@ class CausalSelfAttention(nn.Module):
     def _positions(self, new: int, cache: LayerKVCache | None,
                    device: torch.device) -> tuple[Any, torch.Tensor | None]:
         """The rotary rows of the next ``new`` tokens, and the mask of the keys they may see (``None``: causal)."""
-        packed = _POSITIONS.get() if cache is None else None
+        packed = packed_positions() if cache is None else None
         if packed is not None:  # packed examples (examples_apart): each token's own position, each example apart
             if packed.shape[-1] != new:
                 raise ValueError(f"examples_apart: positions of {packed.shape[-1]} tokens for {new}")

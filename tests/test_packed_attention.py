@@ -13,7 +13,7 @@ from llama_reference import save_hf
 from test_engine import max_rel
 from test_parity_hf import ipuft_forward
 
-from ipuft.attention import example_mask, examples_apart
+from ipuft.attention import example_mask, examples_apart, packed_positions
 from ipuft.components import IGNORE_INDEX
 from ipuft.config import load_config
 from ipuft.data.batch import Batch
@@ -148,7 +148,13 @@ def test_16_bit_packed_examples_train_as_the_examples_one_per_row(hooks, family,
 
 
 def test_positions_are_checked_and_rows_of_one_example_take_the_plain_path():
+    """The step's check of a batch's positions, the micro-batches that keep the plain causal path, the mask, and
+    what a decoder of its own reads inside examples_apart."""
     batch = packed_batch(128)
+    second = batch.positions[1]
+    with examples_apart(second):
+        assert packed_positions() is second
+    assert packed_positions() is None
     per_mb = micro_batch_positions(batch)
     assert all(torch.equal(p, batch.positions[mb]) for mb, p in enumerate(per_mb))
     plain = Batch(batch.input_ids, batch.labels, torch.arange(T).expand(2, 2, T).clone())
