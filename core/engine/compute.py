@@ -4,6 +4,8 @@ The decoder's backward recomputes each layer's forward from its buffered input `
 ``execution.recompute=false`` the forward keeps its graph for the backward instead, :class:`KeptGraphs`).
 Each micro-batch's backward is seeded with ``S / GA`` (``S`` the loss scale), so that the unit's gradient is
 the micro-batches' average carrying the scale; :class:`~ipuft.engine.gradients.GradientSum` sums them.
+Every module call runs under its micro-batch's positions (:func:`ipuft.attention.examples_apart`, ``None``
+where each row of the micro-batch is one example), so that a layer's recompute attends as its forward did.
 Under data parallelism each unit's gradient is mean-reduced over the DP group once, after its micro-batch
 loop (reduce-scattered with RTS); see :mod:`ipuft.engine.placement` for the forms a variable takes.
 """
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ipuft.attention import examples_apart
 from ipuft.components import bound, recompute
 from ipuft.data.batch import Batch
 from ipuft.engine.activations import ActivationBuffers, working_set
@@ -29,13 +32,15 @@ from ipuft.program import Entry, OpActivations, Phase
 @dataclass
 class StepState:
     """What one optimizer step's phases share: its batch (on the compute device), learning rate, loss scale and
-    update number, the micro-batches' losses, and the squared global gradient norm as it is summed."""
+    update number, the micro-batches' losses, the squared global gradient norm as it is summed, and each
+    micro-batch's positions (:func:`ipuft.engine.phased.micro_batch_positions`)."""
 
     batch: Batch
     lr: float
     loss_scale: float
     update: int
     norm_sq: torch.Tensor
+    positions: list[torch.Tensor | None] = field(default_factory=list)
     losses: list[torch.Tensor] = field(default_factory=list)
     grad_norm: float = float("nan")
     skip: bool = False
@@ -58,6 +63,11 @@ class KeptGraphs:
         return self._kept.pop(mb)
 
 
+def _tokens(batch: Batch) -> list[torch.Tensor]:
+    """The step's batch tensors, which live for the whole step: no graph's saved bytes."""
+    return [t for t in (batch.input_ids, batch.labels, batch.positions) if t is not None]
+
+
 class UnitCompute:
     """Runs a unit's forward and backward over every micro-batch of a step, on a :class:`StoredModel`'s
     modules, reading and writing the step's activation buffers."""
@@ -71,6 +81,14 @@ class UnitCompute:
         self.graphs: dict[str, KeptGraphs] = {}
         self._counted: dict[str, int] = {}  # each unit's gradients' bytes counted on the device, until released
         self.graph_bytes = self.graph_peak = 0  # kept graphs' saved bytes now, and the step's peak
+
+    def call(self, unit: str, mb: int, st: StepState) -> contextlib.ExitStack:
+        """What micro-batch ``mb``'s module call of ``unit`` runs under, the same in its forward and in its
+        recompute: its dropout masks (:meth:`rng`) and its rows' examples (:func:`examples_apart`)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.rng(unit, mb, st.update))
+        stack.enter_context(examples_apart(st.positions[mb] if st.positions else None))
+        return stack
 
     def rng(self, unit: str, mb: int, update: int):
         """The same dropout masks in a layer's forward and in its recompute; the same within a TP group,
@@ -102,10 +120,10 @@ class UnitCompute:
         with torch.no_grad(), bound(module, weights):
             for mb in range(st.batch.micro_batches):
                 if source is None:
-                    with self.rng(phase.unit, mb, st.update):
+                    with self.call(phase.unit, mb, st):
                         out = module(st.batch.input_ids[mb])
                 else:
-                    with self.buffers.read(*source, mb) as x, self.rng(phase.unit, mb, st.update):
+                    with self.buffers.read(*source, mb) as x, self.call(phase.unit, mb, st):
                         out = module(x)
                 self.buffers.write(*target, mb, out)
 
@@ -122,14 +140,14 @@ class UnitCompute:
                 with contextlib.ExitStack() as stack:
                     inputs, args = self._unit_input(stack, source, mb, st.batch.input_ids, consume=False)
                     if not inputs and not leaves:  # a frozen first unit: its backward has nothing to do
-                        with torch.no_grad(), self.rng(phase.unit, mb, st.update):
+                        with torch.no_grad(), self.call(phase.unit, mb, st):
                             out = module(*args)
                         graphs.append(None, [], 0)
                     else:
                         # The step's batch (token ids) lives for the whole step: not the graph's.
-                        held = [*params.values(), *inputs, st.batch.input_ids]
+                        held = [*params.values(), *inputs, *_tokens(st.batch)]
                         saved = stack.enter_context(working_set(self.store, held, keep=True))
-                        with self.rng(phase.unit, mb, st.update):
+                        with self.call(phase.unit, mb, st):
                             out = module(*args)
                         graphs.append(out, inputs, saved.bytes)
                         self.graph_bytes += saved.bytes
@@ -266,10 +284,10 @@ class UnitCompute:
             else:
                 seed = stack.enter_context(self.buffers.read(*upstream, mb, consume=True))
                 stack.enter_context(recompute())  # only the gradient of this forward is used
-            stack.enter_context(working_set(self.store, [*params, *inputs, st.batch.input_ids, st.batch.labels]))
+            stack.enter_context(working_set(self.store, [*params, *inputs, *_tokens(st.batch)]))
             if not inputs and not params:
                 return  # a frozen first unit: nothing upstream needs a gradient, nothing here is trained
-            with self.rng(phase.unit, mb, st.update):
+            with self.call(phase.unit, mb, st):
                 out = module(*args)
             if seed is None:
                 st.losses.append(out.detach())

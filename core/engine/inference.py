@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from ipuft.attention import examples_apart
 from ipuft.components import IGNORE_INDEX, bound
 from ipuft.engine.store import host_copy
 from ipuft.errors import ConfigError, DataError
@@ -130,11 +131,14 @@ class LayerMajor:
 
     # ---- passes ----
 
-    def hidden(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def hidden(self, input_ids: torch.Tensor, cache: KVCache | None = None,
+               positions: torch.Tensor | None = None) -> torch.Tensor:
         """The final hidden states ``[B, T, H]`` of ``input_ids[B, T]`` on the device, before the head (the
-        caller owns their device bytes until :meth:`head`). With a ``cache`` the ids continue its positions."""
+        caller owns their device bytes until :meth:`head`). With a ``cache`` the ids continue its positions;
+        with ``positions[B, T]`` (packed examples, :class:`~ipuft.data.batch.Batch`) each example is apart."""
         hidden = None
-        with torch.no_grad(), evaluating(self.model.modules):
+        packed = None if positions is None else positions.to(self.device)
+        with torch.no_grad(), evaluating(self.model.modules), examples_apart(packed):
             for phase in self.body:
                 with self._unit(phase) as module:
                     if phase.layer is None:
@@ -164,10 +168,12 @@ class LayerMajor:
         self._done_with(hidden)
         return logits
 
-    def loss_sum(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def loss_sum(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                 positions: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
         """The sum of the token losses (float64, on the device) and the number of tokens that count, over
-        ``input_ids[B, T]`` and its already shifted ``labels[B, T]`` (``IGNORE_INDEX``: not counted)."""
-        hidden = self.hidden(input_ids)
+        ``input_ids[B, T]`` (its examples' ``positions``, when packed) and its already shifted ``labels[B, T]``
+        (``IGNORE_INDEX``: not counted)."""
+        hidden = self.hidden(input_ids, positions=positions)
         labels = labels.to(self.device)
         with torch.no_grad(), evaluating(self.model.modules), self._unit(self.head_phase) as module:
             mean = module(hidden, labels)
@@ -205,7 +211,8 @@ def dataset_loss(model: StoredModel, dataset: TokenDataset, micro_batch_size: in
     total = torch.zeros(2, dtype=torch.float64, device=model.device)  # where the backend (NCCL) can reduce it
     for batch in dataset.eval_batches(micro_batch_size, layout.dp_rank, layout.data_parallel):
         for mb in range(batch.micro_batches):
-            loss_sum, tokens = runner.loss_sum(batch.input_ids[mb], batch.labels[mb])
+            positions = None if batch.positions is None else batch.positions[mb]
+            loss_sum, tokens = runner.loss_sum(batch.input_ids[mb], batch.labels[mb], positions)
             total[0] += loss_sum
             total[1] += tokens
     if layout.data_parallel > 1:

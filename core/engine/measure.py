@@ -9,7 +9,9 @@ is freed for the live bytes. Fake tensors report the run's device, so a componen
 there (GPT-J's block computes 16-bit attention in float32 on the CPU) and attention runs the device's
 kernel. This is what ``ipuft plan`` builds its compute and memory figures from, so that they follow whatever
 a component plugin does (a recompute that skips work, a gradient autograd makes in the weight's layout), not
-a formula of one model family.
+a formula of one model family. Where the rows pack several examples (:func:`packs_examples`), the unit runs
+with positions (:func:`ipuft.attention.examples_apart`), so that the attention's mask and its masked kernel are
+measured too.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from torch.utils.flop_counter import (
     sdpa_flop_count,
 )
 
+from ipuft.attention import examples_apart
 from ipuft.components import recompute
 from ipuft.engine.hostmem import heap_block_limit
 from ipuft.engine.model import ModelParts
@@ -56,6 +59,30 @@ def _register_cpu_attention_flops() -> None:
 
 
 _register_cpu_attention_flops()
+
+
+WHOLE_BY_DEFAULT = ("instruction", "chat")  # the formats packed with their examples whole (data.whole_examples)
+
+
+def packs_examples(cfg: DictConfig) -> bool:
+    """Whether the step's batches carry positions (:class:`~ipuft.data.batch.Batch`): a dataset's rows packed
+    with their examples kept whole (``data.path``, ``data.packing``, and ``data.whole_examples``, whose null
+    means the instruction and chat formats), as :mod:`ipuft.data.tokens` lays them out; the synthetic sample
+    has none."""
+    data = cfg.data
+    if data.path is None or not data.packing:
+        return False
+    whole = data.get("whole_examples")
+    return bool(whole) if whole is not None else getattr(data.format, "value", data.format) in WHOLE_BY_DEFAULT
+
+
+def fake_positions(cfg: DictConfig, device: torch.device, mode: FakeTensorMode) -> torch.Tensor | None:
+    """One micro-batch's fake positions where the rows pack examples (any values: only the shapes count)."""
+    if not packs_examples(cfg):
+        return None
+    with mode:
+        return torch.zeros(cfg.execution.micro_batch_size, cfg.model.sequence_length, dtype=torch.int64,
+                           device=device)
 
 
 def fake_unit(parts: ModelParts, role: str, cfg: DictConfig, device: torch.device, mode: FakeTensorMode):
@@ -168,6 +195,11 @@ def unit_cost(parts: ModelParts, role: str, cfg: DictConfig, device: torch.devic
     """Measure one micro-batch through a unit of ``role`` computing on ``device`` (see :class:`UnitCost`)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)  # a module's cached real tensors (a rotary table) are read
     module, params, args = fake_unit(parts, role, cfg, torch.device(device), mode)
+    with examples_apart(fake_positions(cfg, torch.device(device), mode)):
+        return _unit_cost(module, params, args, mode)
+
+
+def _unit_cost(module, params, args, mode: FakeTensorMode) -> UnitCost:
     existing = [*params.values(), *args]
     leaves = [t for t in existing if t.requires_grad]
     with mode:

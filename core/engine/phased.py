@@ -58,6 +58,25 @@ class StepResult:
     phase_peak_bytes: dict[str, int] = field(default_factory=dict)  # each phase's peak above what it found
 
 
+def micro_batch_positions(batch: Batch) -> list[torch.Tensor | None]:
+    """Each micro-batch's ``positions[mb]`` (:class:`~ipuft.data.batch.Batch`), or ``None`` where every row of
+    it is one example (0, 1, ...: the plain causal attention, with no mask). Raises ``ValueError`` for positions
+    that are not ``input_ids``' shape in int64, or whose rows do not start at 0 and count up by one within an
+    example."""
+    if batch.positions is None:
+        return [None] * batch.micro_batches
+    p = batch.positions
+    if p.shape != batch.input_ids.shape or p.dtype != torch.int64:
+        raise ValueError(f"batch positions {tuple(p.shape)} {p.dtype}: expected input_ids' shape "
+                         f"{tuple(batch.input_ids.shape)}, int64")
+    steps = (p[..., 1:] == 0) | (p[..., 1:] == p[..., :-1] + 1)
+    if not (bool((p[..., 0] == 0).all()) and bool(steps.all())):
+        raise ValueError("batch positions: each row starts at 0, and each next token is 0 (a new example) "
+                         "or one more than the token before")
+    plain = (p == torch.arange(p.shape[-1], device=p.device)).flatten(1).all(-1).tolist()
+    return [None if one else p[mb] for mb, one in enumerate(plain)]
+
+
 class PhasedEngine:
     """Runs optimizer steps of a :class:`StoredModel` through its step program."""
 
@@ -95,10 +114,14 @@ class PhasedEngine:
         self.store.begin_step()
         self.updates += 1
         with section("copies"):
-            batch = Batch(batch.input_ids.to(self.device), batch.labels.to(self.device))
-        self.store.traffic.h2d["data"] += 2 * batch.tokens * batch.input_ids.element_size()
+            positions = micro_batch_positions(batch)  # checked where the batch is (the host's, in a run)
+            batch = Batch(*(None if t is None else t.to(self.device)
+                            for t in (batch.input_ids, batch.labels, batch.positions)))
+            positions = [None if p is None else batch.positions[mb] for mb, p in enumerate(positions)]
+        moved = (batch.input_ids, batch.labels, batch.positions)
+        self.store.traffic.h2d["data"] += sum(t.numel() * t.element_size() for t in moved if t is not None)
         state = StepState(batch, lr, self.scale.scale, self.updates,
-                          torch.zeros((), dtype=torch.float32, device=self.device))
+                          torch.zeros((), dtype=torch.float32, device=self.device), positions=positions)
         phases = self.program.phases
         profile = active_profile()
         for i, phase in enumerate(phases):

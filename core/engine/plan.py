@@ -14,7 +14,7 @@ import torch
 from omegaconf import DictConfig
 
 from ipuft.engine.flops import step_flops
-from ipuft.engine.measure import kv_cache_bytes_per_position, unit_cost
+from ipuft.engine.measure import kv_cache_bytes_per_position, packs_examples, unit_cost
 from ipuft.engine.memory import (
     CPU_RUNTIME_BYTES,
     activation_peak_bytes,
@@ -46,7 +46,8 @@ def traffic(cfg: DictConfig, parts: ModelParts, sizes: dict[str, dict[str, int]]
     h2d: dict[str, int] = defaultdict(int)
     d2h: dict[str, int] = defaultdict(int)
     ga = cfg.gradient_accumulation
-    h2d["data"] = 2 * ga * cfg.execution.micro_batch_size * cfg.model.sequence_length * TOKEN_BYTES
+    per_token = 3 if packs_examples(cfg) else 2  # input ids, labels, and the positions of packed examples
+    h2d["data"] = per_token * ga * cfg.execution.micro_batch_size * cfg.model.sequence_length * TOKEN_BYTES
     act = stored_activation_bytes(cfg)
     for phase in parts.program:
         moves = phase_moves(cfg, parts, phase)
