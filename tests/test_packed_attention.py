@@ -285,6 +285,13 @@ def test_the_plan_counts_the_positions_and_measures_the_mask(hooks, monkeypatch)
     cfg = config(hooks, "gptj", 2)
     assert not packs_examples(cfg) and not packs_examples(config(hooks, "gptj", 2, "data.path=d.jsonl",
                                                                  "data.packing=false"))
+    # The rule is the data's (ipuft.data.tokens.layout_of): chat and instruction rows pack whole by default,
+    # text and template rows are cut into chunks unless data.whole_examples says otherwise.
+    assert packs_examples(config(hooks, "gptj", 2, "data.path=d.jsonl", "data.format=chat"))
+    assert packs_examples(config(hooks, "gptj", 2, "data.path=d.jsonl", "data.format=instruction"))
+    assert not packs_examples(config(hooks, "gptj", 2, "data.path=d.jsonl", "data.format=text"))
+    assert packs_examples(config(hooks, "gptj", 2, "data.path=d.jsonl", "data.format=text",
+                                 "data.whole_examples=true"))
     parts = build_model(cfg, hooks)
     plain = (estimate(cfg, parts, hooks)["traffic"]["h2d"]["data"], unit_cost(parts, "decoder", cfg))
     for module in (measure, plan):

@@ -61,19 +61,15 @@ def _register_cpu_attention_flops() -> None:
 _register_cpu_attention_flops()
 
 
-WHOLE_BY_DEFAULT = ("instruction", "chat")  # the formats packed with their examples whole (data.whole_examples)
 
 
 def packs_examples(cfg: DictConfig) -> bool:
     """Whether the step's batches carry positions (:class:`~ipuft.data.batch.Batch`): a dataset's rows packed
-    with their examples kept whole (``data.path``, ``data.packing``, and ``data.whole_examples``, whose null
-    means the instruction and chat formats), as :mod:`ipuft.data.tokens` lays them out; the synthetic sample
+    with their examples kept whole, as :func:`ipuft.data.tokens.layout_of` lays them out; the synthetic sample
     has none."""
-    data = cfg.data
-    if data.path is None or not data.packing:
-        return False
-    whole = data.get("whole_examples")
-    return bool(whole) if whole is not None else getattr(data.format, "value", data.format) in WHOLE_BY_DEFAULT
+    from ipuft.data.tokens import Layout, layout_of  # the data modules import no engine: no cycle
+
+    return cfg.data.path is not None and layout_of(cfg)[0] is Layout.whole
 
 
 def fake_positions(cfg: DictConfig, device: torch.device, mode: FakeTensorMode) -> torch.Tensor | None:
