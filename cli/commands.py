@@ -182,18 +182,37 @@ def bench(hooks: PluginHooks, cfg, as_json: bool, profile: bool, steps: int, tra
 @cli.command()
 @click.option("--checkpoint", "checkpoint", required=True, metavar="PATH",
               help="An ipuft checkpoint, or a run directory (its latest checkpoint).")
-@click.option("--hf", "out", required=True, metavar="OUT", help="The Hugging Face directory to write (new or empty).")
+@click.option("--hf", "out", default=None, metavar="OUT",
+              help="The Hugging Face directory to write (new or empty): the whole model, adapters merged in.")
+@click.option("--adapter", "adapter_out", default=None, metavar="OUT",
+              help="A peft adapter directory to write (new, empty or an earlier adapter export) from a run with "
+                   "model.adapter (LoRA): adapter_config.json and adapter_model.safetensors.")
 @click.option("--max-shard-size", default=DEFAULT_SHARD_BYTES, show_default=True, type=click.IntRange(min=1),
               help="Bytes per safetensors shard; larger models get an index.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
               help="The exported weights' dtype (config.json's torch_dtype); default: the precision trained in.")
 @click.pass_obj
-def export(hooks: PluginHooks, checkpoint: str, out: str, max_shard_size: int, dtype: str | None) -> None:
+def export(hooks: PluginHooks, checkpoint: str, out: str | None, adapter_out: str | None, max_shard_size: int,
+           dtype: str | None) -> None:
     """Write a checkpoint as a Hugging Face directory of its family (GPT-J, Llama, Mistral or Qwen2):
-    config.json and safetensors, and the checkpoint's tokenizer where it has one."""
-    from ipuft.io.hf_export import export_hf
+    config.json and safetensors, and the checkpoint's tokenizer where it has one (--hf); its adapters as a
+    peft adapter for the base model (--adapter); or both.
 
-    click.echo(f"wrote {export_hf(checkpoint, out, hooks, max_shard_size, dtype)}")
+    \b
+    Examples:
+      ipuft export --checkpoint runs/a --hf out/model          # the whole model (LoRA merged in)
+      ipuft export --checkpoint runs/a --adapter out/adapter   # PeftModel.from_pretrained(base, "out/adapter")
+    """
+    if out is None and adapter_out is None:
+        raise click.UsageError("export: give --hf OUT (the whole model), --adapter OUT (a peft adapter), or both")
+    if out is not None:
+        from ipuft.io.hf_export import export_hf
+
+        click.echo(f"wrote {export_hf(checkpoint, out, hooks, max_shard_size, dtype)}")
+    if adapter_out is not None:
+        from ipuft.io.hf_adapter import export_adapter
+
+        click.echo(f"wrote {export_adapter(checkpoint, adapter_out, hooks, dtype)}")
 
 
 @cli.command("eval")

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ipuft.ops import Linear, attention_in_float32, linear, output_projection
+from ipuft.ops import Linear, attention_in_float32
 from ipuft.parallel import copy_to_tensor_parallel, tensor_parallel_rank
 
 if TYPE_CHECKING:
@@ -302,7 +302,8 @@ class CausalSelfAttention(nn.Module):
         # Every rank holds the whole projection and reads only its query heads' share: its gradient is partial
         # here, and summed over TP by the backward of the copy.
         bias = None if proj.bias is None else copy_to_tensor_parallel(proj.bias)
-        return F.linear(h, copy_to_tensor_parallel(proj.weight), bias)
+        out = F.linear(h, copy_to_tensor_parallel(proj.weight), bias)
+        return out if proj.adapter is None else out + proj.adapter(proj, h)  # its adapter sums its own
 
     def _local_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The key/value heads of each of this rank's query heads, ``[B, heads, T, head_dim]``."""
@@ -332,9 +333,8 @@ class CausalSelfAttention(nn.Module):
             k, v = cache.append(k, v)  # every key and value so far, kv_heads wide: [B, kv, T_past + T, head_dim]
         k, v = self._local_kv(k, v)
         out = self._attend(q, k, v, mask).to(h.dtype).transpose(1, 2).flatten(-2)
-        if self.skip_output_in_recompute:
-            return output_projection(self.output.weight, out)
-        return linear(out, self.output.weight)
+        # The bias, if any, is the block's to add once, after the tensor-parallel sum.
+        return self.output.project(out, bias=False, skip_in_recompute=self.skip_output_in_recompute)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Causal attention of the last ``T_q`` positions over all ``T_k``: query i sees keys ≤ T_k - T_q + i

@@ -43,13 +43,14 @@ IGNORE_INDEX = -100
 
 @dataclass(frozen=True)
 class Init:
-    """How a variable is initialised: ``normal`` (mean 0, ``std``), ``zeros`` or ``ones``."""
+    """How a variable is initialised: ``normal`` (mean 0, ``std``), ``uniform`` (mean 0 and ``std``: on
+    ``[-√3·std, √3·std]``, as a Kaiming-uniform init is), ``zeros`` or ``ones``."""
 
     kind: str = "normal"
     std: float = 0.02
 
     def __post_init__(self) -> None:
-        if self.kind not in ("normal", "zeros", "ones"):
+        if self.kind not in ("normal", "uniform", "zeros", "ones"):
             raise ValueError(f"unknown init kind {self.kind!r}")
 
     def fill_(self, tensor: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -61,6 +62,9 @@ class Init:
                 return tensor.zero_()
             if self.kind == "ones":
                 return tensor.fill_(1.0)
+            if self.kind == "uniform":
+                bound = math.sqrt(3.0) * self.std
+                return tensor.uniform_(-bound, bound, generator=generator)
             return tensor.normal_(0.0, self.std, generator=generator)
 
 

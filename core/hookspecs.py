@@ -12,6 +12,7 @@ import pluggy
 
 if TYPE_CHECKING:
     import click
+    import torch
     from omegaconf import DictConfig
 
     from ipuft.components import ComponentRegistry, VariableSpec
@@ -98,6 +99,25 @@ def ipuft_shard_spec(
     Answer only for the components you mean, with one :class:`ipuft.sharding.ShardSpec` per variable name;
     return ``None`` otherwise. A component nobody answers for is fully replicated (``tensor_parallel``
     must then be 1).
+
+    Stops at the first non-None result.
+    """
+
+
+@hookspec(firstresult=True)
+def ipuft_adapt_component(adapter: str, role: str, name: str, module: torch.nn.Module,
+                          cfg: DictConfig) -> torch.nn.Module | None:
+    """Adapt the built component ``name`` (of ``role``) for ``model.adapter=adapter`` (``lora``), as a
+    parameter-efficient fine-tuning method does: return the module, changed in place or replaced, or ``None``
+    when ``adapter`` is not yours (or leaves this role as it is).
+
+    It is called with every component of the run, each built on the meta device (twice under tensor
+    parallelism: at ``tensor_parallel=1`` for the full variables, and at the run's for what a rank computes,
+    as ``cfg`` says). The adapted module follows the component contract; its ``variable_specs()`` give the
+    variables it adds ``added=True`` and may freeze the base's (``trainable=False``). When it adds any, its
+    ``adapter_shard_specs(base)`` says how they split over the TP ranks, given the base variables' resolved
+    :class:`ipuft.sharding.ShardSpec` (the component's own answer, for its own variables). An adapter
+    that no plugin answers for, for any role, is a config error.
 
     Stops at the first non-None result.
     """

@@ -184,12 +184,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+Adapter = Callable[["Linear", torch.Tensor], torch.Tensor]
+
+
 class Linear(nn.Linear):
-    """``nn.Linear`` computing by :func:`linear` (still an ``nn.Linear``: a plugin that wraps a block's
-    projections, as the LoRA example does, finds it)."""
+    """``nn.Linear`` computing by :func:`linear`, with an optional ``adapter``.
+
+    ``adapter(module, x)``, when an adapter plugin sets one (LoRA, ``ipuft_lora``), is added to every output
+    of the projection, however the component calls it: ``forward``, or :meth:`project` for an output
+    projection that leaves out its bias or skips its matmul in a recompute. It reads its own parameters from
+    ``module`` (registered there, so that they are the component's variables and the engine binds them)."""
+
+    adapter: Adapter | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self.project(x)
+
+    def project(self, x: torch.Tensor, *, bias: bool = True, skip_in_recompute: bool = False) -> torch.Tensor:
+        """``x @ weight.T`` (``+ bias`` unless ``bias`` is false) plus the adapter's output; with
+        ``skip_in_recompute``, the projection is an :func:`output_projection` (a layer's last, its value unread
+        in a recompute)."""
+        if skip_in_recompute:
+            y = output_projection(self.weight, x)
+            y = y if not bias or self.bias is None else y + self.bias
+        else:
+            y = linear(x, self.weight, self.bias if bias else None)
+        return y if self.adapter is None else y + self.adapter(self, x)
 
 
 class _Embedding(torch.autograd.Function):

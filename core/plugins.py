@@ -38,6 +38,7 @@ from ipuft.sharding import ShardSpec
 
 if TYPE_CHECKING:
     import click
+    import torch
 
     from ipuft.program import StepProgram
 
@@ -276,6 +277,11 @@ class PluginHooks:
         """A plugin's answer to ``ipuft_shard_spec`` for component ``name`` of ``role``, or ``None``."""
         return self.call("ipuft_shard_spec", role=role, name=name, variables=variables,
                          tensor_parallel=tensor_parallel, cfg=cfg)
+
+    def adapt_component(self, adapter: str, role: str, name: str, module: torch.nn.Module,
+                        cfg: DictConfig) -> torch.nn.Module | None:
+        """A plugin's adaptation of component ``name`` for ``model.adapter=adapter``, or ``None``."""
+        return self.call("ipuft_adapt_component", adapter=adapter, role=role, name=name, module=module, cfg=cfg)
 
     def emit_phases(self, program: StepProgram, role: str, name: str) -> None:
         """Have a plugin emit the phases of component ``name``; if none answers, core emits the role's

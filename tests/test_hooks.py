@@ -112,3 +112,72 @@ def test_a_plugin_answers_the_shard_spec_of_a_component_and_it_runs_at_tp2(fake_
     for unit, tensors in one["weights"].items():
         for n, t in tensors.items():
             assert torch.allclose(tp2["weights"][unit][n], t, rtol=1e-4, atol=1e-6), (unit, n)
+
+
+SHIFT_ADAPTER = """
+    from dataclasses import replace
+
+    import torch
+    from torch import nn
+
+    from ipuft import hookimpl
+    from ipuft.components import Init
+    from ipuft.sharding import REPLICATED
+
+    def shift(module, x):
+        return module.shift
+
+    @hookimpl
+    def ipuft_adapt_component(adapter, role, name, module, cfg):
+        if adapter != "shift" or role != "decoder":
+            return None
+        proj = module.mlp.fc_out  # a layer's output projection, which the block calls without its bias
+        proj.register_parameter("shift", nn.Parameter(torch.empty(proj.weight.shape[0], device=proj.weight.device)))
+        proj.adapter = shift
+
+        class Shifted(type(module)):
+            def variable_specs(self):
+                return [replace(v, init=Init("zeros"), trainable=True, added=True) if v.name == "mlp.fc_out.shift"
+                        else replace(v, trainable=False) for v in super().variable_specs()]
+
+            def adapter_shard_specs(self, base):
+                return {"mlp.fc_out.shift": REPLICATED}
+
+        module.__class__ = Shifted
+        return module
+"""
+
+
+def test_an_adapter_plugin_adapts_a_built_component_and_only_its_variable_trains(fake_dist, make_config):
+    """``model.adapter=shift``: a plugin's ``ipuft_adapt_component`` adds a variable to the decoder's output
+    projection through ``ipuft.ops.Linear.adapter`` (a learned shift of its output) and freezes the rest. The
+    engine trains the shift alone: the decoder's weights stay bit-identical, no gradient or optimizer state is
+    stored for them, and the adapted layer computes what the stock one does with the shift added to its bias."""
+    from torch.func import functional_call
+
+    fake_dist("ipuft-shift", {"shift": "shift_adapter"}, {"shift_adapter": SHIFT_ADAPTER})
+    hooks = create_plugin_manager()
+    cfg = make_config("training.global_batch_size=4", "model.adapter=shift", "model.freeze=[embeddings,head]")
+    parts = build_model(cfg, hooks)
+    assert type(parts.modules["decoder"]).__name__ == "Shifted"
+    assert [v.name for v in parts.variables["decoder"] if v.trainable] == ["mlp.fc_out.shift"]
+    engine = PhasedEngine(cfg, parts, hooks.registrations.build_optimizer(cfg), torch.device("cpu"))
+    before = {u: dict(w) for u, w in engine.model.full_weights().items()}
+    planned = estimate(cfg, parts, hooks)
+    for b in batches(cfg)[:2]:
+        assert engine.step(b, 1e-2).traffic == planned["traffic"]
+    after = engine.model.full_weights()
+    for n in range(cfg.model.layers):
+        unit = f"decoder.{n}"
+        assert all(torch.equal(after[unit][k], t) for k, t in before[unit].items() if k != "mlp.fc_out.shift")
+        assert after[unit]["mlp.fc_out.shift"].abs().min() > 0
+        assert set(engine.store.entries[unit]["grad"]) == {"mlp.fc_out.shift"}
+    stock = build_model(make_config("training.global_batch_size=4"), create_plugin_manager()).modules["decoder"]
+    weights = after["decoder.0"]
+    shifted = {k: t for k, t in weights.items() if k != "mlp.fc_out.shift"}
+    shifted["mlp.fc_out.bias"] = weights["mlp.fc_out.bias"] + weights["mlp.fc_out.shift"]
+    x = torch.randn(2, cfg.model.sequence_length, cfg.model.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = functional_call(engine.modules["decoder"].to_empty(device="cpu"), weights, (x,))
+        theirs = functional_call(stock.to_empty(device="cpu"), shifted, (x,))
+    assert (ours - theirs).abs().max() <= 1e-6

@@ -181,29 +181,38 @@ def test_tensor_and_data_parallel_training_equal_one_process(hooks, tmp_path):
                             "training.global_batch_size=2", *common],
                "dp2_tied_qwen2": [f"model.hf_checkpoint={tied['qwen2']}", "execution.data_parallel=2",
                                   "execution.rts=true", "training.global_batch_size=4", *common]}
-    spawn(2, dist_workers.train_configs, configs, 5, str(tmp_path), None, tmp=tmp_path)
+    for name, (results, got) in equal_to_one_process(hooks, configs, 5, tmp_path).items():
+        assert results[0].grad_norm > 0.5  # clipping is active
+        assert ("lm_head.weight" in got["weights"]["head"]) == ("tied" not in name)
+
+
+def equal_to_one_process(hooks, configs: dict[str, list[str]], steps: int, tmp_path) -> dict:
+    """Train each of ``configs`` for ``steps`` steps on two Gloo ranks and in one process (its overrides without
+    the TP and DP keys): losses, norms and every gathered weight within 1e-5, and every rank's traffic and store
+    its plan. Per config, the one process's step results and rank 0's record."""
+    spawn(2, dist_workers.train_configs, configs, steps, str(tmp_path), None, tmp=tmp_path)
+    out = {}
     for name, overrides in configs.items():
         single = [o for o in overrides if not o.startswith(("execution.tensor_parallel", "execution.data_parallel"))]
         cfg = load_config(None, single, hooks.registrations.config_sections)
         engine = build_engine(cfg, hooks)
         data = data_source(cfg)
-        results = [engine.step(replica_batch(cfg, data, s, engine.layout), learning_rate(s, 5, cfg.training.optimizer.learning_rate))
-                   for s in range(5)]
-        weights = engine.model.full_weights()
+        results = [engine.step(replica_batch(cfg, data, s, engine.layout),
+                               learning_rate(s, steps, cfg.training.optimizer.learning_rate)) for s in range(steps)]
         got = torch.load(tmp_path / f"{name}.rank0.pt")
-        assert results[0].grad_norm > 0.5  # clipping is active
         for a, b in zip(got["losses"], [r.loss for r in results], strict=True):
             assert abs(a - b) <= 1e-5 * abs(b), name
         for a, b in zip(got["norms"], [r.grad_norm for r in results], strict=True):
             assert abs(a - b) <= 1e-5 * abs(b), name
-        for unit, w in weights.items():
+        for unit, w in engine.model.full_weights().items():
             for n, t in w.items():
                 assert max_rel(got["weights"][unit][n], t) <= 1e-5, f"{name} {unit}.{n}"
-        assert ("lm_head.weight" in got["weights"]["head"]) == ("tied" not in name)
         for rank in range(2):
             mine = torch.load(tmp_path / f"{name}.rank{rank}.pt")
             assert mine["traffic"] == mine["planned"], (name, rank)
             assert mine["host_bytes"] == mine["planned_host"], (name, rank)
+        out[name] = results, got
+    return out
 
 
 def test_key_value_heads_split_only_when_tensor_parallelism_divides_them(hooks, tmp_path):

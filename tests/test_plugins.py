@@ -12,10 +12,10 @@ from ipuft.engine.model import build_model
 from ipuft.errors import PluginError
 from ipuft.plugins import create_plugin_manager
 
-SHIPPED = {"ipuft-embeddings", "ipuft-decoder", "ipuft-lm-head", "ipuft-optim-adam", "ipuft-llama"}
+SHIPPED = {"ipuft-embeddings", "ipuft-decoder", "ipuft-lm-head", "ipuft-optim-adam", "ipuft-llama", "ipuft-lora"}
 
 
-def test_shipped_plugins_are_five_distributions_and_the_builtin_logging_backends(hooks):
+def test_shipped_plugins_are_six_distributions_and_the_builtin_logging_backends(hooks):
     described = {p["distribution"]: p for p in hooks.describe()}
     assert set(described) == {*SHIPPED, "ipuft"}
     assert described["ipuft"]["name"] == "ipuft.loggers"
@@ -28,6 +28,7 @@ def test_shipped_plugins_are_five_distributions_and_the_builtin_logging_backends
     assert described["ipuft-llama"]["config_sections"] == ["plugins.llama"]
     assert described["ipuft-llama"]["model_families"] == ["llama", "mistral", "qwen2"]
     assert described["ipuft-lm-head"]["components"] == ["head:gptj"]
+    assert described["ipuft-lora"]["config_sections"] == ["plugins.lora"]
     assert described["ipuft-optim-adam"]["optimizers"] == ["adamw"]
     assert all(p["version"] == "0.1.0" for p in described.values())
 
@@ -160,7 +161,7 @@ def test_uninstalled_plugin_makes_its_component_unavailable(monkeypatch, make_co
 def test_disabling_by_name_or_distribution(monkeypatch):
     monkeypatch.setenv("IPUFT_DISABLE_PLUGINS", "gptj_lm_head, ipuft-optim-adam")
     hooks = create_plugin_manager()
-    assert {p["name"] for p in hooks.describe()} == {"gptj_embeddings", "gptj_decoder", "llama", "ipuft.loggers"}
+    assert {p["name"] for p in hooks.describe()} == {"gptj_embeddings", "gptj_decoder", "llama", "lora", "ipuft.loggers"}
     assert hooks.registrations.optimizers.names() == []
 
 
@@ -172,7 +173,7 @@ def test_every_hook_is_prefixed_documented_and_called(fake_dist, make_config):
     import click
 
     specs = {name for name, fn in inspect.getmembers(hookspecs, inspect.isfunction) if name.startswith("ipuft_")}
-    assert len(specs) == 8
+    assert len(specs) == 9
     docs = (pathlib.Path(__file__).parent.parent / "docs" / "plugins.md").read_text()
     for name in specs:
         assert getattr(hookspecs, name).__doc__, name
@@ -184,7 +185,7 @@ def test_every_hook_is_prefixed_documented_and_called(fake_dist, make_config):
     hooks.pm.add_hookcall_monitoring(lambda name, impls, kwargs: called.add(name), lambda *a: None)
     _ = hooks.registrations
     hooks.register_commands(click.Group())
-    build_model(make_config("model.head=tiny_lm"), hooks)
+    build_model(make_config("model.head=tiny_lm", "model.adapter=lora"), hooks)
     assert called == specs
 
 
@@ -306,7 +307,7 @@ HOOK_CALLS = {
     "ipuft_register_loggers": "registry", "ipuft_register_config_sections": "registry",
     "ipuft_register_model_families": "registry",
     "ipuft_register_commands": "cli", "ipuft_shard_spec": "role, name, variables, tensor_parallel",
-    "ipuft_emit_phases": "program, role, name",
+    "ipuft_emit_phases": "program, role, name", "ipuft_adapt_component": "adapter, role, name, module",
 }
 
 
@@ -329,7 +330,9 @@ def test_an_exception_in_any_hook_is_one_line_naming_the_plugin_and_the_hook(fak
         def {hook}({HOOK_CALLS[hook]}):
             raise ZeroDivisionError("bad arithmetic in the plugin")
     """})
-    code, _, err = run_cli(capsys, *(["--debug"] if debug else []), "plan", "--config", "tiny", "model.head=tiny_lm")
+    adapter = ["model.adapter=raised"] if hook == "ipuft_adapt_component" else []  # asked only with an adapter
+    code, _, err = run_cli(capsys, *(["--debug"] if debug else []), "plan", "--config", "tiny", "model.head=tiny_lm",
+                           *adapter)
     assert code == 2
     line = (f"ipuft: error: plugin 'raiser' failed in {hook}: ZeroDivisionError: bad arithmetic in the plugin "
             f"(IPUFT_DEBUG=1 shows the traceback)\n")

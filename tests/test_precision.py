@@ -249,14 +249,15 @@ def test_bfloat16_halves_the_weight_traffic(hooks, make_config):
 # -- the phased engine against a plain reference -------------------------------------------------------
 
 
-def plain_16bit_reference(cfg, modules, initial, step_batches, ties=None):
+def plain_16bit_reference(cfg, modules, initial, step_batches, ties=None, frozen=lambda unit, name: False):
     """The whole model as one module (the components composed with ``functional_call``), torch autograd
     over each micro-batch, gradients summed in float32 and rounded once to the weights' dtype (the
     projections' weights over every micro-batch's tokens at once, see below), and the
     adamw update of ``ipuft_optim_adam`` written out in float32, rounded stochastically into the weights with
     the same counter-based bits (element i of a variable is element i: one process). ``ties`` maps a
     ``(unit, variable)`` that uses another's weight to its owner's: each use is a leaf of its own, and the
-    owner's gradient is the float32 sum of every use's."""
+    owner's gradient is the float32 sum of every use's. ``frozen(unit, variable)``: the variables that take no
+    gradient and no update (a LoRA base)."""
     from torch.func import functional_call
 
     o, a, S = cfg.training.optimizer, cfg.plugins.adamw, cfg.execution.loss_scaling
@@ -270,8 +271,8 @@ def plain_16bit_reference(cfg, modules, initial, step_batches, ties=None):
         # The projections' weights are taken over the whole step (one product over every micro-batch's tokens,
         # summed in float32 and rounded once, as ipuft.ops takes them: tests/test_ops.py holds take() to
         # autograd's gradient); every other gradient is autograd's per micro-batch, summed in float32.
-        leaves = {u: {n: t.detach().requires_grad_() for n, t in w.items()} for u, w in weights.items()}
-        taken = WeightGradients([t for w in leaves.values() for t in w.values()])
+        leaves = {u: {n: t.detach().requires_grad_(not frozen(u, n)) for n, t in w.items()} for u, w in weights.items()}
+        taken = WeightGradients([t for w in leaves.values() for t in w.values() if t.requires_grad])
         with taking_weight_gradients(taken):
             for mb in range(ga):
                 h = functional_call(modules["embeddings"], leaves["embeddings"], (batch.input_ids[mb],))

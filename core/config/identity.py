@@ -23,7 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 from ipuft.config.sections import ConfigSectionRegistry
 from ipuft.errors import CheckpointError, ConfigError
 
-COMPONENT_KEYS = ("model.family", "model.embeddings", "model.decoder", "model.head")
+COMPONENT_KEYS = ("model.family", "model.embeddings", "model.decoder", "model.head", "model.adapter")
 # The model's shapes and settings in core's schema, which every component reads.
 CORE_SHAPES = (
     "model.layers", "model.hidden_size", "model.intermediate_size", "model.embedding.vocab_size",

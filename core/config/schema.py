@@ -87,6 +87,10 @@ class ModelConfig:
     embeddings: str = "gptj"
     decoder: str = "gptj"
     head: str = "gptj"
+    # A parameter-efficient fine-tuning method an installed plugin applies to the components: null (every
+    # weight trains), or lora (ipuft-lora: low-rank adapters on the decoder's projections, every base weight
+    # frozen; its options are plugins.lora).
+    adapter: Optional[str] = None
     # The Hugging Face architecture (config.json's model_type) the model is, for `ipuft export`: gptj, or
     # one an installed plugin registers (llama, mistral, qwen2). model.hf_checkpoint sets it.
     family: str = "gptj"

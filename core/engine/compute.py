@@ -77,7 +77,9 @@ class UnitCompute:
         self.buffers = buffers
         self.store = model.store
         self.recompute = bool(model.cfg.execution.recompute)
-        self.dropout = model.cfg.model.dropout_prob > 0
+        # A component may draw masks of its own (an adapter's dropout): ``uses_dropout`` says so.
+        self.dropout = model.cfg.model.dropout_prob > 0 or any(getattr(m, "uses_dropout", False)
+                                                              for m in model.modules.values())
         self.graphs: dict[str, KeptGraphs] = {}
         self._counted: dict[str, int] = {}  # each unit's gradients' bytes counted on the device, until released
         self.graph_bytes = self.graph_peak = 0  # kept graphs' saved bytes now, and the step's peak
@@ -245,7 +247,7 @@ class UnitCompute:
         with bound(module, params), taking_weight_gradients(taken):
             for mb in range(micro_batches):
                 if graphs is None:
-                    self._backward_micro_batch(phase, io, list(leaves.values()), mb, st)
+                    self._backward_micro_batch(phase, io, list(leaves.values()), mb, st, list(params.values()))
                 else:
                     self._backward_kept_graph(io, graphs, mb, list(leaves.values()))
                 sums.add_autograd(mb, micro_batches)
@@ -270,10 +272,11 @@ class UnitCompute:
         return self.store.entries[phase.unit].get("grad", {})
 
     def _backward_micro_batch(self, phase: Phase, io: OpActivations, params: list[torch.Tensor], mb: int,
-                              st: StepState) -> None:
+                              st: StepState, weights: list[torch.Tensor]) -> None:
         """Run micro-batch ``mb``'s forward with gradient (the head's loss, or a recompute seeded by the ``dx``
         entry the op reads), backpropagate into ``params``, and keep the gradient of the unit's input as the
-        ``dx`` entry the op writes."""
+        ``dx`` entry the op writes. ``weights``: every weight bound, frozen ones too, which autograd may save
+        but which are counted as loaded."""
         module = self.model.modules[phase.role]
         with contextlib.ExitStack() as stack:
             inputs, args = self._unit_input(stack, io.read("x"), mb, st.batch.input_ids, consume=True)
@@ -284,7 +287,7 @@ class UnitCompute:
             else:
                 seed = stack.enter_context(self.buffers.read(*upstream, mb, consume=True))
                 stack.enter_context(recompute())  # only the gradient of this forward is used
-            stack.enter_context(working_set(self.store, [*params, *inputs, *_tokens(st.batch)]))
+            stack.enter_context(working_set(self.store, [*weights, *inputs, *_tokens(st.batch)]))
             if not inputs and not params:
                 return  # a frozen first unit: nothing upstream needs a gradient, nothing here is trained
             with self.call(phase.unit, mb, st):

@@ -76,13 +76,14 @@ def build_model(cfg: DictConfig, hooks: PluginHooks, optimizer: Optimizer | None
     check_plugins(cfg, hooks.registrations)
     components = hooks.registrations.components
     builders = {role: components.get(role, cfg.model[role]) for role in ROLES}
-    modules = {role: build_component(cfg, b) for role, b in builders.items()}
+    modules = adapted(cfg, hooks, builders, {role: build_component(cfg, b) for role, b in builders.items()})
     tp = cfg.execution.tensor_parallel
     if tp == 1:
         variables = {role: component_variables(builders[role], m) for role, m in modules.items()}
     else:
         single = OmegaConf.merge(cfg, {"execution": {"tensor_parallel": 1}})
-        variables = {role: component_variables(b, build_component(single, b)) for role, b in builders.items()}
+        full = adapted(single, hooks, builders, {role: build_component(single, b) for role, b in builders.items()})
+        variables = {role: component_variables(b, full[role]) for role, b in builders.items()}
     # model.precision: every floating variable is stored and computed with in the run's dtype.
     dtype = compute_dtype(cfg)
     variables = {role: [replace(v, dtype=dtype) if v.dtype.is_floating_point else v for v in specs]
@@ -93,10 +94,7 @@ def build_model(cfg: DictConfig, hooks: PluginHooks, optimizer: Optimizer | None
     shard_specs = {}
     for role, b in builders.items():
         who = f"{role} component {b.name!r}"
-        answer = b.shard_specs_for(variables[role], tp, cfg)
-        if answer is None:
-            answer = hooks.shard_spec(role, b.name, variables[role], tp, cfg)
-        specs = resolve_shard_specs(who, variables[role], answer, tp)
+        specs = _shard_specs(who, b, modules[role], variables[role], hooks, cfg)
         local = {v.name: v.shape for v in component_variables(b, modules[role])}
         expected = {v.name: specs[v.name].local_shape(v.shape, tp) for v in variables[role]}
         if local != expected:
@@ -115,6 +113,42 @@ def build_model(cfg: DictConfig, hooks: PluginHooks, optimizer: Optimizer | None
     parts = ModelParts(builders, modules, variables, shard_specs, program, tied)
     check_model(cfg, parts, optimizer)
     return parts
+
+
+def adapted(cfg: DictConfig, hooks: PluginHooks, builders: dict[str, ComponentBuilder],
+            modules: dict[str, torch.nn.Module]) -> dict[str, torch.nn.Module]:
+    """The components as ``model.adapter`` adapts them (``ipuft_adapt_component``); as they are without one.
+    An adapter no installed plugin applies to any component is one line."""
+    adapter = cfg.model.adapter
+    if adapter is None:
+        return modules
+    out, answered = {}, False
+    for role, module in modules.items():
+        b = builders[role]
+        with blamed(b, f"its adaptation by model.adapter={adapter}"):
+            answer = hooks.adapt_component(adapter, role, b.name, module, cfg)
+        out[role] = module if answer is None else answer
+        answered = answered or answer is not None
+    if not answered:
+        raise ConfigError(f"model.adapter: no installed plugin adapts a model with {adapter!r}; null trains every "
+                          f"weight, lora needs the ipuft-lora plugin (see `ipuft plugins`)")
+    return out
+
+
+def _shard_specs(who: str, builder: ComponentBuilder, module: torch.nn.Module, variables: list[VariableSpec],
+                 hooks: PluginHooks, cfg: DictConfig) -> dict[str, ShardSpec]:
+    """The component's TP layout: its registered one or a plugin's answer; for an adapted component, that of its
+    base variables (the ones not ``added``) and the adapter's for the rest (its ``adapter_shard_specs``)."""
+    tp = cfg.execution.tensor_parallel
+    adapter = getattr(module, "adapter_shard_specs", None)
+    base = [v for v in variables if not v.added] if adapter is not None else variables
+    answer = builder.shard_specs_for(base, tp, cfg)
+    if answer is None:
+        answer = hooks.shard_spec(builder.role, builder.name, base, tp, cfg)
+    if adapter is None:
+        return resolve_shard_specs(who, variables, answer, tp)
+    answer = resolve_shard_specs(who, base, answer, tp)
+    return resolve_shard_specs(who, variables, {**answer, **adapter(answer)}, tp)
 
 
 def _owner(ref: str, units: list[Unit]) -> tuple[Unit, str] | None:

@@ -28,7 +28,7 @@ from torch import nn
 from ipuft.attention import CausalSelfAttention, InterleavedRotary
 from ipuft.attention import apply_interleaved_rotary as apply_interleaved_rotary  # re-exported: the tests' name
 from ipuft.components import Init, VariableSpec, specs_from_module
-from ipuft.ops import Linear, output_projection
+from ipuft.ops import Linear
 from ipuft.parallel import copy_to_tensor_parallel, reduce_from_tensor_parallel
 
 if TYPE_CHECKING:
@@ -100,7 +100,7 @@ class GPTJMLP(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """fc_out without its bias (partial under TP): the block adds the bias once, after the reduce."""
-        return output_projection(self.fc_out.weight, gelu_new(self.fc_in(h)))
+        return self.fc_out.project(gelu_new(self.fc_in(h)), bias=False, skip_in_recompute=True)
 
 
 class GPTJDecoderBlock(nn.Module):

@@ -32,7 +32,7 @@ from torch import nn
 
 from ipuft.attention import CausalSelfAttention, HalvesRotary
 from ipuft.components import IGNORE_INDEX, Init, VariableSpec, specs_from_module, tie
-from ipuft.ops import Linear, output_projection
+from ipuft.ops import Linear
 from ipuft.parallel import (
     copy_to_tensor_parallel,
     reduce_from_tensor_parallel,
@@ -70,7 +70,7 @@ class LlamaMLP(nn.Module):
         """Partial under TP. The layer's last op: in a recompute its value is never read, so its forward matmul
         is skipped (:func:`ipuft.ops.output_projection`; the attention's output projection is read by the MLP's
         norm, so it is not)."""
-        return output_projection(self.down_proj.weight, F.silu(self.gate_proj(h)) * self.up_proj(h))
+        return self.down_proj.project(F.silu(self.gate_proj(h)) * self.up_proj(h), skip_in_recompute=True)
 
 
 class LlamaDecoderBlock(nn.Module):

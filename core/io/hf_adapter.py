@@ -1,0 +1,99 @@
+"""``ipuft export --adapter``: the adapters of a checkpoint (``model.adapter``, LoRA) in peft's format, which
+``peft.PeftModel.from_pretrained(base, OUT)`` loads onto the base model: ``adapter_config.json`` and
+``adapter_model.safetensors``.
+
+Generic machinery: the names and the config come from the adapted components (their ``peft_mapping(layer)``,
+each adapter variable's name in the file, and ``peft_config()``, the adapter's part of adapter_config.json),
+and the file holds those variables only. It streams as ``--hf`` does (one tensor in memory, read from the
+checkpoint's model.safetensors and verified), and is written into a temporary directory renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ipuft.components import VariableSpec
+from ipuft.config import checkpoint_config
+from ipuft.engine.model import build_model
+from ipuft.engine.precision import DTYPES
+from ipuft.errors import CheckpointError, PluginError
+from ipuft.io.checkpoint import WEIGHTS, find_checkpoint, open_tensors, read_manifest, read_meta
+from ipuft.io.hf_export import staged_directory
+from ipuft.plugins import PluginHooks
+from ipuft.program import StepProgram
+
+CONFIG, TENSORS = "adapter_config.json", "adapter_model.safetensors"
+
+
+def is_adapter_export(out: Path) -> bool:
+    """Whether directory ``out`` holds an earlier adapter export and nothing else (which a new one replaces)."""
+    return {p.name for p in out.iterdir()} <= {CONFIG, TENSORS}
+
+
+def adapter_names(parts, layers: int) -> tuple[dict[str, str], dict]:
+    """``{"<unit>.<variable>": peft name}`` of every adapter variable, and the adapter's config: from each
+    unit's component's ``peft_mapping`` and ``peft_config``; a :class:`PluginError` for a name given twice or
+    for variables a mapping names that are not the unit's."""
+    names: dict[str, str] = {}
+    config: dict = {}
+    for unit in StepProgram(layers).units():
+        module = parts.modules[unit.role]
+        if not hasattr(module, "peft_mapping"):
+            continue
+        own = {v.name for v in parts.variables[unit.role]}
+        for local, name in module.peft_mapping(unit.layer).items():
+            if local not in own or name in names.values():
+                raise PluginError(f"model.{unit.role}: {type(module).__name__}'s peft_mapping gives {local} as "
+                                  f"{name}, {'a name given twice' if local in own else 'not a variable of it'}")
+            names[f"{unit}.{local}"] = name
+        config.update(module.peft_config())
+    return names, config
+
+
+def base_model(checkpoint: Path) -> str | None:
+    """The Hugging Face directory the checkpoint's run started from (its saved ``model.hf_checkpoint``), for
+    adapter_config.json's ``base_model_name_or_path``: only a name there, never read."""
+    from ipuft.config.migrate import saved_config_data
+
+    model = saved_config_data(checkpoint).get("model")
+    source = model.get("hf_checkpoint") if isinstance(model, dict) else None
+    return source if isinstance(source, str) else None
+
+
+def export_adapter(path: str | Path, out: str | Path, hooks: PluginHooks, dtype: str | None = None) -> Path:
+    """Write the adapters of checkpoint ``path`` (or a run directory's latest) as a peft adapter directory
+    ``out``, in ``dtype`` (by default the precision the run trained in)."""
+    from ipuft.io.safetensors import SafetensorsWriter
+
+    checkpoint = find_checkpoint(path)
+    manifest = read_manifest(checkpoint)
+    read_meta(checkpoint)
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or not is_adapter_export(out)):  # before any work; again when writing
+        raise CheckpointError(f"--adapter {out} exists and is not an empty directory or an adapter export; "
+                              f"choose a new directory")
+    cfg = checkpoint_config(checkpoint, hooks.registrations.config_sections)
+    if cfg.model.adapter is None:
+        raise CheckpointError(f"--adapter: checkpoint {checkpoint} has no adapter (its model.adapter is null): "
+                              f"export the whole model with --hf")
+    torch_dtype = DTYPES[dtype or cfg.model.precision.value]
+    parts = build_model(cfg, hooks)
+    names, adapter = adapter_names(parts, cfg.model.layers)
+    if not names:
+        raise CheckpointError(f"--adapter: model.adapter={cfg.model.adapter} of checkpoint {checkpoint} gives no "
+                              f"variable a peft name (peft_mapping); export the whole model with --hf")
+    reader = open_tensors(checkpoint, WEIGHTS, manifest)
+    if missing := sorted(set(names) - set(reader.keys())):
+        raise CheckpointError(f"checkpoint {checkpoint} lacks {', '.join(missing[:5])}")
+    order = sorted(names, key=lambda n: reader.entries[n].begin)  # one pass over the file
+    config = {**adapter, "base_model_name_or_path": base_model(checkpoint), "revision": None}
+    with staged_directory(out, "--adapter", is_adapter_export) as tmp:
+        specs = [VariableSpec(names[n], reader.entries[n].shape, torch_dtype) for n in order]
+        with SafetensorsWriter(tmp / TENSORS, specs, {"format": "pt"}) as writer:
+            for name in order:
+                writer.write(names[name], reader.get(name).to(torch_dtype))
+            writer.close()
+        reader.finish()  # raises if the weights read were not the checkpoint's: nothing is left behind
+        (tmp / CONFIG).write_text(json.dumps(config, indent=2))
+    return out

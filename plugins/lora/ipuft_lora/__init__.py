@@ -1,0 +1,108 @@
+"""LoRA (Hu et al., 2021) for ipuft, as a plugin: ``model.adapter=lora``, its options ``plugins.lora``.
+
+Each targeted projection ``y = W x`` of the decoder becomes ``y = W x + (alpha / rank) · B A dropout(x)``, with
+``A`` ``[rank, in]`` and ``B`` ``[out, rank]``, as peft's ``LoraConfig`` computes it. Every base weight of the
+model is frozen (the decoder's, the embeddings' and the head's: no gradient, no optimizer state, no update
+traffic); the adapters are the only trainable variables. They are ``added``: a run from a Hugging Face
+checkpoint (``model.hf_checkpoint``) loads the base and starts each ``A`` as peft does (Kaiming-uniform, on
+``±1/√in``) and each ``B`` from zeros, so that the first step computes the base model.
+
+``plugins.lora.targets`` names projections the way every family shares: ``q``, ``k``, ``v``, ``o`` (attention)
+and ``gate``, ``up``, ``down`` (MLP); :data:`TARGETS` maps them onto each decoder's modules (GPT-J has no
+``gate``; its ``up`` and ``down`` are ``fc_in`` and ``fc_out``).
+
+``ipuft export --hf`` merges the adapters into the base (``W + (alpha / rank) · B A``) and writes a plain model;
+``ipuft export --adapter`` writes them in peft's format, for ``peft.PeftModel.from_pretrained(base, OUT)``.
+
+Under tensor parallelism an adapter splits as its projection does: a column-parallel ``W`` (q, k, v, gate,
+up) has ``B`` sharded by rows like it and ``A`` whole on every rank, its gradient summed over TP; a
+row-parallel one (o, down) has ``A`` sharded by columns like it and ``B`` whole, its gradient summed over TP.
+
+This module holds the hooks only and imports no torch; the adapters are :mod:`ipuft_lora.module`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from omegaconf import DictConfig
+
+from ipuft import hookimpl
+from ipuft.config import ConfigSectionRegistry
+from ipuft.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+NAME = "lora"
+SECTION = "lora"
+# For each decoder ipuft ships, each target's module in it (the projection's weight is ``<path>.weight``).
+TARGETS = {
+    "gptj": {"q": "attn.q_proj", "k": "attn.k_proj", "v": "attn.v_proj", "o": "attn.out_proj",
+             "up": "mlp.fc_in", "down": "mlp.fc_out"},
+    "llama": {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+              "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"},
+}
+NAMES = ("q", "k", "v", "o", "gate", "up", "down")
+# Row-parallel projections (their input split over TP); the others are column-parallel.
+ROW_PARALLEL = ("o", "down")
+
+
+@dataclass
+class LoRAOptions:
+    """``plugins.lora``: used when ``model.adapter=lora``."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    # Projections to adapt, among q, k, v, o, gate, up, down (peft's default for Llama: q and v).
+    targets: list[str] = field(default_factory=lambda: ["q", "v"])
+
+
+def options(cfg: DictConfig) -> LoRAOptions:
+    """``plugins.lora``, checked: one line naming the key on a bad value."""
+    o = cfg.plugins[SECTION]
+    if not 0 < o.rank <= 4096:
+        raise ConfigError(f"plugins.lora.rank: must be in [1, 4096], got {o.rank}")
+    if not 0.0 < o.alpha < float("inf"):
+        raise ConfigError(f"plugins.lora.alpha: must be a finite number > 0, got {o.alpha}")
+    if not 0.0 <= o.dropout < 1.0:
+        raise ConfigError(f"plugins.lora.dropout: must be in [0, 1), got {o.dropout}")
+    unknown = [t for t in o.targets if t not in NAMES]
+    if unknown or not o.targets or len(set(o.targets)) != len(o.targets):
+        raise ConfigError(f"plugins.lora.targets: {list(o.targets)} must be distinct names among {', '.join(NAMES)}")
+    return LoRAOptions(o.rank, o.alpha, o.dropout, list(o.targets))
+
+
+def target_modules(cfg: DictConfig, decoder: str) -> dict[str, str]:
+    """Each target's module path in decoder ``decoder``; one line for a decoder LoRA does not know or a target
+    the family lacks."""
+    o = options(cfg)
+    if decoder not in TARGETS:
+        raise ConfigError(f"model.adapter=lora adapts the {' and '.join(TARGETS)} decoders; model.decoder={decoder} "
+                          f"is not one of them (set model.adapter=null to train every weight)")
+    modules = TARGETS[decoder]
+    if lacking := [t for t in o.targets if t not in modules]:
+        raise ConfigError(f"plugins.lora.targets: the {decoder} decoder has no {', '.join(lacking)} projection; "
+                          f"choose among {', '.join(modules)}")
+    return {t: modules[t] for t in o.targets}
+
+
+@hookimpl
+def ipuft_adapt_component(adapter: str, role: str, name: str, module: nn.Module,
+                          cfg: DictConfig) -> nn.Module | None:
+    """``model.adapter=lora``: the decoder with adapters on its targets, the embeddings and head frozen."""
+    if adapter != NAME:
+        return None
+    from ipuft_lora.module import add_adapters, freeze
+
+    if role != "decoder":
+        return freeze(module)
+    o = options(cfg)
+    return add_adapters(module, target_modules(cfg, name), o, cfg.execution.tensor_parallel)
+
+
+@hookimpl
+def ipuft_register_config_sections(registry: ConfigSectionRegistry) -> None:
+    registry.add(SECTION, LoRAOptions, used_when={"model.adapter": NAME}, model_keys=("rank", "alpha", "targets"))
