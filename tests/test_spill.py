@@ -266,3 +266,29 @@ def test_parallel_ranks_spill_their_own_slices_bit_for_bit(hooks, tmp_path, dp, 
             assert max_rel(disk["weights"][unit][n], t) <= 1e-5, (unit, n)
     assert all(rel(a, b) <= 1e-5 for a, b in zip(disk["losses"], losses, strict=True))
     assert list((tmp_path / "spill").iterdir()) == []
+
+
+def test_fit_advice_considers_spilling_to_disk(hooks, make_config):
+    from ipuft.engine.fit import _needs, fit
+
+    host, disk = (make_config(*COMMON, "execution.device=cpu", f"execution.activation_offload={p}")
+                  for p in ("true", "disk"))
+    engine = make_engine(host, hooks)
+    planned = {p: estimate(c, engine.parts, hooks) for p, c in (("host", host), ("disk", disk))}
+    memory = {"host_available_bytes": 0, "device_free_bytes": None, "process_bytes": 0, "disk_free_bytes": 10**12}
+    needs = {p: _needs(host, planned[p], memory)[0] for p in planned}
+    memory["host_available_bytes"] = (needs["host"] + needs["disk"]) // 2  # only the spill fits
+    advice = fit(host, hooks, planned["host"], memory)
+    assert not advice["fits"] and "execution.activation_offload=disk" in advice["would_fit_with"]
+    memory["disk_free_bytes"] = planned["disk"]["disk_bytes"] - 1  # nor does it, without room on the disk
+    assert "execution.activation_offload=disk" not in fit(host, hooks, planned["host"], memory)["would_fit_with"]
+
+
+def test_saved_configs_keep_their_placement_and_lose_their_spill_dir(make_config):
+    from ipuft.config.migrate import migrate
+
+    for saved in (True, False, "disk"):
+        data = {"execution": {"activation_offload": saved, "spill_dir": "/elsewhere"}}
+        migrate(data, None)
+        assert data == {"execution": {"activation_offload": saved}}  # where the reading run spills is its own
+        assert make_config(f"execution.activation_offload={str(saved).lower()}").execution.activation_offload == saved

@@ -59,7 +59,7 @@ class ActivationBuffers:
         self.files: SpillFiles | None = None  # opened at the first spilled write
         self._dropped = 0  # spilled entries this step whose in-memory copy is gone
         # Pinned host buffers make the copies asynchronous on CUDA, whether or not variables are offloaded.
-        self.pin = offload and store.compute.type == "cuda"
+        self.pin = self.offload and store.compute.type == "cuda"
         self._slots: dict[tuple[str, int, int], torch.Tensor] = {}
         self._shapes: dict[tuple[str, int, int], torch.Size] = {}
         self.live = 0  # bytes of buffered activations (host or device), counted until a consumer is done
@@ -90,7 +90,7 @@ class ActivationBuffers:
     def _open(self) -> SpillFiles:
         if self.files is None:
             s = self.spill
-            self.files = SpillFiles(s.root, s.rank, s.step_bytes, s.micro_batches, s.ranks_here)
+            self.files = SpillFiles(s.root, s.rank, s.step_bytes, s.micro_batches, s.ranks_here, self.pin)
         return self.files
 
     def _copied(self) -> torch.cuda.Event | None:

@@ -81,12 +81,14 @@ def _remove_own_files(directory: Path) -> None:
 class SpillFiles:
     """One rank's spilled entries: written and read by two threads, ``window`` entries ahead at most."""
 
-    def __init__(self, root: Path, rank: int, step_bytes: int, window: int, ranks_here: int = 1) -> None:
+    def __init__(self, root: Path, rank: int, step_bytes: int, window: int, ranks_here: int = 1,
+                 pin: bool = False) -> None:
         """Vet ``root`` (a writable directory, made if missing), remove stale spills there, check it has room
-        for ``step_bytes`` (each of this machine's ``ranks_here`` ranks' worth) and make this rank's directory."""
+        for ``step_bytes`` (each of this machine's ``ranks_here`` ranks' worth) and make this rank's directory.
+        ``pin``: read into pinned memory (CUDA), for asynchronous copies to the device."""
         from ipuft.engine.fit import format_bytes
 
-        self.root, self.step_bytes, self.window = Path(root), step_bytes, max(1, window)
+        self.root, self.step_bytes, self.window, self.pin = Path(root), step_bytes, max(1, window), pin
         self._format = format_bytes
         if self.root.exists() and not self.root.is_dir():
             raise SpillError(f"execution.spill_dir: {self.root} exists and is not a directory")
@@ -284,7 +286,7 @@ class SpillFiles:
     def _read_file(self, key: Key) -> torch.Tensor:
         """Read ``key``'s file into a fresh tensor, drop it from the page cache and delete it."""
         shape, dtype = self._sizes[key]
-        tensor = torch.empty(shape, dtype=dtype)
+        tensor = torch.empty(shape, dtype=dtype, pin_memory=self.pin)
         view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
         path = self._path(key)
         try:
