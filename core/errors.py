@@ -33,6 +33,11 @@ class TrainingError(IpuftError):
     exit_code = 1
 
 
+class SpillError(IpuftError):
+    """Activations spilled to disk (``execution.activation_offload=disk``) could not be written or read back:
+    the spill directory's disk is full, or a spill file vanished; the message names the directory."""
+
+
 class DistributedError(IpuftError):
     """A collective failed: a peer rank died or stopped responding."""
 

@@ -56,9 +56,12 @@ def train_configs(rank: int, configs: dict[str, list[str]], steps: int, out: str
                   "host_bytes": engine.store.host_bytes(), "planned_host": planned["host_bytes"] - (
                       planned["activation_bytes"] if cfg.execution.activation_offload else 0),
                   "activation_bytes": results[-1].activation_bytes, "planned_activation": planned["activation_bytes"],
-                  "reductions_per_step": per_step,
+                  "reductions_per_step": per_step, "spill_written": results[-1].spill_written_bytes,
+                  "planned_disk": planned["disk_bytes"],
+                  "spill_dir": engine.buffers.files.dir.name if engine.buffers.files is not None else None,
                   "variables": sum(len(v) for v in engine.model.weights().values())}
         optim = engine.model.full_weights("optim")  # every rank takes part in the gathers
+        engine.close()
         torch.save(plain({"weights": weights, "optim": optim, **record} if rank == 0 else record),
                    Path(out) / f"{name}.rank{rank}.pt")
 

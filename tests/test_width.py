@@ -31,19 +31,15 @@ def available_bytes() -> int:
     return 0
 
 
-@pytest.mark.slow
-@pytest.mark.xdist_group("width")  # one at a time under -n (pyproject's --dist loadgroup): 10 GiB each
-@pytest.mark.parametrize("micro_batch", [1, 4])
-@pytest.mark.parametrize("precision", list(PRECISIONS))
-def test_a_6b_wide_layer_trains_within_90_to_100_percent_of_the_planned_host_memory(tmp_path, precision, micro_batch):
-    overrides, stored = PRECISIONS[precision]
-    config = [*WIDE, *overrides, f"execution.micro_batch_size={micro_batch}",
-              f"training.global_batch_size={2 * micro_batch}", f"output_dir={tmp_path}/run"]
+def train_wide(config: list[str], stored: int, out, spills: bool = False) -> tuple[dict, dict]:
+    """Plan and train ``config`` in a process of its own; its plan and first metrics record, after checking
+    that the plan's host bytes are ``stored`` (and, ``spills``, the buffers' share) and the peak RSS is
+    between 90% and 100% of the plan's need."""
     plan = subprocess.run(["ipuft", "plan", *config, "--json"], capture_output=True, text=True, check=True)
     planned = json.loads(plan.stdout)
     needed = planned["machine"]["host_needed_bytes"]
     assert planned["parameters"] == PARAMETERS
-    assert planned["host_bytes"] == stored
+    assert planned["host_bytes"] == stored + (planned["activation_bytes"] if spills else 0)
     if available_bytes() < needed * 1.1:
         pytest.skip(f"this machine has {available_bytes() / 2**30:.1f} GiB available; the run needs "
                     f"{needed / 2**30:.1f}")
@@ -55,5 +51,29 @@ def test_a_6b_wide_layer_trains_within_90_to_100_percent_of_the_planned_host_mem
     assert os.waitstatus_to_exitcode(status) == 0, err
     peak = usage.ru_maxrss * 1024
     assert 0.90 * needed <= peak <= needed, (peak / 2**30, needed / 2**30, peak / needed)
-    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    return planned, json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("width")  # one at a time under -n (pyproject's --dist loadgroup): 10 GiB each
+@pytest.mark.parametrize("micro_batch", [1, 4])
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_a_6b_wide_layer_trains_within_90_to_100_percent_of_the_planned_host_memory(tmp_path, precision, micro_batch):
+    overrides, stored = PRECISIONS[precision]
+    config = [*WIDE, *overrides, f"execution.micro_batch_size={micro_batch}",
+              f"training.global_batch_size={2 * micro_batch}", f"output_dir={tmp_path}/run"]
+    planned, record = train_wide(config, stored, tmp_path / "run")
     assert record["model_flops_per_s"] * record["step_time_s"] == pytest.approx(planned["flops_per_step"]["model"])
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("width")
+def test_a_6b_wide_layer_spilling_to_disk_stays_within_90_to_100_percent_of_the_plan(tmp_path):
+    """activation_offload=disk: the plan's host bytes hold 2·GA + 1 entries of the buffers, and the step writes
+    the plan's disk bytes (the layer's input, GA=4 micro-batches of 128 bfloat16 tokens)."""
+    overrides, stored = PRECISIONS["bfloat16"]
+    config = [*WIDE, *overrides, "execution.micro_batch_size=1", "training.global_batch_size=4",
+              "execution.activation_offload=disk", f"execution.spill_dir={tmp_path}/spill", f"output_dir={tmp_path}/run"]
+    planned, record = train_wide(config, stored, tmp_path / "run", spills=True)
+    assert record["spill_written_bytes"] == record["spill_read_bytes"] == planned["disk_bytes"] == 4 * 128 * 4096 * 2
+    assert list((tmp_path / "spill").iterdir()) == []

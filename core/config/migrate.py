@@ -2,7 +2,8 @@
 
 A checkpoint's ``config.yaml`` is untrusted data: it is checked against the checkpoint's manifest, parsed
 safely (:mod:`ipuft.config.safe_yaml`) and refused if it holds an interpolation. Keys that earlier versions
-saved are migrated (:func:`migrate`): retired ones dropped, moved ones carried to their new place, and what a
+saved are migrated (:func:`migrate`; ``execution.activation_offload``'s true and false, all earlier versions
+saved, are still two of its values): retired ones dropped, moved ones carried to their new place, and what a
 saved config may not decide for the run that reads it (where that run writes, and where its weights come
 from) removed. :func:`ipuft.config.load.checkpoint_config` loads the result as a preset.
 """
@@ -16,9 +17,9 @@ from ipuft.config.sections import ConfigSectionRegistry
 from ipuft.errors import CheckpointError
 from ipuft.io.checkpoint import read_manifest, sha256_file
 
-# What a checkpoint's config may not decide for the run that reads it: where that run writes, and where
-# its weights come from (the checkpoint itself).
-PLACEMENT = ("output_dir", "checkpoint.save", "model.init_checkpoint")
+# What a checkpoint's config may not decide for the run that reads it: where that run writes (its spilled
+# activations too), and where its weights come from (the checkpoint itself).
+PLACEMENT = ("output_dir", "checkpoint.save", "model.init_checkpoint", "execution.spill_dir")
 
 # Keys that earlier versions saved and that no longer exist: dropped from a checkpoint's config, so that its
 # checkpoints stay loadable; and keys that moved, carried to their new place.

@@ -135,6 +135,7 @@ def derive_and_validate(cfg: DictConfig) -> None:
              "execution.optimizer_placement", "host updates the variables where execution.offload=true keeps them, in "
              "host memory; with offload=false they live on the device and the optimizer runs there: set "
              "execution.offload=true or optimizer_placement=device")
+    _activation_placement(execution)
     _require(execution.loss_scaling_initial > 0, "execution.loss_scaling_initial", "must be > 0")
     _require(execution.loss_scaling_growth_interval > 0, "execution.loss_scaling_growth_interval", "must be > 0")
     _require(cfg.training.max_consecutive_skips > 0, "training.max_consecutive_skips", "must be > 0")
@@ -177,6 +178,25 @@ def derive_and_validate(cfg: DictConfig) -> None:
             _require(not execution[key], "execution.recompute",
                      f"false keeps every layer's autograd graph, and the weights it references, on the device; "
                      f"set execution.{key}=false with it (or recompute=true)")
+
+
+# The names activation_offload also takes for its two boolean values.
+ACTIVATION_NAMES = {"none": False, "false": False, "host": True, "true": True, "disk": "disk"}
+
+
+def _activation_placement(execution: DictConfig) -> None:
+    """``execution.activation_offload`` is false, true or disk (its names ``none`` and ``host`` become false and
+    true), and ``execution.spill_dir`` is set only where activations are spilled to disk."""
+    value = execution.activation_offload
+    if isinstance(value, str) and value.lower() in ACTIVATION_NAMES:
+        value = execution.activation_offload = ACTIVATION_NAMES[value.lower()]
+    _require(isinstance(value, bool) or value == "disk", "execution.activation_offload",
+             f"must be false (on the device), true (host memory) or disk, got {value!r}")
+    _require(execution.spill_dir is None or value == "disk", "execution.spill_dir",
+             f"is where activation_offload=disk spills activations, but activation_offload is "
+             f"{str(value).lower()}; set execution.activation_offload=disk or drop spill_dir")
+    _require(execution.spill_dir is None or str(execution.spill_dir).strip() != "", "execution.spill_dir",
+             "is empty; give a directory (or null: the run directory's spill/)")
 
 
 def _check_token_ids(model: DictConfig) -> None:

@@ -159,8 +159,14 @@ class ExecutionConfig:
     # Where the optimizer runs. host (with offload=true): in host memory, in place, from the stored gradient;
     # weights, Adam state and gradients never come to the device for an update (see docs/how-a-step-runs.md).
     optimizer_placement: OptimizerPlacement = OptimizerPlacement.device
-    # Keep the x/dx activation buffers in host memory too.
-    activation_offload: bool = False
+    # Where the x/dx activation buffers live between phases: false (on the compute device), true (in host
+    # memory; "host" says the same, "none" the same as false), or disk: each layer boundary's x entries are
+    # written to files under execution.spill_dir in the forward and read back, a layer ahead, in the backward
+    # (dx, which lives only for the rows in flight, and the head's input stay in host memory).
+    activation_offload: Any = False
+    # With activation_offload=disk: the directory the x entries are spilled into (each rank its own files, in a
+    # directory of its own that the run removes at its end); null: the run directory's spill/.
+    spill_dir: Optional[str] = None
     # Recompute each layer's forward in its backward (the reference's): only layer inputs stay between phases.
     # false: each layer's forward keeps what its backward needs, for every micro-batch, until that backward
     # (L × GA micro-batches' saved tensors at once, on the device; ipuft plan counts them). It needs the

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -14,6 +16,7 @@ from ipuft.plugins import PluginHooks
 
 _REMEDIES = (
     {"execution": {"activation_offload": True}},
+    {"execution": {"activation_offload": "disk"}},
     {"execution": {"offload": True}},
     {"model": {"precision": "bfloat16"}, "training": {"stochastic_rounding": True, "master_weights": False}},
 )
@@ -36,7 +39,17 @@ def machine_memory(cfg: DictConfig) -> dict:
     if host is None:
         host = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     device = torch.cuda.mem_get_info()[0] if compute_device(cfg).type == "cuda" else None
-    return {"host_available_bytes": host, "device_free_bytes": device, "process_bytes": process or 0}
+    return {"host_available_bytes": host, "device_free_bytes": device, "process_bytes": process or 0,
+            "disk_free_bytes": _disk_free(cfg)}
+
+
+def _disk_free(cfg: DictConfig) -> int:
+    """Free bytes where ``activation_offload=disk`` would spill: ``execution.spill_dir``, else the run directory
+    (``output_dir``, else ``runs/``), or the nearest of their parents that exists."""
+    path = Path(cfg.execution.spill_dir or cfg.output_dir or "runs").absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
 
 
 def _needs(cfg: DictConfig, result: dict, memory: dict) -> tuple[int, int | None]:
@@ -51,7 +64,10 @@ def _needs(cfg: DictConfig, result: dict, memory: dict) -> tuple[int, int | None
 
 def _fits(cfg: DictConfig, result: dict, memory: dict) -> bool:
     host, device = _needs(cfg, result, memory)
-    return host <= memory["host_available_bytes"] and (device is None or device <= memory["device_free_bytes"])
+    world = cfg.execution.data_parallel * cfg.execution.tensor_parallel
+    disk = world * result.get("disk_bytes", 0) <= memory.get("disk_free_bytes", 0) if result.get("disk_bytes") else True
+    return host <= memory["host_available_bytes"] and (device is None or device <= memory["device_free_bytes"]) \
+        and disk
 
 
 def fit(cfg: DictConfig, hooks: PluginHooks, result: dict, memory: dict | None = None) -> dict:
@@ -95,8 +111,9 @@ def format_fit(cfg: DictConfig, result: dict) -> str:
     line = f"{verdict}{ranks}: {'; '.join(parts)}"
     if not result["fits"]:
         remedies = result["would_fit_with"]
-        line += ("; it would fit with " + " | ".join(remedies)) if remedies else \
-            "; none of activation offload, offload or bfloat16 makes it fit: add data-parallel machines (RTS)"
+        line += ("; it would fit with " + " | ".join(remedies)) if remedies else (
+            "; none of activation offload (to host or disk), offload or bfloat16 makes it fit: add data-parallel "
+            "machines (RTS)")
     return line
 
 
@@ -127,6 +144,8 @@ def format_plan(result: dict) -> str:
             f"{format_bytes(result['frozen_saves_bytes'])} of gradients and optimizer state not stored)"
             if result["frozen_parameters"] else ""),
         f"host memory (rank):   {format_bytes(result['host_bytes'])}",
+        *([f"disk (rank):          {format_bytes(result['disk_bytes'])} of activations written and read back "
+           f"a step"] if result.get("disk_bytes") else []),
         f"device peak (est.):   {format_bytes(result['device_peak_bytes'])}",
         f"host->device / step:  {format_bytes(result['h2d_bytes_per_step'])}",
         f"device->host / step:  {format_bytes(result['d2h_bytes_per_step'])}",

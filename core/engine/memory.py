@@ -86,8 +86,25 @@ def stored_activation_bytes(cfg: DictConfig) -> int:
 
 def activation_peak_bytes(cfg: DictConfig) -> int:
     """The peak bytes one rank's x/dx buffers hold: the ``(L+1)·GA`` entries of ``x`` live at the end of
-    the forward; ``dx`` holds only rows in flight, never more than the ``x`` entries already consumed."""
-    return (cfg.model.layers + 1) * cfg.gradient_accumulation * stored_activation_bytes(cfg)
+    the forward; ``dx`` holds only rows in flight, never more than the ``x`` entries already consumed.
+
+    With ``activation_offload=disk`` (:mod:`ipuft.engine.spill`) memory holds at most ``2·GA + 1`` entries:
+    in the forward, the row being read and the row being written (one row between them) and the writer's
+    queue (a row, and the entry it writes); in the backward, the reader's row ahead and ``dx``'s row in flight
+    with the gradient being made."""
+    everything = (cfg.model.layers + 1) * cfg.gradient_accumulation * stored_activation_bytes(cfg)
+    if cfg.execution.activation_offload == "disk":
+        return min(everything, (2 * cfg.gradient_accumulation + 1) * stored_activation_bytes(cfg))
+    return everything
+
+
+def spill_bytes(cfg: DictConfig) -> int:
+    """The bytes one rank writes to disk (and reads back) each step with ``activation_offload=disk``: the ``x``
+    entry of every decoder layer's input (:func:`ipuft.engine.spill.spilled_rows`) for each micro-batch, its
+    TP slice; 0 otherwise."""
+    if cfg.execution.activation_offload != "disk":
+        return 0
+    return cfg.model.layers * cfg.gradient_accumulation * stored_activation_bytes(cfg)
 
 
 def graph_bytes(cfg: DictConfig, parts: ModelParts, costs: dict[str, UnitCost]) -> int:

@@ -12,21 +12,26 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
 from ipuft.data.batch import Batch
-from ipuft.engine.activations import ActivationBuffers
+from ipuft.engine.activations import ActivationBuffers, Spill
 from ipuft.engine.compute import StepState, UnitCompute
 from ipuft.engine.gradients import squared_norm
+from ipuft.engine.memory import spill_bytes
 from ipuft.engine.model import ModelParts
 from ipuft.engine.placement import Placement
 from ipuft.engine.profiling import active as active_profile
 from ipuft.engine.profiling import section
 from ipuft.engine.scaling import LossScale
+from ipuft.engine.spill import spilled_rows
 from ipuft.engine.store import Tensors
 from ipuft.engine.stored import StoredModel
 from ipuft.engine.update import UnitUpdate
@@ -56,6 +61,8 @@ class StepResult:
     variable_bytes: int = 0  # bytes of every variable this rank stores (host with offload, else device)
     graph_bytes: int = 0  # recompute=false: the peak bytes of the forward graphs kept for the backward
     phase_peak_bytes: dict[str, int] = field(default_factory=dict)  # each phase's peak above what it found
+    spill_written_bytes: int = 0  # activation_offload=disk: bytes of activations written to disk this step
+    spill_read_bytes: int = 0  # and read back
 
 
 def micro_batch_positions(batch: Batch) -> list[torch.Tensor | None]:
@@ -98,7 +105,7 @@ class PhasedEngine:
         self.moves = {phase: self.program.moves(phase, bool(self.trainable[phase.role]), self.host_update)
                       for phase in self.program}
         self.scale = LossScale.from_config(cfg)
-        self.buffers = ActivationBuffers(self.store, cfg.execution.activation_offload, self.layout)
+        self.buffers = ActivationBuffers(self.store, cfg.execution.activation_offload, self.layout, self._spill())
         self.compute = UnitCompute(self.model, self.buffers)
         self.update = UnitUpdate(self.model)
         self.updates = 0  # optimizer steps taken; Adam's bias correction counts from 1
@@ -130,6 +137,7 @@ class PhasedEngine:
                     (profile.phase(phase) if profile is not None else contextlib.nullcontext()):
                 self._run(phase, state)
         activation_bytes = self.buffers.peak
+        written, read = self.buffers.spilled_bytes()
         self.buffers.clear()
         graph_peak = self.compute.end_step()
         if state.skip:
@@ -155,7 +163,26 @@ class PhasedEngine:
             variable_bytes=self.store.variable_bytes(),
             graph_bytes=graph_peak,
             phase_peak_bytes=phase_peaks,
+            spill_written_bytes=written,
+            spill_read_bytes=read,
         )
+
+    def _spill(self) -> Spill | None:
+        """What ``activation_offload=disk`` spills, and where: ``execution.spill_dir``, else ``output_dir``'s
+        ``spill/``, else the system's temporary directory's ``ipuft-spill/`` (a training run names its run
+        directory's: :func:`ipuft.run.rundir.spill_root`)."""
+        if self.cfg.execution.activation_offload != "disk":
+            return None
+        ex = self.cfg.execution
+        root = ex.spill_dir or (Path(self.cfg.output_dir) / "spill" if self.cfg.output_dir is not None
+                                else Path(tempfile.gettempdir()) / "ipuft-spill")
+        rows = spilled_rows(m.activations for m in self.moves.values() if m is not None)
+        return Spill(Path(root), frozenset(rows), self.cfg.gradient_accumulation, spill_bytes(self.cfg),
+                     self.layout.rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+    def close(self) -> None:
+        """Release what the engine holds outside memory: its activation spill directory, if any."""
+        self.buffers.close()
 
     def _prefetch(self, current: Phase, following: Phase | None) -> None:
         """On CUDA, start copying the next phase's variables while this phase computes."""

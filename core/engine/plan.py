@@ -28,6 +28,7 @@ from ipuft.engine.memory import (
     phase_memory,
     phase_moves,
     specs_bytes,
+    spill_bytes,
     stored_activation_bytes,
     stored_bytes,
 )
@@ -120,6 +121,7 @@ def estimate(cfg: DictConfig, parts: ModelParts, hooks: PluginHooks, inference_b
         "activation_bytes": acts,
         "graph_bytes": graph_bytes(cfg, parts, costs),
         "host_bytes": host_vars + host_acts,
+        "disk_bytes": spill_bytes(cfg),  # activation_offload=disk: written and read back each step
         "device_peak_bytes": device_peak_estimate(cfg, parts, optimizer, sizes, costs),
         # On a CPU device its memory is the host's: what the phases add to the store (a load lends the stored
         # variables), and what the process keeps besides its tensors while it computes.

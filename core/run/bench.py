@@ -56,6 +56,7 @@ def benchmark(cfg: DictConfig, hooks: PluginHooks, timed_steps: int = 5, profile
            "tokens_per_s": samples * cfg.model.sequence_length / duration, "loss": result.loss,
            "h2d_bytes": result.h2d_bytes, "d2h_bytes": result.d2h_bytes,
            "device_peak_bytes": result.device_peak_bytes, "device": str(engine.device),
+           "spill_written_bytes": result.spill_written_bytes, "spill_read_bytes": result.spill_read_bytes,
            "model_flops_per_step": flops.model, "recompute_flops_per_step": flops.recompute,
            **utilisation(flops, duration, peak["flops_per_s"]), "matmul_peak": peak}
     if profile:
@@ -68,6 +69,7 @@ def benchmark(cfg: DictConfig, hooks: PluginHooks, timed_steps: int = 5, profile
                                                     out["profile"]["matmul_rate"]["flops_per_s"])
     if trace is not None:
         trace_step(engine, batch, lr, trace)
+    engine.close()
     return out
 
 

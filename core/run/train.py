@@ -14,7 +14,7 @@ import os
 import signal
 import threading
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import closing, contextmanager, nullcontext
 from dataclasses import asdict
 from pathlib import Path
 
@@ -36,7 +36,15 @@ from ipuft.loggers import Backends
 from ipuft.parallel import Layout, collective_errors
 from ipuft.plugins import PluginHooks
 from ipuft.run.resume import checkpoint_to_resume, restore, run_files, save
-from ipuft.run.rundir import FINISHED, check_output_dir, check_run_paths, exclusive_run, metrics_file, run_directory
+from ipuft.run.rundir import (
+    FINISHED,
+    check_output_dir,
+    check_run_paths,
+    exclusive_run,
+    metrics_file,
+    run_directory,
+    spill_root,
+)
 from ipuft.run.runtime import build_engine
 from ipuft.run.schedule import learning_rate
 
@@ -113,11 +121,13 @@ def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[di
     main = engine.layout.is_main
     out = run_directory(cfg) if main else None
     lock = exclusive_run(out, cfg) if main else nullcontext()
+    if engine.buffers.spill is not None:  # activation_offload=disk: into the run directory unless spill_dir says
+        engine.buffers.spill.root = spill_root(cfg, out)
     root = checkpoint_root(cfg, out) if main else (None if cfg.checkpoint.save is None else Path("."))
     steps = cfg.training.steps
     tokens = cfg.training.global_batch_size * cfg.model.sequence_length
     records, skips, saved = [], 0, None
-    with lock, (metrics_file(out, start) if main else nullcontext()) as metrics, \
+    with lock, closing(engine), (metrics_file(out, start) if main else nullcontext()) as metrics, \
             collective_errors(engine.layout), _Signals() as signals, _backends(cfg, out, hooks, main) as backends:
         if main:
             (out / "config.yaml").write_text(to_yaml(cfg))
