@@ -1,0 +1,98 @@
+"""Block-wise dynamic quantization (Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization").
+
+A tensor is cut into blocks of ``block`` consecutive elements of its flat form (the last one may be shorter);
+each block is divided by its largest magnitude (its *absmax*, kept in float32) into [-1, 1], and each element
+stored as the uint8 index of the nearest of 256 values, the dynamic data type's:
+
+- *signed* (Adam's first moment): a sign bit; then ``E`` zeros (0 … 6), read as the exponent ``10^-E``; an
+  indicator bit 1; and the remaining ``6 - E`` bits a linear fraction, the midpoint of one of ``2^(6-E)``
+  equal bins of [0.1, 1]. Small magnitudes get few fraction bits, large ones many, which is what the
+  moments' heavy-tailed blocks need.
+- *unsigned* (the second moment, never negative): the sign bit is one more fraction bit, ``7 - E`` of them.
+
+Of the bit patterns with no indicator bit, one is 0; the other (a second zero when signed, the lone value
+``10^-7·0.55`` when not) is 1.0 instead, as bitsandbytes' maps do, so that each block's largest magnitude
+comes back exact. The values are sorted, so that a code's order is its value's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def dynamic_map(signed: bool) -> torch.Tensor:
+    """The 256 values of the dynamic data type, sorted ascending, float32."""
+    fraction_bits = 6 if signed else 7  # when the exponent has no zeros
+    values = [0.0, 1.0]
+    for zeros in range(7):
+        bits = fraction_bits - zeros
+        for k in range(2**bits):
+            magnitude = 10.0**-zeros * (0.1 + 0.9 * (k + 0.5) / 2**bits)
+            values += [magnitude, -magnitude] if signed else [magnitude]
+    return torch.tensor(sorted(values), dtype=torch.float32)
+
+
+def lower_midpoints(values: torch.Tensor) -> torch.Tensor:
+    """For sorted float32 ``values``, the largest float32 at or below each exact midpoint of two neighbours.
+
+    A float32 ``x`` is above the exact midpoint ``(a + b) / 2`` exactly when it is above that float32, so
+    counting the bounds below ``x`` (``searchsorted``) picks the nearest value, and the lower one on a tie,
+    with no float64 pass over the data: the midpoint rule, exactly."""
+    exact = (values[1:].double() + values[:-1].double()) / 2  # exact: a float32 sum fits a float64
+    bounds = exact.float()
+    above = bounds.double() > exact
+    return torch.where(above, torch.nextafter(bounds, torch.tensor(-math.inf)), bounds)
+
+
+class Codebook:
+    """One dynamic data type: its values and the bounds between them, cached per device."""
+
+    def __init__(self, signed: bool):
+        self.signed = signed
+        self._cpu = dynamic_map(signed), lower_midpoints(dynamic_map(signed))
+        self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._on:
+            self._on[device] = tuple(t.to(device) for t in self._cpu)
+        return self._on[device]
+
+    def encode(self, normalized: torch.Tensor) -> torch.Tensor:
+        """The uint8 code of each element of ``normalized`` (in [-1, 1]): the nearest value's index."""
+        _, bounds = self.tables(normalized.device)
+        return torch.searchsorted(bounds, normalized.contiguous()).to(torch.uint8)
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """The float32 value of each uint8 code."""
+        values, _ = self.tables(codes.device)
+        return values[codes.int()]
+
+
+def _blocks(flat: torch.Tensor, block: int) -> list[tuple[torch.Tensor, slice]]:
+    """``flat`` as its whole blocks ``[n // block, block]`` and its short last block ``[1, n % block]``, each with
+    the slice of the per-block values it goes with."""
+    whole = flat.numel() // block
+    parts = [(flat[: whole * block].view(whole, block), slice(0, whole))] if whole else []
+    if flat.numel() % block:
+        parts.append((flat[whole * block :].view(1, -1), slice(whole, whole + 1)))
+    return parts
+
+
+def quantize_(codes: torch.Tensor, absmax: torch.Tensor, x: torch.Tensor, book: Codebook, block: int) -> None:
+    """Write the block-wise quantization of float32 ``x`` (flat) into ``codes`` (uint8, like ``x``) and ``absmax``
+    (float32, one per block). A block of zeros has absmax 0 and codes of 0's value."""
+    for part, blocks in _blocks(x, block):
+        torch.amax(part.abs(), dim=1, out=absmax[blocks])
+    for (part, blocks), (out, _) in zip(_blocks(x, block), _blocks(codes.view(-1), block), strict=True):
+        scale = absmax[blocks].unsqueeze(1)
+        out.copy_(book.encode(part / torch.where(scale > 0, scale, 1.0)))
+
+
+def dequantize(codes: torch.Tensor, absmax: torch.Tensor, book: Codebook, block: int) -> torch.Tensor:
+    """The float32 values (flat) that ``codes`` and their blocks' ``absmax`` stand for."""
+    x = book.decode(codes.view(-1))
+    for part, blocks in _blocks(x, block):
+        part.mul_(absmax[blocks].unsqueeze(1))
+    return x
