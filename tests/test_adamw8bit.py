@@ -118,6 +118,26 @@ def test_the_maps_are_the_dynamic_data_type():
     assert dynamic_map(True)[0] == -dynamic_map(True)[-2] and dynamic_map(False)[0] == 0.0
 
 
+def test_encoding_is_the_nearest_value_the_lower_on_a_tie():
+    """Codebook.encode (tables by the float's top bits) against the exact nearest value, over floats of every
+    magnitude in [-1, 1] and at, just above and just below every midpoint between neighbouring values."""
+    from ipuft_optim_adamw8bit.quantize import Codebook
+
+    g = torch.Generator().manual_seed(0)
+    for signed in (True, False):
+        values = reference_map(signed)
+        mid = ((values[1:].double() + values[:-1].double()) / 2).float()
+        x = torch.rand(1 << 16, generator=g) * torch.logspace(-12, 0, 1 << 16)
+        x = torch.cat([x, mid, mid.nextafter(torch.tensor(2.0)), mid.nextafter(torch.tensor(-2.0)), values])
+        x = torch.cat([x, -x]) if signed else x
+        x = x.clamp(-1.0, 1.0)
+        exact = values.double()
+        upper = torch.searchsorted(exact, x.double()).clamp(1, 255)
+        nearer_lower = (x.double() - exact[upper - 1]).abs() <= (exact[upper] - x.double()).abs()
+        expected = torch.where(nearer_lower, upper - 1, upper).to(torch.uint8)
+        assert torch.equal(Codebook(signed).encode(x), expected)
+
+
 # ---- through the engine ----
 
 def train_recording(cfg, hooks, steps):

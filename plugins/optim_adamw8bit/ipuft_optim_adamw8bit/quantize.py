@@ -46,28 +46,62 @@ def lower_midpoints(values: torch.Tensor) -> torch.Tensor:
     return torch.where(above, torch.nextafter(bounds, torch.tensor(-math.inf)), bounds)
 
 
+BUCKET_SHIFT = 15  # a float32's bucket: its top 17 bits (sign, exponent, 8 bits of mantissa)
+
+
+def bucket_tables(bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tables over the 2^17 *buckets* of float32, the floats that share their top 17 bits (an interval of reals
+    2^-8 of its exponent's range wide): for each, the number of ``bounds`` below the bucket (int32) and the bound
+    inside it (float32; +inf if none), so that the count of bounds below any ``x`` is ``base + (x > bound)`` of
+    ``x``'s bucket.
+
+    One is enough where neighbouring bounds are more than 2^-8 apart relative to their size, which holds for
+    both dynamic maps (at least 0.5% apart; checked here)."""
+    patterns = torch.arange(1 << (32 - BUCKET_SHIFT), dtype=torch.int64) << BUCKET_SHIFT
+    ends = torch.stack([patterns, patterns | ((1 << BUCKET_SHIFT) - 1)])
+    ends = torch.where(ends >= 1 << 31, ends - (1 << 32), ends).to(torch.int32).view(torch.float32).double()
+    low, high = ends.amin(dim=0), ends.amax(dim=0)  # a negative bucket's floats fall as its bits rise
+    exact = bounds.double()
+    base = torch.searchsorted(exact, low)  # bounds < low
+    inside = torch.searchsorted(exact, high, right=True) - base  # low <= bound <= high
+    inside = torch.where(low.isfinite() & high.isfinite(), inside, 0)  # NaN patterns: never looked up
+    if int(inside.max()) > 1:
+        raise ValueError("a float32 bucket holds more than one bound of the map")
+    padded = torch.cat([bounds, torch.tensor([math.inf])])
+    bound = torch.where(inside > 0, padded[base.clamp(max=bounds.numel())], math.inf)
+    return base.to(torch.int32), bound.float()
+
+
 class Codebook:
-    """One dynamic data type: its values and the bounds between them, cached per device."""
+    """One dynamic data type: its values, and the tables that find each float32's nearest value, per device."""
 
     def __init__(self, signed: bool):
         self.signed = signed
-        self._cpu = dynamic_map(signed), lower_midpoints(dynamic_map(signed))
-        self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        values = dynamic_map(signed)
+        self.bounds = lower_midpoints(values)
+        self._cpu = (values, *bucket_tables(self.bounds))
+        self._on: dict[torch.device, tuple[torch.Tensor, ...]] = {}
 
-    def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         if device not in self._on:
             self._on[device] = tuple(t.to(device) for t in self._cpu)
         return self._on[device]
 
     def encode(self, normalized: torch.Tensor) -> torch.Tensor:
-        """The uint8 code of each element of ``normalized`` (in [-1, 1]): the nearest value's index."""
-        _, bounds = self.tables(normalized.device)
-        return torch.searchsorted(bounds, normalized.contiguous()).to(torch.uint8)
+        """The uint8 code of each element of ``normalized`` (float32 in [-1, 1]): the nearest value's index,
+        the lower on a tie, i.e. the number of bounds below it (what ``searchsorted`` over the bounds counts,
+        several times faster: two gathers by the float's top 17 bits and one comparison)."""
+        _, base, bound = self.tables(normalized.device)
+        x = normalized.contiguous().view(-1)
+        bucket = x.view(torch.int32).bitwise_right_shift(BUCKET_SHIFT).bitwise_and_((1 << (32 - BUCKET_SHIFT)) - 1)
+        code = base.index_select(0, bucket)
+        code += x > bound.index_select(0, bucket)
+        return code.to(torch.uint8).view(normalized.shape)
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """The float32 value of each uint8 code."""
-        values, _ = self.tables(codes.device)
-        return values[codes.int()]
+        values = self.tables(codes.device)[0]
+        return values.index_select(0, codes.reshape(-1).int()).view(codes.shape)
 
 
 def _blocks(flat: torch.Tensor, block: int) -> list[tuple[torch.Tensor, slice]]:
