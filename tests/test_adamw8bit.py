@@ -171,13 +171,15 @@ def test_pieces_start_on_block_boundaries():
                                                                      [("a", 2000, 2500)]]
 
 
-@pytest.mark.parametrize("chunk", [None, 3 * BLOCK], ids=["pieces-default", "pieces-of-768"])
-def test_engine_steps_equal_the_plain_reference(hooks, make_config, monkeypatch, chunk):
+@pytest.mark.parametrize(("chunk", "placement"), [(None, "device"), (3 * BLOCK, "device"), (3 * BLOCK, "host")],
+                         ids=["pieces-default", "pieces-of-768", "host-pieces-of-768"])
+def test_engine_steps_equal_the_plain_reference(hooks, make_config, monkeypatch, chunk, placement):
     """Codes and absmax identical, weights bit for bit; with pieces of 768 elements every variable but the
-    norms is cut, across block boundaries of a group shared with the variable before."""
+    norms is cut, across block boundaries of a group shared with the variable before; also updated in host
+    memory (``execution.optimizer_placement=host``)."""
     if chunk is not None:
         monkeypatch.setattr(update_module, "update_chunk", lambda device: chunk)
-    cfg = make_config(*CLIPPED)
+    cfg = make_config(*CLIPPED, f"execution.optimizer_placement={placement}")
     initial, grads, contexts, engine = train_recording(cfg, hooks, STEPS)
     assert all(ctx.global_norm > 4 * cfg.training.optimizer.gradient_clipping for ctx in contexts.values())
     ref = Reference(cfg)

@@ -69,7 +69,7 @@ def bucket_tables(bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError("a float32 bucket holds more than one bound of the map")
     padded = torch.cat([bounds, torch.tensor([math.inf])])
     bound = torch.where(inside > 0, padded[base.clamp(max=bounds.numel())], math.inf)
-    return base.to(torch.int32), bound.float()
+    return base.to(torch.uint8), bound.float()  # at most 255 bounds lie below any float
 
 
 class Codebook:
@@ -95,8 +95,8 @@ class Codebook:
         x = normalized.contiguous().view(-1)
         bucket = x.view(torch.int32).bitwise_right_shift(BUCKET_SHIFT).bitwise_and_((1 << (32 - BUCKET_SHIFT)) - 1)
         code = base.index_select(0, bucket)
-        code += x > bound.index_select(0, bucket)
-        return code.to(torch.uint8).view(normalized.shape)
+        code += x > bound.index_select(0, bucket)  # base + 1 <= 255: a bound in the bucket is above ``base`` others
+        return code.view(normalized.shape)
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """The float32 value of each uint8 code."""
@@ -117,11 +117,15 @@ def _blocks(flat: torch.Tensor, block: int) -> list[tuple[torch.Tensor, slice]]:
 def quantize_(codes: torch.Tensor, absmax: torch.Tensor, x: torch.Tensor, book: Codebook, block: int) -> None:
     """Write the block-wise quantization of float32 ``x`` (flat) into ``codes`` (uint8, like ``x``) and ``absmax``
     (float32, one per block). A block of zeros has absmax 0 and codes of 0's value."""
-    for part, blocks in _blocks(x, block):
-        torch.amax(part.abs(), dim=1, out=absmax[blocks])
-    for (part, blocks), (out, _) in zip(_blocks(x, block), _blocks(codes.view(-1), block), strict=True):
+    normalized = torch.empty_like(x)
+    for (part, blocks), (out, _) in zip(_blocks(x, block), _blocks(normalized, block), strict=True):
+        if book.signed:  # (abs then amax: 9x faster here than vector_norm's inf-norm)
+            torch.amax(part.abs(), dim=1, out=absmax[blocks])
+        else:  # v is never negative
+            torch.amax(part, dim=1, out=absmax[blocks])
         scale = absmax[blocks].unsqueeze(1)
-        out.copy_(book.encode(part / torch.where(scale > 0, scale, 1.0)))
+        torch.div(part, torch.where(scale > 0, scale, 1.0), out=out)
+    codes.view(-1).copy_(book.encode(normalized))
 
 
 def dequantize(codes: torch.Tensor, absmax: torch.Tensor, book: Codebook, block: int) -> torch.Tensor:
