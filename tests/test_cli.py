@@ -41,11 +41,12 @@ def test_help_imports_no_torch():
     assert "Commands:" in done.stdout  # the group's own help ran, with its plugins discovered
 
 
-def test_plugins_json_lists_five_distributions(capsys):
+def test_plugins_json_lists_six_distributions(capsys):
     code, out, _ = run_cli(capsys, "plugins", "--json")
     assert code == 0
     assert sorted(p["distribution"] for p in json.loads(out)) == [
-        "ipuft", "ipuft-decoder", "ipuft-embeddings", "ipuft-llama", "ipuft-lm-head", "ipuft-optim-adam"]
+        "ipuft", "ipuft-decoder", "ipuft-embeddings", "ipuft-llama", "ipuft-lm-head", "ipuft-optim-adam",
+        "ipuft-optim-adamw8bit"]
 
 
 def test_config_show_prints_the_6b_config(capsys):
