@@ -17,6 +17,12 @@ gradient and state, as Adam's and SGD's do: it may then see any slice of a varia
 flat 1-D shard a rank stores with RTS. One that is not (factored or per-row state, per-tensor norms)
 registers with ``elementwise=False``: it sees each variable in its TP-local shape, its state must be
 shaped like the variable when TP > 1 (so that checkpoints stay layout-free), and RTS is refused.
+
+An elementwise optimizer may keep *block-wise* state (a quantized state's per-block scales): it sets
+:attr:`Optimizer.block_size` and names that state in :attr:`Optimizer.block_states`. The engine then cuts
+update pieces and RTS slices of its variables only at multiples of ``block_size`` elements, so every piece
+and every rank's slice is whole blocks of its variable's flat form (the last block of a variable may be
+partial), and a block state holds one element per block: :func:`state_piece` is the part a piece sees.
 """
 
 from __future__ import annotations
@@ -55,6 +61,10 @@ class Optimizer(ABC):
     #: Set by core from the optimizer's registration (``elementwise=``); the engine then hands it pieces of
     #: variables of its choosing (see :meth:`step_unit`) rather than whole ones.
     elementwise: bool = True
+    #: Elements per block of block-wise state (see the module's docstring); 1: none.
+    block_size: int = 1
+    #: The names of the state variables (``state_specs``) that hold one element per block, 1-D.
+    block_states: frozenset[str] = frozenset()
 
     @abstractmethod
     def state_specs(self, variable: VariableSpec) -> list[VariableSpec]:
@@ -89,6 +99,17 @@ class Optimizer(ABC):
         several calls."""
         for name, weight, grad, state in zip(names, weights, grads, states, strict=True):
             self.step(name, weight, grad, state, ctx)
+
+
+def state_piece(optimizer: Optimizer, state: str, tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """The part of ``tensor``, a variable's optimizer state ``state``, that goes with the variable's flat elements
+    ``start … stop-1``: those elements, or for a block state the blocks that hold them (``start`` is on a block
+    boundary, see :attr:`Optimizer.block_size`)."""
+    flat = tensor.view(-1)
+    if state not in optimizer.block_states:
+        return flat[start:stop]
+    block = optimizer.block_size
+    return flat[start // block : -(-stop // block)]
 
 
 OptimizerFactory = Callable[["DictConfig"], Optimizer]

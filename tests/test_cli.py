@@ -45,7 +45,8 @@ def test_plugins_json_lists_six_distributions(capsys):
     code, out, _ = run_cli(capsys, "plugins", "--json")
     assert code == 0
     assert sorted(p["distribution"] for p in json.loads(out)) == [
-        "ipuft", "ipuft-decoder", "ipuft-embeddings", "ipuft-llama", "ipuft-lm-head", "ipuft-lora", "ipuft-optim-adam"]
+        "ipuft", "ipuft-decoder", "ipuft-embeddings", "ipuft-llama", "ipuft-lm-head", "ipuft-lora", "ipuft-optim-adam",
+        "ipuft-optim-adamw8bit"]
 
 
 def test_config_show_prints_the_6b_config(capsys):

@@ -12,7 +12,8 @@ from ipuft.engine.model import build_model
 from ipuft.errors import PluginError
 from ipuft.plugins import create_plugin_manager
 
-SHIPPED = {"ipuft-embeddings", "ipuft-decoder", "ipuft-lm-head", "ipuft-optim-adam", "ipuft-llama", "ipuft-lora"}
+SHIPPED = {"ipuft-embeddings", "ipuft-decoder", "ipuft-lm-head", "ipuft-optim-adam", "ipuft-optim-adamw8bit",
+           "ipuft-llama", "ipuft-lora"}
 
 
 def test_shipped_plugins_are_six_distributions_and_the_builtin_logging_backends(hooks):
@@ -30,6 +31,8 @@ def test_shipped_plugins_are_six_distributions_and_the_builtin_logging_backends(
     assert described["ipuft-lm-head"]["components"] == ["head:gptj"]
     assert described["ipuft-lora"]["config_sections"] == ["plugins.lora"]
     assert described["ipuft-optim-adam"]["optimizers"] == ["adamw"]
+    assert described["ipuft-optim-adamw8bit"]["optimizers"] == ["adamw8bit"]
+    assert described["ipuft-optim-adamw8bit"]["config_sections"] == ["plugins.adamw8bit"]
     assert all(p["version"] == "0.1.0" for p in described.values())
 
 
@@ -159,7 +162,7 @@ def test_uninstalled_plugin_makes_its_component_unavailable(monkeypatch, make_co
 
 
 def test_disabling_by_name_or_distribution(monkeypatch):
-    monkeypatch.setenv("IPUFT_DISABLE_PLUGINS", "gptj_lm_head, ipuft-optim-adam")
+    monkeypatch.setenv("IPUFT_DISABLE_PLUGINS", "gptj_lm_head, ipuft-optim-adam, optim_adamw8bit")
     hooks = create_plugin_manager()
     assert {p["name"] for p in hooks.describe()} == {"gptj_embeddings", "gptj_decoder", "llama", "lora", "ipuft.loggers"}
     assert hooks.registrations.optimizers.names() == []
@@ -252,7 +255,8 @@ def test_a_wrappers_own_registrations_are_its_and_those_it_yields_to_are_the_oth
             return result
     """})
     optimizers = {b.name: b.plugin for b in create_plugin_manager().registrations.optimizers}
-    assert optimizers == {"before": "wrap_add", "adamw": "optim_adam", "after": "wrap_add"}
+    assert optimizers == {"before": "wrap_add", "adamw": "optim_adam", "adamw8bit": "optim_adamw8bit",
+                          "after": "wrap_add"}
 
 
 def test_one_plugin_object_under_two_names_is_refused():

@@ -70,7 +70,7 @@ def test_install_plugin_from_source_and_its_undoing(tmp_path):
         installer = PluginInstaller(tmp_path, patch)
         installer.add_path(FIXTURES)
         hooks = installer("inline_sgd", source=source)
-        assert hooks.registrations.optimizers.names() == ["adamw", "plain_sgd"]
+        assert hooks.registrations.optimizers.names() == ["adamw", "adamw8bit", "plain_sgd"]
         assert {p["name"]: p["distribution"] for p in hooks.describe()}["inline_sgd"] == "ipuft-testing-inline-sgd"
     assert sys.path == before
     assert "inline_sgd" not in create_plugin_manager().infos

@@ -56,7 +56,7 @@ def group_bytes(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer) -> dic
     (:func:`~ipuft.engine.variables.model_groups`: its TP shard, and with RTS its 1/DP slice of that; ``grad``
     only where the program stores gradients, 0 elsewhere). ``trainable`` is the part of ``fwd`` that is trained
     (what an update-only phase moves)."""
-    placed = placements(parts, rank_layout(cfg), bool(cfg.execution.rts))
+    placed = placements(parts, rank_layout(cfg), bool(cfg.execution.rts), optimizer)
     stored_groups = model_groups(parts.program, placed, optimizer, recipe(cfg) is Recipe.master, updates_on_host(cfg))
     out = {}
     for unit, groups in stored_groups.items():
@@ -140,12 +140,12 @@ def update_transient_bytes(cfg: DictConfig, parts: ModelParts, optimizer: Optimi
     """The most bytes one optimizer call on a unit of ``role`` adds on the device (the float32 views and
     gradients of 16-bit weights, the stochastic rounding's workspace): the engine's largest group of pieces
     (:func:`ipuft.engine.update.update_groups`) of the unit's stored trainable variables."""
-    placed = placements(parts, rank_layout(cfg), bool(cfg.execution.rts))[role]
+    placed = placements(parts, rank_layout(cfg), bool(cfg.execution.rts), optimizer)[role]
     sizes = [(name, math.prod(p.stored_shape)) for name, p in placed.items() if p.spec.trainable]
     chunk = update_chunk(compute_device(cfg)) if getattr(optimizer, "elementwise", True) else None
     how = recipe(cfg)
     return max((group_transient_bytes(how, [stop - start for _, start, stop in group])
-                for group in update_groups(sizes, chunk)), default=0)
+                for group in update_groups(sizes, chunk, getattr(optimizer, "block_size", 1))), default=0)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ A variable has three forms:
 - *local*: this TP rank's shard (``ShardSpec.local_shape``), which the component computes with;
 - *stored*: what this rank keeps in the variable store. Without RTS it is the local form. With RTS
   (replicated tensor sharding) it is this DP rank's 1/DP slice of the flattened local form, padded with
-  zeros to a multiple of DP; weights, optimizer state and gradients are all stored that way.
+  zeros to a multiple of DP (of DP × the optimizer's block size, when its state is block-wise: every slice
+  is then whole blocks); weights, optimizer state and gradients are all stored that way.
 
 A phase all-gathers stored weights into the local form to compute, reduce-scatters local gradients into
 the stored form (or all-reduces them without RTS), and the optimizer updates the stored form only.
@@ -28,12 +29,13 @@ from ipuft.sharding import ShardSpec
 
 @dataclass(frozen=True)
 class Placement:
-    """One variable's forms under ``layout``."""
+    """One variable's forms under ``layout``; an RTS slice holds a multiple of ``multiple`` elements."""
 
     spec: VariableSpec
     shard: ShardSpec
     layout: Layout
     rts: bool
+    multiple: int = 1
 
     @property
     def local_shape(self) -> tuple[int, ...]:
@@ -51,7 +53,19 @@ class Placement:
     def stored_shape(self) -> tuple[int, ...]:
         if not self.sharded_over_dp:
             return self.local_shape
-        return (math.ceil(self.local_numel / self.layout.data_parallel),)
+        multiple = self.layout.data_parallel * self.multiple
+        return (math.ceil(self.local_numel / multiple) * self.multiple,)
+
+    def blocks(self, block: int) -> Placement:
+        """The placement of a state that holds one value per ``block`` consecutive elements of this variable's
+        flat form (an optimizer's block state, :mod:`ipuft.optim`): a 1-D variable of one element per block,
+        sliced by RTS as this variable is, block for block. Only at ``tensor_parallel`` 1 (a TP shard's
+        blocks are not the full variable's: ``ipuft.config.rules.check_model`` refuses such state under TP)."""
+        if self.sharded_over_dp and self.multiple % block:
+            raise ValueError(f"{self.spec.name}: RTS slices of a multiple of {self.multiple} elements are not "
+                             f"whole blocks of {block}")
+        spec = replace(self.spec, shape=(math.ceil(self.spec.numel / block),))
+        return Placement(spec, ShardSpec(rts=self.shard.rts), self.layout, self.rts)
 
     def stored_spec(self, name: str | None = None, dtype: torch.dtype | None = None) -> VariableSpec:
         return replace(self.spec, name=name or self.spec.name, shape=self.stored_shape, dtype=dtype or self.spec.dtype)

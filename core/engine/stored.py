@@ -56,7 +56,7 @@ class StoredModel:
         self.optimizer = optimizer
         self.device = torch.device(device)
         self.layout = layout or active()
-        self.placed = placements(parts, self.layout, bool(cfg.execution.rts))
+        self.placed = placements(parts, self.layout, bool(cfg.execution.rts), optimizer)
         # Each role's own trainable variables: the only ones with gradients, optimizer state and updates.
         self.trainable = {role: {v.name for v in specs if v.trainable} for role, specs in parts.variables.items()}
         # What each role computes with: its own variables' placements and its tied ones' (their owners'), and
@@ -124,8 +124,13 @@ class StoredModel:
 
     def _placement(self, unit: Unit, group: str, name: str) -> Placement:
         """The placement of ``name`` in ``group``; optimizer state (a :class:`~ipuft.engine.variables.StateName`)
-        is placed like its variable."""
-        return self.placed[unit.role][name.variable if group == "optim" else name]
+        is placed like its variable, a block state block for block (:meth:`Placement.blocks`)."""
+        if group != "optim":
+            return self.placed[unit.role][name]
+        placed = self.placed[unit.role][name.variable]
+        if name.state in self.optimizer.block_states:
+            return placed.blocks(self.optimizer.block_size)
+        return placed
 
     def full_specs(self, unit: Unit, group: str = "fwd") -> list[VariableSpec]:
         """The full (layout-free) specs of ``unit``'s ``group`` (``fwd`` or ``optim``) in their stored dtypes,

@@ -15,7 +15,7 @@ import torch
 from ipuft.engine.precision import Recipe, rounding_key, rounding_workspace, stochastic_round_
 from ipuft.engine.store import Tensors
 from ipuft.engine.variables import MASTER
-from ipuft.optim import StepContext
+from ipuft.optim import StepContext, state_piece
 from ipuft.program import Phase
 
 
@@ -29,10 +29,13 @@ def update_chunk(device: torch.device | str) -> int:
     return 1 << 18 if torch.device(device).type == "cpu" else 1 << 22
 
 
-def update_groups(sizes: list[tuple[str, int]], chunk: int | None) -> Iterator[list[tuple[str, int, int]]]:
+def update_groups(sizes: list[tuple[str, int]], chunk: int | None,
+                  block: int = 1) -> Iterator[list[tuple[str, int, int]]]:
     """The groups of pieces ``(variable, start, stop)`` that one optimizer call each updates: the flat elements
     of the variables ``sizes`` (``(name, numel)``, in order) cut into pieces and grouped so that a group holds
-    at most ``chunk`` elements; with ``chunk`` ``None``, each variable whole, one per group."""
+    at most ``chunk`` elements; with ``chunk`` ``None``, each variable whole, one per group. A piece ends inside
+    its variable only on a multiple of ``block`` (the optimizer's :attr:`~ipuft.optim.Optimizer.block_size`;
+    ``chunk`` is a multiple of it), so that every piece starts on a block boundary."""
     if chunk is None:
         yield from ([(name, 0, numel)] for name, numel in sizes if numel)
         return
@@ -41,11 +44,13 @@ def update_groups(sizes: list[tuple[str, int]], chunk: int | None) -> Iterator[l
     for name, numel in sizes:
         start = 0
         while start < numel:
-            stop = start + min(room, numel - start)
-            group.append((name, start, stop))
-            room -= stop - start
-            start = stop
-            if not room:
+            take = min(room, numel - start)
+            if take < numel - start:
+                take -= take % block
+            group.append((name, start, start + take))
+            room -= take
+            start += take
+            if room < block:
                 yield group
                 group, room = [], chunk
     if group:
@@ -99,7 +104,7 @@ class UnitUpdate:
         sizes = [(name, weights[name].numel()) for name in weights if name in grads]  # frozen: no gradient
         device = next(iter(weights.values())).device if weights else self.model.device
         chunk = update_chunk(device) if getattr(self.optimizer, "elementwise", True) else None
-        for group in update_groups(sizes, chunk):
+        for group in update_groups(sizes, chunk, self.optimizer.block_size):
             self._group(phase, group, weights, grads, states, ctx)
 
     def in_host_memory(self, phase: Phase, ctx: StepContext) -> None:
@@ -128,7 +133,7 @@ class UnitUpdate:
         self.store.ledger.acquire(transient)
         names, views, finished, pieces = [], [], [], []
         for name, start, stop in group:
-            state = {k: _piece(t, start, stop) for k, t in states[name].items()}
+            state = {k: state_piece(self.optimizer, k, t, start, stop) for k, t in states[name].items()}
             master = state.pop(MASTER, None)
             weight = _piece(weights[name], start, stop)
             names.append(f"{phase.unit}.{name}")

@@ -28,9 +28,11 @@ if TYPE_CHECKING:  # an annotation only: engine.model runs config.rules, whose m
 Initializer = Callable[[str, list[VariableSpec]], Tensors]
 
 
-def placements(parts: ModelParts, layout: Layout, rts: bool) -> dict[str, dict[str, Placement]]:
-    """Every variable's placement, by role."""
-    return {role: {v.name: Placement(v, parts.shard_specs[role][v.name], layout, rts) for v in specs}
+def placements(parts: ModelParts, layout: Layout, rts: bool,
+               optimizer: Optimizer | None = None) -> dict[str, dict[str, Placement]]:
+    """Every variable's placement, by role: with RTS, slices of whole blocks of the ``optimizer``'s block state."""
+    multiple = getattr(optimizer, "block_size", 1)
+    return {role: {v.name: Placement(v, parts.shard_specs[role][v.name], layout, rts, multiple) for v in specs}
             for role, specs in parts.variables.items()}
 
 

@@ -31,17 +31,22 @@ class AdamOptions:
     weight_decay: float = 0.01  # decoupled; never on names containing "norm" or "bias"
 
 
+def check(o: DictConfig, section: str) -> None:
+    """Refuse Adam hyperparameters ``o`` out of range, one line naming ``plugins.<section>.<key>``."""
+    for beta in ("beta1", "beta2"):
+        if not 0.0 <= o[beta] < 1.0:
+            raise ConfigError(f"plugins.{section}.{beta}: must be in [0, 1), got {o[beta]}")
+    if not 0.0 < o.eps < float("inf"):
+        raise ConfigError(f"plugins.{section}.eps: must be a finite number > 0, got {o.eps}")
+    if not 0.0 <= o.weight_decay < float("inf"):
+        raise ConfigError(f"plugins.{section}.weight_decay: must be a finite number >= 0, got {o.weight_decay}")
+
+
 def build(cfg: DictConfig) -> AdamW:
     from ipuft_optim_adam.adamw import AdamW
 
     o = cfg.plugins[SECTION]
-    for beta in ("beta1", "beta2"):
-        if not 0.0 <= o[beta] < 1.0:
-            raise ConfigError(f"plugins.adamw.{beta}: must be in [0, 1), got {o[beta]}")
-    if not 0.0 < o.eps < float("inf"):
-        raise ConfigError(f"plugins.adamw.eps: must be a finite number > 0, got {o.eps}")
-    if not 0.0 <= o.weight_decay < float("inf"):
-        raise ConfigError(f"plugins.adamw.weight_decay: must be a finite number >= 0, got {o.weight_decay}")
+    check(o, SECTION)
     return AdamW(o.beta1, o.beta2, o.eps, o.weight_decay)
 
 
