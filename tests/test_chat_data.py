@@ -497,3 +497,30 @@ def test_the_token_cache_keeps_masks_and_rows(tmp_path, monkeypatch):
         assert torch.equal(getattr(first, name), getattr(again, name))
     a, b = first.batch(0, len(first), 1), again.batch(0, len(again), 1)
     assert torch.equal(a.labels, b.labels) and torch.equal(a.positions, b.positions)
+
+
+def test_chat_fine_tune_with_lora_exports_an_adapter_peft_reads(chat_model, capsys, tmp_path):
+    """Chat data and LoRA together, as the README puts them: train adapters on a JSONL of messages, export them in
+    peft's format; peft on the base gives the merged export's logits, which the adapters moved off the base's."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    rows = [{"messages": [{"role": "user", "content": f"w{5 + i} w6"}, {"role": "assistant", "content": f"w{9 + i}"}]}
+            for i in range(8)]
+    path = write_jsonl(tmp_path / "chat.jsonl", rows)
+    code, _, err = run_cli(capsys, "train", f"model.hf_checkpoint={chat_model}", f"data.path={path}",
+                           "data.format=chat", "model.precision=float32", "model.adapter=lora", "plugins.lora.targets=[q,k,v,o,gate,up,down]",
+                           "training.steps=3", "training.global_batch_size=2", "model.sequence_length=16",
+                           "training.optimizer.learning_rate.maximum=1e-2", f"output_dir={tmp_path / 'run'}")
+    assert code == 0, err
+    for flag, out in (("--adapter", "adapter"), ("--hf", "merged")):
+        code, _, err = run_cli(capsys, "export", "--checkpoint", str(tmp_path / "run"), flag, str(tmp_path / out))
+        assert code == 0, err
+    ids = torch.randint(3, 20, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(chat_model).eval()
+        before = base(ids).logits
+        adapted = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(input_ids=ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()(ids).logits
+    assert (adapted - merged).abs().max() <= 1e-5
+    assert (adapted - before).abs().max() > 1e-4
