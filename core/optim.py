@@ -56,6 +56,13 @@ class Optimizer(ABC):
     #: variables of its choosing (see :meth:`step_unit`) rather than whole ones.
     elementwise: bool = True
 
+    #: Where the pieces an elementwise optimizer is called with may start: every piece begins at a multiple of
+    #: this many elements of its flattened variable (its stored form: the TP shard, or with RTS the rank's flat
+    #: slice), for state kept per block of elements (an 8-bit optimizer's per-block scales). A piece may end
+    #: anywhere at its variable's end. The engine's pieces (:func:`ipuft.engine.update.update_groups`, the
+    #: streamed update's included) honour it; 1 by default.
+    piece_multiple: int = 1
+
     @abstractmethod
     def state_specs(self, variable: VariableSpec) -> list[VariableSpec]:
         """The optimizer-state variables kept for ``variable`` (names local to it, e.g. ``m``, ``v``)."""

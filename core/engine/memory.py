@@ -211,16 +211,20 @@ def phase_memory(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer, sizes
             # beside it, the unit's gradients summed so far and, where the takes cannot write into the stored
             # gradients, their fresh ones; the earlier micro-batches' pieces of a take come on top, and when a
             # take covers several, its inputs concatenated.
-            taken = min(cost.taken_bytes, grads)
-            autograd = grads - taken
+            # The gradients ops sum as they go (a chunked head's weight) are neither autograd's nor taken: their
+            # float32 sums are in the measured peaks; rounded in place, unless a float32 mean over DP follows.
+            summed = min(cost.accumulated_gradient_bytes, grads)
+            taken = min(cost.taken_bytes, grads - summed)
+            autograd = grads - taken - summed
             into_stored = writes_into_stored(wide, takes, dp, in_compute_memory and phase.unit in stores_grad)
             working = gradient_working_bytes(autograd, taken, wide, ga, takes, dp, into_stored)
             fresh_taken = 0 if into_stored else taken  # the takes' gradients, made afresh
             made = autograd + fresh_taken
-            fresh = made
+            fresh = made + cost.accumulated_bytes + (summed if wide and dp > 1 else 0)
             held = (2 * every - 1) * cost.held_bytes if every > 1 else 0
             busiest = max(cost.backward_peak_bytes, cost.take_peak_bytes + fresh_taken)
-            micro_batch.append(working - made + held + max(busiest, made + cost.saved_bytes, made + cost.held_bytes))
+            micro_batch.append(working - made + held + max(busiest, made + cost.saved_bytes, made + cost.held_bytes)
+                               + (summed if wide and dp > 1 else 0))
         # The tied variables' float32 sum beside its rounding (ipuft.engine.compute); in float32, their gradient,
         # which a take never writes into the stored one (that holds the other uses' parts, carried in).
         if moves.carries and (wide or into_stored):
