@@ -27,8 +27,9 @@ An embedding's gradient is the same story with a scatter for the matmul: autogra
 as a fresh dense table of zeros with the micro-batch's rows added in ([50400, 4096] at GPT-J-6B's width,
 nearly all of its time faulting in and zeroing the table), then the engine sums the tables.
 :func:`embedding` keeps each micro-batch's ids and output gradient instead, and the take adds them all into
-one zeroed table (the unit's stored gradient, where the engine gives it): in float32 for a 16-bit table, the
-touched rows summed in a float32 scratch and each rounded once.
+one zeroed table (the unit's stored gradient, where the engine gives it). A 16-bit table's rows are added
+into one float32 sum over all of the step's micro-batches as they come (:meth:`WeightGradients.accumulator`),
+rounded once at the unit's last take: no 16-bit table per take beside the float32 sum (Llama-3's is 1 GiB).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from ipuft.components import recomputing
 
@@ -54,6 +56,25 @@ class WeightGradients:
     def __init__(self, leaves: Iterable[torch.Tensor]) -> None:
         self._leaves = {id(t) for t in leaves}
         self._pieces: dict[int, tuple[torch.Tensor, torch.Tensor | object | None, Pieces]] = {}
+        # Float32 sums some ops add their gradients into as they go (a chunked head's, ipuft.head_loss), kept
+        # over the unit's micro-batches until the last take, and the factors to scale them by.
+        self._sums: dict[int, tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]] = {}
+
+    def accumulator(self, leaf: torch.Tensor) -> torch.Tensor:
+        """A float32 sum of ``leaf``'s shape for an op to add its unscaled gradients into, over every micro-batch
+        until the last :meth:`take` (zeros at first); the op records its upstream factor with :meth:`scale`."""
+        if id(leaf) not in self._sums:
+            self._sums[id(leaf)] = (leaf, torch.zeros(leaf.shape, dtype=torch.float32, device=leaf.device), [])
+        return self._sums[id(leaf)][1]
+
+    def scale(self, leaf: torch.Tensor, factor: torch.Tensor) -> None:
+        """One micro-batch's upstream factor for :meth:`accumulator`'s sum of ``leaf`` (the sum is scaled by it
+        at the last take: every micro-batch of a unit must have the same, as the engine's seeds do)."""
+        self._sums[id(leaf)][2].append(factor)
+
+    def accumulated(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(leaf, float32 sum)`` of every :meth:`accumulator` so far."""
+        return [(leaf, total) for leaf, total, _ in self._sums.values()]
 
     def takes(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether the gradients of ``weight`` (and of ``bias``, when trainable) are taken here."""
@@ -77,11 +98,12 @@ class WeightGradients:
         """The tensors kept so far (for the plan's measurement of what they hold)."""
         return [t for _, _, pieces in self._pieces.values() for pair in pieces for t in pair]
 
-    def take(self, into: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+    def take(self, into: Callable[[torch.Tensor], torch.Tensor | None] | None = None, final: bool = True
              ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """``(leaf, gradient)`` for every weight and bias seen since the last take, each the sum over every
         kept call (``gᵀ·x`` over all their tokens, one matmul; the bias's ``Σ g``), in the leaf's dtype. The
-        kept tensors are let go weight by weight.
+        kept tensors are let go weight by weight. With ``final`` (the unit's last take), also the
+        :meth:`accumulator` sums, scaled, in float32 whatever the leaf's dtype.
 
         ``into(leaf)`` may give a tensor to write the gradient into (of its shape and dtype, contiguous): memory
         the caller no longer needs, which, unlike a fresh tensor, a CPU does not fault in page by page."""
@@ -102,6 +124,15 @@ class WeightGradients:
             yield weight, torch.mm(g.t(), x, out=home(weight, torch.promote_types(g.dtype, x.dtype)))
             if bias is not None:
                 yield bias, torch.sum(g, 0, out=home(bias, g.dtype))
+        while final and self._sums:
+            _, (leaf, total, factors) = self._sums.popitem()
+            if factors and not is_fake(factors[0]):  # (the plan's measurement has no values to check)
+                factor = factors[0]
+                if not bool(torch.stack(factors).eq(factor).all()):
+                    raise RuntimeError("a gradient summed over micro-batches had different upstream factors")
+                if float(factor) != 1.0:
+                    total.mul_(factor)
+            yield leaf, total
 
 
 ROWS = object()  # what WeightGradients keeps for an embedding where a projection keeps its bias: ``x`` holds ids
@@ -169,8 +200,9 @@ class _Linear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
-def _taking(weight: torch.Tensor, bias: torch.Tensor | None) -> WeightGradients | None:
-    """Where this call's weight (and bias) gradients go, if they are taken later."""
+def taking(weight: torch.Tensor, bias: torch.Tensor | None) -> WeightGradients | None:
+    """Where this call's weight (and bias) gradients go, if they are taken later (the engine's, in a unit's
+    backward; also for :mod:`ipuft.head_loss`)."""
     taken = _TAKING.get()
     return taken if taken is not None and torch.is_grad_enabled() and taken.takes(weight, bias) else None
 
@@ -178,7 +210,7 @@ def _taking(weight: torch.Tensor, bias: torch.Tensor | None) -> WeightGradients 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``; in a unit's backward, its weight's gradient may be taken later, with its
     other micro-batches' (see the module docstring). Any other use is ``F.linear`` itself."""
-    taken = _taking(weight, bias)
+    taken = taking(weight, bias)
     if taken is not None:
         return _Linear.apply(x, weight, bias, taken, True)
     return F.linear(x, weight, bias)
@@ -224,14 +256,17 @@ class _Embedding(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (ids,) = ctx.saved_tensors
-        ctx.taken.add_rows(ctx.leaf, ids, grad)
+        if ctx.leaf.dtype == torch.float32:
+            ctx.taken.add_rows(ctx.leaf, ids, grad)
+        else:  # 16-bit: the rows added straight into a float32 sum over the micro-batches, rounded once
+            ctx.taken.accumulator(ctx.leaf).index_add_(0, ids.reshape(-1), grad.reshape(-1, grad.shape[-1]).float())
         return None, None, None
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.embedding(ids, weight)``; in a unit's backward, its weight's gradient may be taken later, with its other
     micro-batches' (see the module docstring). Any other use is ``F.embedding`` itself."""
-    taken = _taking(weight, None)
+    taken = taking(weight, None)
     if taken is not None:
         return _Embedding.apply(ids, weight, taken)
     return F.embedding(ids, weight)
@@ -252,7 +287,7 @@ def output_projection(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     in a recompute only the gradient graph of the layer's output is used, so an output projection's forward
     matmul (5 of GPT-J's 12·H² multiply-adds per token, a third of a Llama layer's) can be skipped."""
     if recomputing() and torch.is_grad_enabled():
-        return _Linear.apply(x, weight, None, _taking(weight, None), False)
+        return _Linear.apply(x, weight, None, taking(weight, None), False)
     return linear(x, weight)
 
 

@@ -61,7 +61,11 @@ class Optimizer(ABC):
     #: Set by core from the optimizer's registration (``elementwise=``); the engine then hands it pieces of
     #: variables of its choosing (see :meth:`step_unit`) rather than whole ones.
     elementwise: bool = True
-    #: Elements per block of block-wise state (see the module's docstring); 1: none.
+    #: Elements per block of block-wise state (see the module's docstring); 1: none. Every piece an elementwise
+    #: optimizer is called with then starts at a multiple of it in its flattened variable (its stored form: the
+    #: TP shard, or with RTS the rank's flat slice, itself cut on a multiple of it), and may end anywhere at the
+    #: variable's end: the engine's pieces (:func:`ipuft.engine.update.update_groups`, the streamed update's
+    #: included) honour it.
     block_size: int = 1
     #: The names of the state variables (``state_specs``) that hold one element per block, 1-D.
     block_states: frozenset[str] = frozenset()

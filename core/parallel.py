@@ -23,6 +23,7 @@ from omegaconf import DictConfig
 
 from ipuft.engine.profiling import section, timed
 from ipuft.errors import ConfigError, DistributedError, first_line
+from ipuft.head_loss import chunkable, chunked_head_loss, head_chunk_tokens
 
 # torch 2.13 renamed the flat collectives; older releases only have the second names.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -322,7 +323,16 @@ def vocab_parallel_head(project: Callable[[torch.Tensor], torch.Tensor], hidden:
     """A language-model head's result from ``project`` (this TP rank's vocabulary block of the projection, of
     ``tensor_parallel``) of the normalised ``hidden``: the logits ``[..., vocab_size]`` (gathered over TP,
     padded columns cut), or with ``labels`` the mean cross-entropy in float32 (:func:`vocab_parallel_cross_entropy`
-    under TP, so the full logits are never gathered for it; ``F.cross_entropy`` at TP=1)."""
+    under TP, so the full logits are never gathered for it; ``F.cross_entropy`` at TP=1).
+
+    Inside :func:`ipuft.head_loss.head_chunks` (the engine's, ``execution.head_chunk_tokens``), a loss whose
+    ``project`` is a plain linear projection is computed a chunk of tokens at a time with its gradient
+    (:func:`ipuft.head_loss.chunked_head_loss`): the same loss and gradients without the logits of every token
+    at once."""
+    if labels is not None and head_chunk_tokens() and chunkable(project):
+        x = copy_to_tensor_parallel(hidden) if tensor_parallel > 1 else hidden
+        return chunked_head_loss(x.flatten(0, -2), project.weight, project.bias, labels.flatten(), vocab_size,
+                                 ignore_index, _ACTIVE.tp_rank, _ACTIVE.tp_group, _ACTIVE.tensor_parallel)
     if tensor_parallel == 1:
         logits = project(hidden)
         if labels is None:

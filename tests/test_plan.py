@@ -114,8 +114,9 @@ def test_rts_divides_per_rank_host_bytes_by_about_dp(capsys):
 
 def test_gptj_6b_with_the_optimizer_on_the_host(capsys):
     """execution.optimizer_placement=host: Adam's state never crosses, each gradient crosses device→host once
-    and the weights only come for the forward and the backward; the update phases load nothing, so the device
-    peak drops; the embeddings' gradient is stored (in float16) for its host update."""
+    and the weights only come for the forward and the backward; the update phases load nothing (the device
+    placement's bring only their streamed pieces); the embeddings' gradient is stored (in float16) for its host
+    update."""
     device = json.loads(plan(capsys, "--config", "gptj-6b", "--json"))
     host = json.loads(plan(capsys, "--config", "gptj-6b", "execution.optimizer_placement=host", "--json"))
     f16 = 2
@@ -126,7 +127,8 @@ def test_gptj_6b_with_the_optimizer_on_the_host(capsys):
     weights = {d: sum(n for k, n in device["traffic"][d].items() if k in ("fwd", "optim", "grad")) for d in ("h2d", "d2h")}
     assert device["h2d_bytes_per_step"] - host["h2d_bytes_per_step"] == weights["h2d"] - host["traffic"]["h2d"]["fwd"]
     assert host["host_bytes"] - device["host_bytes"] == f16 * EMB
-    assert host["device_peak_bytes"] < 0.7 * device["device_peak_bytes"]
+    # The device placement streams its updates piece by piece (ipuft.engine.streaming): neither peak is an update.
+    assert host["device_peak_bytes"] <= device["device_peak_bytes"]
     # Phase by phase: an update-only phase in host memory holds nothing on the device and loads nothing for it;
     # the embeddings' backward-and-update phase loads only their weights.
     updates = [(h, d) for h, d in zip(host["program"], device["program"]) if h["host_update"]]
@@ -135,4 +137,6 @@ def test_gptj_6b_with_the_optimizer_on_the_host(capsys):
         if on_device["device"]["compute"] == 0:
             assert on_host["device"] == {"loaded": 0, "compute": 0, "update": 0} != on_device["device"]
         else:
-            assert on_host["device"]["loaded"] == f16 * EMB < on_device["device"]["loaded"]
+            # their weights only; the device placement streams the optimizer state
+            assert on_host["device"]["loaded"] == f16 * EMB == on_device["device"]["loaded"]
+            assert on_host["device"]["update"] == 0 < on_device["device"]["update"]

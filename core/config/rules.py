@@ -39,6 +39,7 @@ _POSITIVE = (
 )  # fmt: skip
 _NON_NEGATIVE = (
     "training.steps", "training.eval_steps", "training.optimizer.learning_rate.maximum", "checkpoint.steps",
+    "execution.update_piece_bytes", "execution.head_chunk_tokens",
 )  # fmt: skip
 # Finite and > 0: a zero or an infinity here makes every step NaN or a no-op.
 _POSITIVE_FINITE = (
@@ -54,6 +55,7 @@ _AT_MOST = {
     "checkpoint.steps": 1 << 40, "training.max_consecutive_skips": 1 << 40,
     "training.eval_steps": 1 << 40,
     "execution.loss_scaling_growth_interval": 1 << 40,
+    "execution.update_piece_bytes": 1 << 50, "execution.head_chunk_tokens": 1 << 30,
 }  # fmt: skip
 
 

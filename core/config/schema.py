@@ -179,6 +179,13 @@ class ExecutionConfig:
     # Keep host memory a step frees for the next step's tensors (glibc's mallopt, process-wide), instead of
     # returning it to the kernel and page-faulting it back 4 KiB at a time (see ipuft.engine.hostmem).
     retain_host_memory: bool = True
+    # An update on the device brings the unit's weights, optimizer state and gradient to it piece by piece,
+    # at most this many bytes of them per optimizer call (two pieces at once on CUDA, where the next one's
+    # copy overlaps the current one's update); 0 loads the whole unit first (see docs/how-a-step-runs.md).
+    update_piece_bytes: int = 64 * 2**20
+    # The head's loss and its gradient are computed this many tokens at a time (the float32 logits of one
+    # chunk at once, not of a whole micro-batch); 0 computes all of a micro-batch's tokens at once.
+    head_chunk_tokens: int = 512
 
 
 @dataclass

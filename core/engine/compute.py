@@ -25,6 +25,7 @@ from ipuft.engine.activations import ActivationBuffers, working_set
 from ipuft.engine.gradients import GradientSum, take_every, writes_into_stored
 from ipuft.engine.store import Tensors, storage_bytes
 from ipuft.engine.stored import StoredModel
+from ipuft.head_loss import head_chunks
 from ipuft.ops import WeightGradients, taking_weight_gradients
 from ipuft.program import Entry, OpActivations, Phase
 
@@ -80,6 +81,7 @@ class UnitCompute:
         # A component may draw masks of its own (an adapter's dropout): ``uses_dropout`` says so.
         self.dropout = model.cfg.model.dropout_prob > 0 or any(getattr(m, "uses_dropout", False)
                                                               for m in model.modules.values())
+        self.head_chunk_tokens = model.cfg.execution.head_chunk_tokens
         self.graphs: dict[str, KeptGraphs] = {}
         self._counted: dict[str, int] = {}  # each unit's gradients' bytes counted on the device, until released
         self.graph_bytes = self.graph_peak = 0  # kept graphs' saved bytes now, and the step's peak
@@ -252,12 +254,17 @@ class UnitCompute:
                     self._backward_kept_graph(io, graphs, mb, list(leaves.values()))
                 sums.add_autograd(mb, micro_batches)
                 count()
-                holding = storage_bytes(taken.held())
+                holding = storage_bytes([*taken.held(), *(total for _, total in taken.accumulated())])
                 self.store.ledger.acquire(holding - held)
                 held = holding
                 if (mb + 1) % every and mb + 1 < micro_batches:
                     continue
-                for leaf, grad in taken.take(lambda leaf: homes.get(names[id(leaf)])):
+                final = mb + 1 == micro_batches
+                if final:  # the sums ops accumulated become the unit's gradients: counted there from now
+                    summed = storage_bytes(total for _, total in taken.accumulated())
+                    self.store.ledger.release(summed)
+                    held -= summed
+                for leaf, grad in taken.take(lambda leaf: homes.get(names[id(leaf)]), final):
                     sums.add(names[id(leaf)], grad, mb // every, takes)
                     count()
                 self.store.ledger.release(held)
@@ -284,6 +291,8 @@ class UnitCompute:
             if upstream is None:  # the head: loss, and the gradient that seeds the backward
                 args = (*args, st.batch.labels[mb])
                 seed = None
+                # A head computes its loss a chunk of tokens at a time (ipuft.head_loss), told the seed below.
+                stack.enter_context(head_chunks(self.head_chunk_tokens, st.loss_scale / st.batch.micro_batches))
             else:
                 seed = stack.enter_context(self.buffers.read(*upstream, mb, consume=True))
                 stack.enter_context(recompute())  # only the gradient of this forward is used

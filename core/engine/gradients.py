@@ -39,7 +39,10 @@ class GradientSum:
             return
         summed = self.sums.get(name)
         rounded_here = self.rounded_here and name not in self.exact
-        if summed is None:  # the first part: kept as it is where one addition at most follows
+        dtype = self.leaves[name].dtype
+        if summed is None and rounded_here and index == count - 1 and grad.dtype != dtype:
+            self.sums[name] = narrow_in_place(grad, dtype, self.chunk)  # the whole sum already (an accumulator's)
+        elif summed is None:  # the first part: kept as it is where one addition at most follows
             self.sums[name] = grad if rounded_here and count <= 2 else grad.float()
         elif index == count - 1 and rounded_here:
             add_rounded_(grad, summed, self.chunk)
@@ -146,6 +149,21 @@ def add_rounded_(part: torch.Tensor, total: torch.Tensor, chunk: int) -> None:
         below = flat_total[start : start + piece.numel()]
         summed.add_(below if other is None else other[: piece.numel()].copy_(below))
         piece.copy_(summed)
+
+
+def narrow_in_place(total: torch.Tensor, dtype: torch.dtype, chunk: int) -> torch.Tensor:
+    """``total`` (float32, contiguous) rounded to nearest in the 16-bit ``dtype``, written into the first half of
+    its own storage, ``chunk`` elements at a time: a view of that storage, which stays whole (no second tensor of
+    the gradient's size beside the float32 sum). Element ``i`` lands in bytes ``[2i, 2i+2)``, below the float32
+    elements still to be read (``[4j, 4j+4)`` for ``j > i``), so only the first chunk, which overlaps itself,
+    goes through a float32 scratch."""
+    flat = total.view(-1)
+    out = flat.view(dtype)[: flat.numel()]
+    first = flat[:chunk].clone()
+    out[: first.numel()].copy_(first)
+    for start in range(first.numel(), flat.numel(), chunk):
+        out[start : start + chunk].copy_(flat[start : start + chunk])
+    return out.view(total.shape)
 
 
 def chunked_norm(tensor: torch.Tensor, chunk: int) -> torch.Tensor:

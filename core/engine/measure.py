@@ -40,6 +40,7 @@ from ipuft.engine.hostmem import heap_block_limit
 from ipuft.engine.model import ModelParts
 from ipuft.engine.precision import compute_dtype
 from ipuft.engine.store import storage_bytes
+from ipuft.head_loss import head_chunks
 from ipuft.ops import WeightGradients, taking_weight_gradients
 
 
@@ -59,8 +60,6 @@ def _register_cpu_attention_flops() -> None:
 
 
 _register_cpu_attention_flops()
-
-
 
 
 def packs_examples(cfg: DictConfig) -> bool:
@@ -152,7 +151,11 @@ class UnitCost:
       they are taken (beside the next micro-batches' when a take covers several);
     - ``taken_bytes``: the bytes of the gradients taken that way (the rest of the unit's trainable bytes are
       autograd's), and ``take_peak_bytes`` the most bytes alive while they are taken (into given memory);
-    - ``heap_peak_bytes``: the most of those alive at once in blocks glibc's heap serves (and keeps).
+    - ``heap_peak_bytes``: the most of those alive at once in blocks glibc's heap serves (and keeps);
+    - ``accumulated_bytes``: the float32 sums some ops add their weight gradients into as they go, over every
+      micro-batch (a chunked head's, :mod:`ipuft.head_loss`; counted in the peaks above), and
+      ``accumulated_gradient_bytes`` the bytes of those weights' gradients in the weights' dtype (neither
+      autograd's nor taken).
     """
 
     forward: int
@@ -165,6 +168,8 @@ class UnitCost:
     heap_peak_bytes: int
     taken_bytes: int = 0
     take_peak_bytes: int = 0
+    accumulated_bytes: int = 0
+    accumulated_gradient_bytes: int = 0
 
 
 def _saved_bytes(module, params, args) -> int:
@@ -192,10 +197,10 @@ def unit_cost(parts: ModelParts, role: str, cfg: DictConfig, device: torch.devic
     mode = FakeTensorMode(allow_non_fake_inputs=True)  # a module's cached real tensors (a rotary table) are read
     module, params, args = fake_unit(parts, role, cfg, torch.device(device), mode)
     with examples_apart(fake_positions(cfg, torch.device(device), mode)):
-        return _unit_cost(module, params, args, mode)
+        return _unit_cost(module, params, args, mode, cfg)
 
 
-def _unit_cost(module, params, args, mode: FakeTensorMode) -> UnitCost:
+def _unit_cost(module, params, args, mode: FakeTensorMode, cfg: DictConfig) -> UnitCost:
     existing = [*params.values(), *args]
     leaves = [t for t in existing if t.requires_grad]
     with mode:
@@ -206,7 +211,7 @@ def _unit_cost(module, params, args, mode: FakeTensorMode) -> UnitCost:
             return UnitCost(forward, 0, 0, 0, forward_live.peak, 0, 0, forward_live.heap_peak)
         taken = WeightGradients(leaves)
         homes = {id(leaf): torch.empty_like(leaf) for leaf in leaves}  # the stored gradients a take writes into
-        with LiveBytes([*existing, *homes.values()]) as live:
+        with LiveBytes([*existing, *homes.values()]) as live, head_chunks(cfg.execution.head_chunk_tokens):
             with taking_weight_gradients(taken):
                 with recompute(), FlopCounterMode(display=False) as counted:
                     out = functional_call(module, params, args)
@@ -215,15 +220,23 @@ def _unit_cost(module, params, args, mode: FakeTensorMode) -> UnitCost:
                     torch.autograd.backward(out, torch.ones_like(out), inputs=leaves)
                     del out
                     held = storage_bytes(taken.held(), existing)
+                    summed = {id(leaf): leaf for leaf, _ in taken.accumulated()}
+                    accumulated = storage_bytes([total for _, total in taken.accumulated()], existing)
                     backward_peak = live.restart()
                     grads = list(taken.take(lambda leaf: homes.get(id(leaf))))
                     take_peak = live.peak
-                    taken_bytes = sum(g.numel() * g.element_size() for _, g in grads)
-            backward = counted.get_total_flops()
+                    taken_bytes = sum(g.numel() * g.element_size() for leaf, g in grads if id(leaf) not in summed)
+                    accumulated_gradient = sum(leaf.numel() * leaf.element_size() for leaf in summed.values())
+            # A loss that makes its gradient in its forward (a chunked head, ipuft.head_loss) computes its backward
+            # in the recompute: what that adds beyond the forward is backward work (a recompute that skips work
+            # adds none).
+            moved = max(0, again - forward)
+            backward, again = counted.get_total_flops() + moved, again - moved
             del grads
         saved = _saved_bytes(module, params, args)
     return UnitCost(forward, backward, again, saved, forward_live.peak, max(backward_peak, take_peak), held,
-                    max(forward_live.heap_peak, live.heap_peak), taken_bytes, take_peak)
+                    max(forward_live.heap_peak, live.heap_peak), taken_bytes, take_peak, accumulated,
+                    accumulated_gradient)
 
 
 def kv_cache_bytes_per_position(parts: ModelParts, cfg: DictConfig) -> int:

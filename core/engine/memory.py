@@ -20,7 +20,8 @@ from ipuft.engine.measure import UnitCost
 from ipuft.engine.model import ModelParts
 from ipuft.engine.precision import Recipe, compute_dtype, recipe
 from ipuft.engine.stored import updates_on_host
-from ipuft.engine.update import group_transient_bytes, update_chunk, update_groups
+from ipuft.engine.streaming import double_buffered, piece_elements, streamed_groups
+from ipuft.engine.update import call_chunk, group_transient_bytes, piece_multiple, update_groups
 from ipuft.engine.variables import model_groups, placements
 from ipuft.optim import Optimizer
 from ipuft.parallel import Layout
@@ -142,10 +143,45 @@ def update_transient_bytes(cfg: DictConfig, parts: ModelParts, optimizer: Optimi
     (:func:`ipuft.engine.update.update_groups`) of the unit's stored trainable variables."""
     placed = placements(parts, rank_layout(cfg), bool(cfg.execution.rts), optimizer)[role]
     sizes = [(name, math.prod(p.stored_shape)) for name, p in placed.items() if p.spec.trainable]
-    chunk = update_chunk(compute_device(cfg)) if getattr(optimizer, "elementwise", True) else None
     how = recipe(cfg)
     return max((group_transient_bytes(how, [stop - start for _, start, stop in group])
-                for group in update_groups(sizes, chunk, getattr(optimizer, "block_size", 1))), default=0)
+                for group in update_groups(sizes, call_chunk(optimizer, compute_device(cfg)),
+                                           piece_multiple(optimizer))), default=0)
+
+
+def _itemsize(spec: VariableSpec) -> int:
+    return torch.empty((), dtype=spec.dtype).element_size()
+
+
+def streamed_update_bytes(cfg: DictConfig, optimizer: Optimizer, groups: dict[str, list[VariableSpec]],
+                          streamed: frozenset[str]) -> int:
+    """The most bytes a streamed update (:mod:`ipuft.engine.streaming`) of a unit stored as ``groups`` holds on
+    the device: one call's pieces of the ``streamed`` groups with that call's transients, and on CUDA the next
+    call's pieces beside them (their copy overlaps the update)."""
+    trainable = [s for s in groups["fwd"] if s.trainable]
+    numel = {s.name: s.numel for s in trainable}
+    per = dict.fromkeys(numel, 0)  # bytes per element of each variable in the streamed groups
+    per_block = dict.fromkeys(numel, 0)  # and per block, of its block-wise state (an 8-bit optimizer's scales)
+    block = piece_multiple(optimizer)
+    for group in streamed:
+        for s in groups.get(group, ()):
+            name = s.name.variable if group == "optim" else s.name
+            if name in per:
+                blocked = group == "optim" and s.name.state in getattr(optimizer, "block_states", ())
+                (per_block if blocked else per)[name] += _itemsize(s)
+
+    def piece(n: str, a: int, b: int) -> int:  # a piece starts on a block boundary: its blocks are whole
+        return (b - a) * per[n] + -(-(b - a) // block) * per_block[n]
+
+    total = sum(piece(n, 0, numel[n]) for n in numel)
+    device = compute_device(cfg)
+    chunk = call_chunk(optimizer, device, piece_elements(cfg.execution.update_piece_bytes, sum(numel.values()), total))
+    how = recipe(cfg)
+    calls = [(sum(piece(n, a, b) for n, a, b in g), group_transient_bytes(how, [b - a for _, a, b in g]))
+             for g in update_groups(list(numel.items()), chunk, block)]
+    ahead = double_buffered(device)
+    return max((piece + transient + (calls[k + 1][0] if ahead and k + 1 < len(calls) else 0)
+                for k, (piece, transient) in enumerate(calls)), default=0)
 
 
 @dataclass(frozen=True)
@@ -171,6 +207,8 @@ def phase_memory(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer, sizes
     host_update = updates_on_host(cfg)
     wide = compute_dtype(cfg) != torch.float32
     transient = {role: update_transient_bytes(cfg, parts, optimizer, role) for role in parts.variables}
+    placed = placements(parts, rank_layout(cfg), bool(cfg.execution.rts))
+    stored_groups = model_groups(parts.program, placed, optimizer, recipe(cfg) is Recipe.master, host_update)
     ga, dp = cfg.gradient_accumulation, cfg.execution.data_parallel
     every = take_every(ga, cfg.execution.micro_batch_size * cfg.model.sequence_length)
     takes = -(-ga // every)
@@ -185,7 +223,9 @@ def phase_memory(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer, sizes
         if moves is None:
             out[phase.name] = PhaseMemory()
             continue
-        loaded = sum(phase_io(moves, unit)[0].values()) if cfg.execution.offload and not lent else 0
+        streamed = streamed_groups(cfg, phase, moves)
+        loads = phase_io(moves, unit)[0]
+        loaded = sum(v for g, v in loads.items() if g not in streamed) if cfg.execution.offload and not lent else 0
         grads = unit["trainable"] + unit["lent"] if phase.computes_gradient else 0
         micro_batch = [cost.forward_peak_bytes] if Op.FORWARD in phase.ops else []
         fresh = grads  # the finished gradients beyond the stored ones
@@ -195,21 +235,30 @@ def phase_memory(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer, sizes
             # beside it, the unit's gradients summed so far and, where the takes cannot write into the stored
             # gradients, their fresh ones; the earlier micro-batches' pieces of a take come on top, and when a
             # take covers several, its inputs concatenated.
-            taken = min(cost.taken_bytes, grads)
-            autograd = grads - taken
+            # The gradients ops sum as they go (a chunked head's weight) are neither autograd's nor taken: their
+            # float32 sums are in the measured peaks; rounded in place, unless a float32 mean over DP follows.
+            summed = min(cost.accumulated_gradient_bytes, grads)
+            taken = min(cost.taken_bytes, grads - summed)
+            autograd = grads - taken - summed
             into_stored = writes_into_stored(wide, takes, dp, in_compute_memory and phase.unit in stores_grad)
             working = gradient_working_bytes(autograd, taken, wide, ga, takes, dp, into_stored)
             fresh_taken = 0 if into_stored else taken  # the takes' gradients, made afresh
             made = autograd + fresh_taken
-            fresh = made
+            fresh = made + cost.accumulated_bytes + (summed if wide and dp > 1 else 0)
             held = (2 * every - 1) * cost.held_bytes if every > 1 else 0
             busiest = max(cost.backward_peak_bytes, cost.take_peak_bytes + fresh_taken)
-            micro_batch.append(working - made + held + max(busiest, made + cost.saved_bytes, made + cost.held_bytes))
-        if wide and moves.carries:  # the tied variables' float32 sum beside its rounding (ipuft.engine.compute)
+            micro_batch.append(working - made + held + max(busiest, made + cost.saved_bytes, made + cost.held_bytes)
+                               + (summed if wide and dp > 1 else 0))
+        # The tied variables' float32 sum beside its rounding (ipuft.engine.compute); in float32, their gradient,
+        # which a take never writes into the stored one (that holds the other uses' parts, carried in).
+        if moves.carries and (wide or into_stored):
             fresh += unit["carried"]
         compute = max(micro_batch) if phase.computes else 0
         # The update holds only the finished (16-bit) gradients; one in host memory holds nothing on the device.
-        update = fresh + transient[phase.role] if phase.updates and not host_update else 0
+        update = 0
+        if phase.updates and not host_update:
+            update = fresh + (streamed_update_bytes(cfg, optimizer, stored_groups[phase.unit], streamed) if streamed
+                              else transient[phase.role])
         out[phase.name] = PhaseMemory(loaded, compute, update)
     return out
 

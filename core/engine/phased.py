@@ -34,6 +34,7 @@ from ipuft.engine.scaling import LossScale
 from ipuft.engine.spill import spilled_rows
 from ipuft.engine.store import Tensors
 from ipuft.engine.stored import StoredModel
+from ipuft.engine.streaming import StreamedUpdate, streamed_groups
 from ipuft.engine.update import UnitUpdate
 from ipuft.engine.variables import Initializer
 from ipuft.optim import Optimizer
@@ -108,6 +109,9 @@ class PhasedEngine:
         self.buffers = ActivationBuffers(self.store, cfg.execution.activation_offload, self.layout, self._spill())
         self.compute = UnitCompute(self.model, self.buffers)
         self.update = UnitUpdate(self.model)
+        # The groups each update streams to the device piece by piece rather than loading them whole.
+        self.streamed = {phase: streamed_groups(cfg, phase, self.moves[phase]) for phase in self.program}
+        self.streaming = StreamedUpdate(self.update)
         self.updates = 0  # optimizer steps taken; Adam's bias correction counts from 1
 
     # ---- one step ----
@@ -190,7 +194,8 @@ class PhasedEngine:
         if moves is None or following.unit == current.unit:
             return
         for move in moves.loads:
-            self.store.prefetch(following.unit, move.group, self._moving(following, move))
+            if move.group not in self.streamed[following]:
+                self.store.prefetch(following.unit, move.group, self._moving(following, move))
 
     def _moving(self, phase: Phase, move: Move) -> list[str]:
         """The names of the variables ``move`` moves of ``phase``'s unit."""
@@ -202,7 +207,9 @@ class PhasedEngine:
         moves = self.moves[phase]
         if moves is None:
             return
-        loaded = {m.group: self.store.load(phase.unit, m.group, self._moving(phase, m)) for m in moves.loads}
+        streamed = self.streamed[phase]
+        loaded = {m.group: self.store.load(phase.unit, m.group, self._moving(phase, m)) for m in moves.loads
+                  if m.group not in streamed}
         # Tied variables: the owners' weights the unit computes with, and the other uses' gradients it adds.
         borrowed = self.model.borrow(phase.role) if moves.borrows else {}
         carried = self.store.load(phase.unit, "grad", [t.variable for t in moves.carries]) if moves.carries else {}
@@ -213,8 +220,8 @@ class PhasedEngine:
         else:
             grads = self._ops(phase, None, loaded, grads, st, carried)
         for move in moves.stores:
-            if st.skip and move.group != "grad":
-                continue  # a skipped step leaves weights and optimizer state untouched
+            if (st.skip and move.group != "grad") or move.group in streamed:
+                continue  # a skipped step leaves weights and optimizer state untouched; streamed: stored already
             tensors = grads if move.group == "grad" else loaded[move.group]
             self.store.save(phase.unit, move.group,
                             {n: tensors[n] for n in move.select(tensors, self.trainable[phase.role])})
@@ -251,8 +258,21 @@ class PhasedEngine:
                 st.skip = not math.isfinite(st.grad_norm)
             elif op is Op.OPTIMIZER_STEP and not st.skip and not self.host_update:
                 with section("optimizer"):
-                    self.update.step(phase, loaded["fwd"], loaded["optim"], grads, self._update_context(st))
+                    self._optimizer_step(phase, loaded, grads, st)
         return grads
+
+    def _optimizer_step(self, phase: Phase, loaded: dict[str, Tensors], grads: Tensors | None, st: StepState) -> None:
+        """Update ``phase``'s unit on the device: from its groups loaded whole, or streamed piece by piece
+        (:mod:`ipuft.engine.streaming`)."""
+        streamed = self.streamed[phase]
+        if not streamed:
+            self.update.step(phase, loaded["fwd"], loaded["optim"], grads, self._update_context(st))
+            return
+        stored = self.store.entries[phase.unit]
+        fwd = next(m for m in self.moves[phase].loads if m.group == "fwd")
+        with_grad = stored["grad"] if grads is None else grads
+        names = [n for n in self._moving(phase, fwd) if n in with_grad]  # frozen: no gradient
+        self.streaming.run(phase, streamed, names, loaded.get("fwd"), grads, self._update_context(st))
 
     def _update_context(self, st: StepState):
         return self.update.context(st.lr, self.updates, st.grad_norm, st.loss_scale)

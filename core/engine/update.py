@@ -30,31 +30,51 @@ def update_chunk(device: torch.device | str) -> int:
 
 
 def update_groups(sizes: list[tuple[str, int]], chunk: int | None,
-                  block: int = 1) -> Iterator[list[tuple[str, int, int]]]:
+                  multiple: int = 1) -> Iterator[list[tuple[str, int, int]]]:
     """The groups of pieces ``(variable, start, stop)`` that one optimizer call each updates: the flat elements
     of the variables ``sizes`` (``(name, numel)``, in order) cut into pieces and grouped so that a group holds
-    at most ``chunk`` elements; with ``chunk`` ``None``, each variable whole, one per group. A piece ends inside
-    its variable only on a multiple of ``block`` (the optimizer's :attr:`~ipuft.optim.Optimizer.block_size`;
-    ``chunk`` is a multiple of it), so that every piece starts on a block boundary."""
+    at most ``chunk`` elements; with ``chunk`` ``None``, each variable whole, one per group.
+
+    Every piece starts at a multiple of ``multiple`` elements of its flattened variable (an optimizer's
+    :attr:`~ipuft.optim.Optimizer.block_size`): a piece that would end inside a variable ends at the last such
+    multiple that fits, and a group with less room than that is closed. ``chunk`` is at least ``multiple``."""
     if chunk is None:
         yield from ([(name, 0, numel)] for name, numel in sizes if numel)
         return
+    multiple = max(1, multiple)
+    chunk = max(chunk, multiple)
     group: list[tuple[str, int, int]] = []
     room = chunk
     for name, numel in sizes:
         start = 0
         while start < numel:
-            take = min(room, numel - start)
-            if take < numel - start:
-                take -= take % block
+            take = numel - start if numel - start <= room else room - room % multiple
+            if not take:  # not a whole multiple left in this group: the piece starts the next one
+                yield group
+                group, room = [], chunk
+                continue
             group.append((name, start, start + take))
             room -= take
             start += take
-            if room < block:
+            if not room:
                 yield group
                 group, room = [], chunk
     if group:
         yield group
+
+
+def piece_multiple(optimizer) -> int:
+    """Where the optimizer's pieces may start: a multiple of its block-wise state's
+    :attr:`~ipuft.optim.Optimizer.block_size` (1, anywhere, by default)."""
+    return max(1, int(getattr(optimizer, "block_size", 1) or 1))
+
+
+def call_chunk(optimizer, device: torch.device | str, limit: int | None = None) -> int | None:
+    """The most elements one call of ``optimizer`` updates on ``device`` (:func:`update_chunk`, and at most
+    ``limit``: a streamed piece's), or ``None`` for an optimizer that is not elementwise (whole variables)."""
+    if not getattr(optimizer, "elementwise", True):
+        return None
+    return min(update_chunk(device), limit) if limit else update_chunk(device)
 
 
 def group_transient_bytes(how: Recipe, pieces: list[int]) -> int:
@@ -103,9 +123,15 @@ class UnitUpdate:
             states[key.variable][key.state] = t
         sizes = [(name, weights[name].numel()) for name in weights if name in grads]  # frozen: no gradient
         device = next(iter(weights.values())).device if weights else self.model.device
-        chunk = update_chunk(device) if getattr(self.optimizer, "elementwise", True) else None
-        for group in update_groups(sizes, chunk, self.optimizer.block_size):
-            self._group(phase, group, weights, grads, states, ctx)
+        for group in update_groups(sizes, call_chunk(self.optimizer, device), self.multiple):
+            self.pieces(phase, group, [_piece(weights[n], a, b) for n, a, b in group],
+                        [_piece(grads[n], a, b) for n, a, b in group],
+                        [{k: state_piece(self.optimizer, k, t, a, b) for k, t in states[n].items()}
+                         for n, a, b in group], ctx)
+
+    @property
+    def multiple(self) -> int:
+        return piece_multiple(self.optimizer)
 
     def in_host_memory(self, phase: Phase, ctx: StepContext) -> None:
         """``execution.optimizer_placement=host``: update the unit where its variables live, in place in host
@@ -122,29 +148,30 @@ class UnitUpdate:
         with self.store.ledger.on_host():
             self.step(phase, weights, entries["optim"], entries["grad"], ctx)
 
-    def _group(self, phase: Phase, group: list[tuple[str, int, int]], weights: Tensors, grads: Tensors,
-               states: dict[str, dict[str, torch.Tensor]], ctx: StepContext) -> None:
-        """One optimizer call over ``group``'s pieces ``(variable, start, stop)`` of flat elements. The optimizer
-        sees float32: a 16-bit weight's view is its master copy or a float32 copy, mapped back into the weight
-        by the run's recipe (see :mod:`ipuft.engine.precision`). Stored gradients are consumed: a float32 one is
-        finished in place."""
+    def pieces(self, phase: Phase, group: list[tuple[str, int, int]], weights: list[torch.Tensor],
+               grads: list[torch.Tensor], states: list[dict[str, torch.Tensor]], ctx: StepContext) -> None:
+        """One optimizer call over ``group``'s pieces ``(variable, start, stop)`` of flat elements, given as the
+        pieces themselves (flat slices of the weights, their gradients and their state, wherever they are: the
+        stored tensors, or copies streamed to the device, :mod:`ipuft.engine.streaming`). The optimizer sees
+        float32: a 16-bit weight's view is its master copy or a float32 copy, mapped back into the weight by
+        the run's recipe (see :mod:`ipuft.engine.precision`). Gradients are consumed: a float32 one is finished
+        in place."""
         wide = self.recipe is not Recipe.exact
         transient = group_transient_bytes(self.recipe, [stop - start for _, start, stop in group])
         self.store.ledger.acquire(transient)
         names, views, finished, pieces = [], [], [], []
-        for name, start, stop in group:
-            state = {k: state_piece(self.optimizer, k, t, start, stop) for k, t in states[name].items()}
+        for (name, _, _), weight, grad, given in zip(group, weights, grads, states, strict=True):
+            state = dict(given)
             master = state.pop(MASTER, None)
-            weight = _piece(weights[name], start, stop)
             names.append(f"{phase.unit}.{name}")
             views.append(weight if not wide else master if master is not None else weight.float())
-            finished.append(_piece(grads[name], start, stop).float())
+            finished.append(grad.float())
             pieces.append(state)
         torch._foreach_mul_(finished, ctx.grad_factor)
         self.optimizer.step_unit(names, views, finished, pieces, ctx)
         if wide:
-            for (name, start, stop), view in zip(group, views):
-                self._round_into(phase, name, _piece(weights[name], start, stop), view, start, ctx.step)
+            for (name, start, _), weight, view in zip(group, weights, views):
+                self._round_into(phase, name, weight, view, start, ctx.step)
         self.store.ledger.release(transient)
 
     def _round_into(self, phase: Phase, name: str, weight: torch.Tensor, view: torch.Tensor, start: int,

@@ -1,0 +1,190 @@
+"""A language-model head's loss computed over chunks of tokens, with its gradient, so that the logits of all of a
+micro-batch's tokens (and their gradient) never exist at once.
+
+At Llama-3's vocabulary a micro-batch of 2048 tokens has float32 logits of 1 GiB, and autograd keeps them with
+their softmax and its gradient: the head's loss-backward held 5 GiB. :func:`chunked_head_loss` instead takes
+``head_chunk_tokens`` tokens at a time: their logits (this TP rank's vocabulary block, float32), the
+cross-entropy's pieces reduced over the TP group as :func:`ipuft.parallel.vocab_parallel_cross_entropy` reduces
+them, and at once the gradient of the loss with respect to those logits, ``(softmax - onehot) · keep / N``,
+rounded to the compute dtype as autograd's gradient of the logits is. From it the chunk's gradient with respect
+to the hidden states (``g · W``) and its part of the weight's gradient (``gᵀ · x``) are made in the forward,
+and the chunk's logits are let go. The backward only scales what the forward made by the upstream gradient.
+
+The weight's gradient is summed in float32 (16-bit weights: each chunk's ``gᵀ · x`` as a 16-bit matmul over
+blocks of vocabulary rows, added into float32), over the chunks and, in the engine, over every micro-batch of
+the step: where the engine takes the weight's gradient (:func:`ipuft.ops.taking_weight_gradients`) the sum
+lives in its :class:`~ipuft.ops.WeightGradients` until the unit's last take, which rounds it once. Otherwise
+(plain autograd) each call's sum is the weight's gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ipuft.engine.gradients import add_widened_, gradient_chunk
+from ipuft.engine.profiling import section
+from ipuft.ops import Linear, WeightGradients, taking
+
+# (tokens per chunk, 0 for unchunked; the upstream gradient the caller will seed the loss's backward with)
+_CHUNK: contextvars.ContextVar[tuple[int, float]] = contextvars.ContextVar("ipuft_head_chunks", default=(0, 1.0))
+
+ROW_BLOCK_BYTES = 64 * 2**20  # the most bytes of one 16-bit block of a chunk's weight gradient, before it is added
+
+
+@contextlib.contextmanager
+def head_chunks(tokens: int, seed: float = 1.0) -> Iterator[None]:
+    """Heads' losses inside the block are computed ``tokens`` tokens at a time (0: all at once, autograd's own
+    path). ``seed``: the upstream gradient the caller will backpropagate the loss with (the engine's loss scale
+    over the micro-batches), which the loss's gradient is scaled by before it is rounded to a 16-bit compute
+    dtype, as autograd scales it (a float16 gradient would underflow unscaled)."""
+    token = _CHUNK.set((int(tokens), float(seed)))
+    try:
+        yield
+    finally:
+        _CHUNK.reset(token)
+
+
+def head_chunk_tokens() -> int:
+    """The chunk size in force (0: unchunked)."""
+    return _CHUNK.get()[0]
+
+
+def chunkable(project) -> bool:
+    """Whether ``project`` is a plain linear projection (``nn.Linear`` or :class:`ipuft.ops.Linear`, not a module
+    that wraps or changes one), whose weight and bias the chunked loss can compute with directly."""
+    return isinstance(project, torch.nn.Linear) and type(project).forward in (torch.nn.Linear.forward, Linear.forward)
+
+
+def chunked_head_loss(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                      vocab_size: int, ignore_index: int, tp_rank: int = 0, tp_group=None,
+                      tensor_parallel: int = 1) -> torch.Tensor:
+    """The mean cross-entropy over the tokens of ``x[N, H]`` whose ``labels[N]`` are not ``ignore_index``, of
+    the logits ``x · weightᵀ + bias`` (TP rank ``tp_rank``'s ``weight[rows, H]`` of a vocabulary of
+    ``vocab_size``, its pieces reduced over ``tp_group``), :func:`head_chunk_tokens` tokens at a time (see the
+    module docstring). Its value and gradients are those of :func:`ipuft.parallel.vocab_parallel_head`'s
+    unchunked loss, to float32 rounding; the gradient of ``x`` is this rank's part (under TP the caller
+    all-reduces it, as :func:`ipuft.parallel.copy_to_tensor_parallel` does)."""
+    chunk, seed = _CHUNK.get()
+    if not torch.is_grad_enabled():  # the loss alone (an evaluation): no gradient is made
+        x, weight, bias = x.detach(), weight.detach(), bias.detach() if bias is not None else None
+    tp = _TensorParallel(tp_rank, tp_group, tensor_parallel)
+    taken = taking(weight, bias)
+    return _ChunkedHeadLoss.apply(x, weight, bias, labels, vocab_size, ignore_index, chunk, seed, tp, taken)
+
+
+class _TensorParallel:
+    """The TP group's reductions of the loss's pieces (no autograd: the chunked loss makes its own gradient)."""
+
+    def __init__(self, rank: int, group, size: int) -> None:
+        self.rank, self.group, self.size = rank, group, size
+
+    def reduce(self, x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        if self.size > 1:
+            with section("collectives"):
+                dist.all_reduce(x, op=op, group=self.group)
+        return x
+
+
+class _ChunkedHeadLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, labels, vocab_size, ignore_index, chunk, seed, tp, taken):
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_b = bias is not None and ctx.needs_input_grad[2]
+        rows = weight.shape[0]
+        keep = labels != ignore_index
+        count = keep.sum()
+        first = tp.rank * rows
+        grad_x = torch.empty_like(x) if need_x else None
+        sums = _Sums(weight, bias, need_w, need_b, taken)
+        total = x.new_zeros((), dtype=torch.float32)
+        step = chunk or x.shape[0]
+        for start in range(0, x.shape[0], step):
+            xc, yc, kc = x[start : start + step], labels[start : start + step], keep[start : start + step]
+            logits = F.linear(xc, weight, bias)
+            if first + rows > vocab_size:  # a padded vocabulary block (TP): padded columns never win
+                padded = torch.arange(first, first + rows, device=x.device) >= vocab_size
+                logits = logits.masked_fill(padded, torch.finfo(logits.dtype).min)
+            logits = logits.float()
+            logits -= tp.reduce(logits.max(dim=-1, keepdim=True).values, dist.ReduceOp.MAX)
+            local = yc - first
+            mine = (local >= 0) & (local < rows)
+            at = local.clamp(0, rows - 1).unsqueeze(-1)
+            target = tp.reduce(logits.gather(-1, at).squeeze(-1) * mine)
+            probs = logits.exp_()
+            sum_exp = tp.reduce(probs.sum(dim=-1))
+            total += ((sum_exp.log() - target) * kc).sum()
+            if not (need_x or need_w or need_b):
+                continue
+            # d(seed · loss)/d(logits): seed · (softmax - onehot) for kept tokens, over their count, rounded to
+            # the logits' dtype before the projection's backward, as autograd's is.
+            probs /= sum_exp.unsqueeze(-1)
+            probs.scatter_add_(-1, at, -mine.to(probs.dtype).unsqueeze(-1))
+            probs *= (kc * (seed / count)).unsqueeze(-1)
+            g = probs.to(x.dtype)
+            del probs, logits
+            if need_x:
+                torch.mm(g, weight, out=grad_x[start : start + step])
+            sums.add(g, xc)
+        ctx.sums, ctx.seed = sums, seed
+        ctx.save_for_backward(grad_x)
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad):
+        (grad_x,) = ctx.saved_tensors
+        factor = grad / ctx.seed  # 1 where the caller seeds the backward as it said it would
+        grad_w, grad_b = ctx.sums.result(factor)
+        return (grad_x * factor if grad_x is not None else None), grad_w, grad_b, *([None] * 7)
+
+
+class _Sums:
+    """A chunked head's weight and bias gradients summed over its chunks: in the engine's
+    :class:`~ipuft.ops.WeightGradients` (summed on over the micro-batches, scaled at the take), or here."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, need_w: bool, need_b: bool,
+                 taken: WeightGradients | None) -> None:
+        self.weight, self.bias, self.taken = weight, bias, taken
+        self.w = self.b = None
+        if need_w:
+            self.w = taken.accumulator(weight) if taken is not None else _zeros32(weight)
+        if need_b:
+            self.b = taken.accumulator(bias) if taken is not None else _zeros32(bias)
+
+    def add(self, g: torch.Tensor, x: torch.Tensor) -> None:
+        """Add one chunk's ``gᵀ · x`` (and ``Σ g``): float32 in place; 16-bit by blocks of vocabulary rows, each a
+        16-bit matmul (float32 accumulation, rounded once) added into the float32 sum."""
+        if self.w is not None:
+            if g.dtype == torch.float32:
+                torch.addmm(self.w, g.t(), x, out=self.w)  # (addmm, not addmm_: FLOP counters know addmm)
+            else:
+                block = max(1, ROW_BLOCK_BYTES // (x.shape[-1] * x.element_size()))
+                for first in range(0, g.shape[-1], block):
+                    part = torch.mm(g[:, first : first + block].t(), x)
+                    add_widened_(self.w[first : first + block], part, gradient_chunk(x.device))
+        if self.b is not None:
+            self.b += g.sum(0, dtype=torch.float32)
+
+    def result(self, factor: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The gradients autograd gets, ``factor`` the upstream gradient over the promised seed: none where the
+        engine takes them (the factor is recorded, for the take to scale the sums by), else the sums scaled, in
+        the leaves' dtypes."""
+        out = []
+        for leaf, total in ((self.weight, self.w), (self.bias, self.b)):
+            if total is None:
+                out.append(None)
+            elif self.taken is not None:
+                self.taken.scale(leaf, factor)
+                out.append(None)
+            else:
+                out.append(total.mul_(factor).to(leaf.dtype))
+        return out[0], out[1]
+
+
+def _zeros32(t: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(t.shape, dtype=torch.float32, device=t.device)
