@@ -171,15 +171,19 @@ def test_pieces_start_on_block_boundaries():
                                                                      [("a", 2000, 2500)]]
 
 
-@pytest.mark.parametrize(("chunk", "placement"), [(None, "device"), (3 * BLOCK, "device"), (3 * BLOCK, "host")],
-                         ids=["pieces-default", "pieces-of-768", "host-pieces-of-768"])
-def test_engine_steps_equal_the_plain_reference(hooks, make_config, monkeypatch, chunk, placement):
+@pytest.mark.parametrize(("chunk", "placement", "piece_bytes"),
+                         [(None, "device", 0), (3 * BLOCK, "device", 0), (3 * BLOCK, "host", 0),
+                          (None, "device", 6000)],
+                         ids=["pieces-default", "pieces-of-768", "host-pieces-of-768", "streamed-6000-bytes"])
+def test_engine_steps_equal_the_plain_reference(hooks, make_config, monkeypatch, chunk, placement, piece_bytes):
     """Codes and absmax identical, weights bit for bit; with pieces of 768 elements every variable but the
     norms is cut, across block boundaries of a group shared with the variable before; also updated in host
-    memory (``execution.optimizer_placement=host``)."""
+    memory (``execution.optimizer_placement=host``), and streamed to the device in pieces of about 6000 bytes
+    (``execution.update_piece_bytes``: codes, absmax blocks, weights and gradients of some 1000 elements)."""
     if chunk is not None:
         monkeypatch.setattr(update_module, "update_chunk", lambda device: chunk)
-    cfg = make_config(*CLIPPED, f"execution.optimizer_placement={placement}")
+    cfg = make_config(*CLIPPED, f"execution.optimizer_placement={placement}",
+                      f"execution.update_piece_bytes={piece_bytes}")
     initial, grads, contexts, engine = train_recording(cfg, hooks, STEPS)
     assert all(ctx.global_norm > 4 * cfg.training.optimizer.gradient_clipping for ctx in contexts.values())
     ref = Reference(cfg)
