@@ -1,7 +1,7 @@
 """The chunked head (``execution.head_chunk_tokens``) and the streamed update (``execution.update_piece_bytes``)
 at GPT-J-6B's width, against both off, in the same script: step time and the two phases they change.
 
-    flock /work/notes/heavy.lock python bench/head_update.py [KEY=VALUE ...] [--seq 256] [--steps 3] \
+    python bench/head_update.py [KEY=VALUE ...] [--seq 256] [--steps 3] \
         [--precision bfloat16] [--chunk N]
 
 One layer, gradient accumulation 2, each configuration run by ``bench/width.py``'s ``run`` (``ipuft bench

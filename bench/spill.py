@@ -2,7 +2,7 @@
 memory (``activation_offload=true``), at GPT-J-6B's width and at Llama-3-8B's, two layers, on this machine's
 CPU and disk:
 
-    flock /work/notes/heavy.lock env OMP_NUM_THREADS=2 python bench/spill.py --spill-dir /work/spill-bench \
+    OMP_NUM_THREADS=2 python bench/spill.py --spill-dir /path/on/the/disk/to/measure \
         [--widths gptj llama] [--seq 256] [--ga 4] [--steps 2] [KEY=VALUE ...]
 
 Each configuration runs as ``ipuft bench`` in a process of its own, after ``ipuft plan`` of the same config

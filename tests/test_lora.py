@@ -294,7 +294,7 @@ def test_the_plan_counts_the_adapters_and_the_frozen_base(hooks):
     assert optim == 2 * 4 * adapters  # AdamW's m and v, float32, of the adapters alone
     assert grads <= 4 * adapters  # the adapters' gradients at most (float32), none of the base
     assert weights + grads + optim == engine.store.host_bytes(), (weights, grads, optim, engine.store.host_bytes())
-    # On the device, phase by phase: a layer's update loads its adapters and their state alone, exactly as the plan declares (the ledger's peak above what the phase found); a computing
+    # On the device, phase by phase: a layer's update streams its adapters and their state alone, exactly as the plan declares (the ledger's peak above what the phase found); a computing
     # phase at least what it loads; the step's peak within the plan's.
     phases = {p["phase"]: p["device"] for p in planned["program"]}
     measured = engine.step(replica_batch(cfg, data_source(cfg), 1, engine.layout), 1e-3)
@@ -302,7 +302,8 @@ def test_the_plan_counts_the_adapters_and_the_frozen_base(hooks):
     for name, held in phases.items():
         if name.startswith("decoder.") and name.endswith(":optimizer_step"):
             assert held["loaded"] + held["update"] == measured.phase_peak_bytes[name]
-            assert held["loaded"] == 3 * per_layer * 4, (name, held)  # the adapters, m and v, float32
+            # Nothing loaded whole: the update streams the adapters, their gradients, m and v (float32) in pieces.
+            assert held["loaded"] == 0 and held["update"] >= 4 * per_layer * 4, (name, held)
         assert measured.phase_peak_bytes[name] >= held["loaded"], name
     assert measured.device_peak_bytes <= planned["device_peak_bytes"]
 
