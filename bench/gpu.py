@@ -33,8 +33,10 @@ RECIPE = ["model.precision=bfloat16", "training.stochastic_rounding=true", "mode
 # --dry-run: the same program at a width a CPU runs in seconds.
 DRY = ["model.hidden_size=256", "model.attention.heads=4", "model.intermediate_size=512", "model.sequence_length=128",
        "model.embedding.vocab_size=2048", "execution.device=cpu"]
-DRY_ROTARY = {"gptj-6b": ["model.attention.rotary_dim=16"], "llama3-8b": ["model.attention.rotary_dim=64",
-                                                                          "plugins.llama.kv_heads=2"]}
+DRY_ROTARY = {"gptj-6b": ["model.attention.rotary_dim=16"],
+              # Llama 3's special-token ids (128000, 128001) lie past the toy vocabulary: ids inside it.
+              "llama3-8b": ["model.attention.rotary_dim=64", "plugins.llama.kv_heads=2", "model.bos_token_id=1",
+                            "model.eos_token_ids=[2]"]}
 LAYOUTS = {"resident": ["execution.offload=false", "execution.activation_offload=false"],
            "offloaded": ["execution.offload=true"]}
 
