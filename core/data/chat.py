@@ -27,6 +27,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ipuft.data.tokenizer import token_name
 from ipuft.errors import DataError, first_line
 
 if TYPE_CHECKING:
@@ -293,15 +294,11 @@ def _special_tokens(settings: dict) -> dict[str, Any]:
     string, or an added token's ``content``), ``additional_special_tokens`` as a list of text."""
     found: dict[str, Any] = {}
     for key, value in settings.items():
-        if key.endswith("_token"):
-            text = value.get("content") if isinstance(value, dict) else value
-            if isinstance(text, str):
-                found[key] = text
+        if key.endswith("_token") and (text := token_name(value)) is not None:
+            found[key] = text
     extra = settings.get("additional_special_tokens")
     if isinstance(extra, list):
-        found["additional_special_tokens"] = [t.get("content") if isinstance(t, dict) else t for t in extra
-                                              if isinstance(t, str) or (isinstance(t, dict) and
-                                              isinstance(t.get("content"), str))]
+        found["additional_special_tokens"] = [text for t in extra if (text := token_name(t)) is not None]
     return found
 
 

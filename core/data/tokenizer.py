@@ -112,7 +112,7 @@ def post_processor_ids(tokenizer: Tokenizer) -> tuple[tuple[int, ...], tuple[int
     return tuple(tokenizer.encode("", add_special_tokens=True).ids), ()
 
 
-def _token_name(value: object) -> str | None:
+def token_name(value: object) -> str | None:
     """A special token as tokenizer_config.json writes it: a string, or an object with its ``content``."""
     if isinstance(value, dict):
         value = value.get("content")
@@ -150,7 +150,7 @@ def specials(tokenizer: Tokenizer, cfg: DictConfig) -> Specials:
     where = source[1] if source is not None else "data.tokenizer"
     check_in_vocabulary(prefix + suffix, vocab, f"{where}: what its post-processor adds")
     settings = tokenizer_config(cfg) or {}
-    name = _token_name(settings.get("eos_token"))
+    name = token_name(settings.get("eos_token"))
     if name is not None:
         eos = tokenizer.token_to_id(name)
         if eos is None:

@@ -149,10 +149,6 @@ def update_transient_bytes(cfg: DictConfig, parts: ModelParts, optimizer: Optimi
                                            piece_multiple(optimizer))), default=0)
 
 
-def _itemsize(spec: VariableSpec) -> int:
-    return torch.empty((), dtype=spec.dtype).element_size()
-
-
 def streamed_update_bytes(cfg: DictConfig, optimizer: Optimizer, groups: dict[str, list[VariableSpec]],
                           streamed: frozenset[str]) -> int:
     """The most bytes a streamed update (:mod:`ipuft.engine.streaming`) of a unit stored as ``groups`` holds on
@@ -168,7 +164,7 @@ def streamed_update_bytes(cfg: DictConfig, optimizer: Optimizer, groups: dict[st
             name = s.name.variable if group == "optim" else s.name
             if name in per:
                 blocked = group == "optim" and s.name.state in getattr(optimizer, "block_states", ())
-                (per_block if blocked else per)[name] += _itemsize(s)
+                (per_block if blocked else per)[name] += s.dtype.itemsize
 
     def piece(n: str, a: int, b: int) -> int:  # a piece starts on a block boundary: its blocks are whole
         return (b - a) * per[n] + -(-(b - a) // block) * per_block[n]
