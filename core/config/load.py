@@ -66,10 +66,13 @@ def _read_chain(spec: str, within: Path | None, chain: list[str]) -> tuple[dict,
         identity, shipped = str(path.resolve()), False
         data = read_config_data(path, f"{named}: preset {path}")
     else:
-        resource = resources.files("ipuft.presets") / f"{spec}.yaml"
-        if not resource.is_file():
+        # Only a shipped preset's own name: `base: /etc/passwd` or `../../secret` would otherwise be joined to the
+        # presets' directory and read.
+        if spec not in preset_names():
+            allowed = "a path to a .yaml file" if within is None else f"a .yaml file inside {within}"
             raise ConfigError(f"{named}: unknown preset {spec!r}; presets: {choices(preset_names())} "
-                              f"(or a path to a .yaml file)")
+                              f"(or {allowed})")
+        resource = resources.files("ipuft.presets") / f"{spec}.yaml"
         identity, shipped, path = f"preset {spec}", True, None
         data = parse_config_mapping(resource.read_text(), f"{named}: preset {spec}")
     if identity in chain:

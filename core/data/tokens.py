@@ -23,6 +23,7 @@ import torch
 from ipuft.components import IGNORE_INDEX
 from ipuft.config.schema import DataFormat, Truncation
 from ipuft.data.batch import Batch
+from ipuft.data.bounds import RenderBounds
 from ipuft.data.builder import Arrays, Builder, Layout
 from ipuft.data.cache import TokenCache
 from ipuft.data.files import read_rows, resolve_data_path
@@ -189,7 +190,8 @@ class TokenDataset:
                                      data.response_field)
             # Without a target the whole text is in the loss (target None); with one, only the target is.
             has_target = fmt is DataFormat.instruction or template.target is not None
-            _encode(builder, tokenizer, ((n, *_rendered(template, row, f"{name} row {n}", has_target))
+            bounds = RenderBounds.of(data)
+            _encode(builder, tokenizer, ((n, *_rendered(template, row, f"{name} row {n}", has_target, bounds))
                                          for n, row in rows), added, eos)
         builder.report()
         dataset = cls(builder.build(), cfg.model.sequence_length, shuffle, data.seed, name)
@@ -330,11 +332,13 @@ def chat_template_of(cfg: DictConfig):
 
     source = tokenizer_source(cfg)
     home = Path(source[0]) if source is not None and Path(source[0]).is_dir() else None
-    return load_chat_template(cfg.data.chat_template, home, source[1] if source is not None else "data.tokenizer")
+    return load_chat_template(cfg.data.chat_template, home, source[1] if source is not None else "data.tokenizer",
+                              bounds=RenderBounds.of(cfg.data))
 
 
-def _rendered(template, row: dict[str, Any], where: str, has_target: bool) -> tuple[str, str | None]:
-    prompt, target = template.render(row, where)
+def _rendered(template, row: dict[str, Any], where: str, has_target: bool, bounds: RenderBounds
+              ) -> tuple[str, str | None]:
+    prompt, target = template.render(row, where, bounds)
     return prompt, target if has_target else None
 
 
