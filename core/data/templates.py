@@ -43,7 +43,7 @@ class _BoundedFormatter(string.Formatter):
         text = super().format_field(value, format_spec)
         self.made += len(text)
         if self.made > self.limit:
-            raise _TooLong("it renders more characters")
+            raise _TooLong("the text it renders is longer")
         return text
 
 
@@ -52,7 +52,7 @@ def bounded_format(template: str, values: dict[str, Any], bounds: RenderBounds) 
     formatter = _BoundedFormatter(bounds.max_chars)
     text = formatter.vformat(template, (), values)
     if len(text) > bounds.max_chars:
-        raise _TooLong("it renders more characters")
+        raise _TooLong("the text it renders is longer")
     return text
 
 
