@@ -209,17 +209,20 @@ def load_config(
     if cfg.checkpoint.load == "latest":
         cfg.checkpoint.load = str(latest_of_run(cfg))
     positions = saved = None
+    found: list[str] = []  # what reading the checkpoint notes
     if cfg.model.hf_checkpoint is not None:
         from ipuft.io.hf_import import apply_hf_shapes, resolve_hf_directory
 
         cfg.model.hf_checkpoint = str(resolve_hf_directory(cfg.model.hf_checkpoint))
-        positions = apply_hf_shapes(cfg, typed, sections.families if sections is not None else None)
+        positions = apply_hf_shapes(cfg, typed, sections.families if sections is not None else None, found)
     if cfg.model.init_checkpoint is not None:
         saved = apply_checkpoint_model(cfg, typed, sections)
     if recipe_for is not None:
         line = apply_recipe(cfg, typed, recipe_for, positions, saved)
         if notes is not None:
             notes.append(line)
+    if notes is not None:
+        notes += found
     if default_preset and "data.tokenizer" not in typed and (cfg.model.hf_checkpoint or cfg.model.init_checkpoint):
         cfg.data.tokenizer = None  # the checkpoint's own tokenizer, not the default preset's sample one
     if sections is not None and (unused := sections.unused_settings(cfg, chosen)):

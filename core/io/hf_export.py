@@ -66,6 +66,8 @@ def source_mismatches(cfg: DictConfig, family: ModelFamily, source: dict) -> lis
                           f"source's config.json: {described(exc)}") from None
     found = []
     for key, value in settings.items():
+        if family.source_keys.get(key) in RUN_KEYS:  # the run decides it (a tied source read untied, say)
+            continue
         current = OmegaConf.select(cfg, key, default=None)
         if OmegaConf.is_config(current):
             current = OmegaConf.to_container(current)
