@@ -26,7 +26,7 @@ from ipuft.data.tokenizer import EOS, tokenizer_from_bytes
 from ipuft.engine.model import build_model
 from ipuft.engine.precision import DTYPES
 from ipuft.errors import CheckpointError, PluginError, described
-from ipuft.families import HFConfigError, ModelFamily
+from ipuft.families import HFConfigError, ModelFamily, check_config_fields
 from ipuft.io.export_dir import check_export_target, staged_directory
 from ipuft.io.checkpoint import (
     SOURCE_CONFIG,
@@ -57,6 +57,10 @@ def _agrees(current, value) -> bool:
 def source_mismatches(cfg: DictConfig, family: ModelFamily, source: dict) -> list[str]:
     """Where the source's config.json (as the family reads it) says otherwise than the run's config: a
     config.json that no longer describes the model cannot be written back as it was read."""
+    try:
+        check_config_fields(source)  # what is written back unread must be valid too
+    except HFConfigError as exc:
+        return [str(exc)]
     try:
         settings = family.read_config(source)
     except HFConfigError as exc:

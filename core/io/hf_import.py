@@ -17,7 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ipuft.components import VariableSpec
 from ipuft.errors import CheckpointError, ConfigError, PluginError, described, shown
-from ipuft.families import HFConfigError, ModelFamily, ModelFamilyRegistry, config_int
+from ipuft.families import HFConfigError, ModelFamily, ModelFamilyRegistry, check_config_fields, config_int
 from ipuft.io.checkpoint import checked
 from ipuft.io.files import read_json, read_text, require_regular
 from ipuft.io.hf_names import unit_mappings
@@ -93,6 +93,10 @@ def read_hf_config(directory: str | Path, families: ModelFamilyRegistry | None) 
     if not isinstance(model_type, str) or model_type not in known:
         raise CheckpointError(f"model.hf_checkpoint: {config_file} has model_type {str(model_type)[:40]!r}; the "
                               f"installed plugins read {', '.join(repr(k) for k in known) or 'none'}")
+    try:
+        check_config_fields(config)
+    except HFConfigError as exc:
+        raise CheckpointError(f"model.hf_checkpoint: {config_file}: {exc}") from None
     return families.get(model_type), config
 
 
