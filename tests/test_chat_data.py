@@ -274,9 +274,10 @@ def test_truncation_error_drop_and_truncate(tmp_path, capsys):
     dropped, _ = dataset(tmp_path / "d", CHATML, CONVERSATIONS[:2], "data.packing=false", "data.truncation=drop",
                          seq=width - 1)
     assert examples(dropped) == [short]
-    assert capsys.readouterr().err == (f"ipuft: note: {tmp_path / 'd' / 'chat.jsonl'}: 1 of 2 examples are longer "
-                                       f"than model.sequence_length + 1 = {width} tokens and were left out "
-                                       f"(data.truncation=drop)\n")
+    assert capsys.readouterr().err == (f"ipuft: note: {tmp_path / 'd' / 'chat.jsonl'}: 1 of 2 examples "
+                                       f"({len(long_ids)} tokens) are longer than model.sequence_length + 1 = "
+                                       f"{width} tokens and were left out (data.truncation=drop); "
+                                       f"data.truncation=truncate keeps their first tokens\n")
     for overrides in (["data.packing=false"], []):  # the default, unpacked and packed whole
         cut, _ = dataset(tmp_path / f"t{len(overrides)}", CHATML, CONVERSATIONS[:2], *overrides, seq=width - 1)
         assert examples(cut) == [(long_ids[:width], long_mask[:width]), short]
