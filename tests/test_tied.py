@@ -354,3 +354,22 @@ def test_a_tied_config_whose_head_has_another_shape_is_refused_as_transformers_r
                                  f"shape {shape}, not the table's {table_shape}; transformers refuses it too: "
                                  f"remove lm_head.weight or give it shape {table_shape}\n")
     assert snapshot(tmp_path) == before
+
+
+def test_a_tied_config_read_untied_exports_untied_and_bit_exact(hooks, tied_dirs, tmp_path):
+    """The directory transformers unties exports as the untied model it is: both tensors, bit for bit, and
+    tie_word_embeddings false (the run's, not the source's), which transformers loads to the same logits."""
+    import transformers
+
+    src = tied_dirs["llama"][1]
+    table = load_file(src / "model.safetensors")["model.embed_tokens.weight"]
+    directory, tensors = _with_own_head(tmp_path, src, torch.randn(table.shape,
+                                                                   generator=torch.Generator().manual_seed(6)))
+    out = export_after_lr_0(hooks, directory, tmp_path)
+    exported, original = load_file(out / "model.safetensors"), load_file(directory / "model.safetensors")
+    assert exported.keys() == original.keys() and all(torch.equal(exported[n], t) for n, t in original.items())
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    ids = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()(ids).logits
+        assert torch.equal(transformers.AutoModelForCausalLM.from_pretrained(out).eval()(ids).logits, theirs)
