@@ -182,6 +182,13 @@ def _of_type(kind: type | tuple[type, ...], what: str) -> Callable[[Mapping, str
     return check
 
 
+def _text_list(config: Mapping, key: str) -> Any:
+    value = config.get(key)
+    if value is not None and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        raise HFConfigError(f"{key} must be a list of class names, got {shown(value)}")
+    return value
+
+
 # The fields transformers' configs of the families ipuft runs (and PretrainedConfig) give, by what each must be:
 # read or not by a family, an export writes them back, so each is checked when config.json is read. Null is a
 # field's "unset" for all of them; a field not listed may hold any JSON value but a non-finite number.
@@ -199,22 +206,15 @@ CONFIG_FIELDS: dict[str, Callable[[Mapping, str], Any]] = {
                               "scale_attn_weights", "is_encoder_decoder")},
     **{key: _of_type(str, "text") for key in ("model_type", "hidden_act", "activation_function", "torch_dtype",
                                               "dtype", "transformers_version")},
-    "architectures": lambda config, key: _text_list(config, key),
+    "architectures": _text_list,
     "rope_scaling": _of_type(dict, "an object"),
     "rope_parameters": _of_type(dict, "an object"),
 }
 
 
-def _text_list(config: Mapping, key: str) -> Any:
-    value = config.get(key)
-    if value is not None and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
-        raise HFConfigError(f"{key} must be a list of class names, got {shown(value)}")
-    return value
-
-
 def _non_finite(value: Any, path: str) -> str | None:
     """The dotted path of the first NaN or infinity in a JSON value (Python's json reads them; JSON has none)."""
-    if isinstance(value, float) and not value - value == 0:
+    if isinstance(value, float) and value - value != 0:
         return path
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for key, item in items:

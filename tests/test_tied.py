@@ -333,9 +333,8 @@ def test_a_tied_config_whose_weights_hold_a_head_reads_as_transformers_reads_it(
 
 def test_a_tied_config_whose_head_has_another_shape_is_refused_as_transformers_refuses_it(hooks, tied_dirs, tmp_path,
                                                                                             capsys):
-    from transformers import AutoModelForCausalLM
-
     from test_bad_input import snapshot
+    from transformers import AutoModelForCausalLM
 
     src = tied_dirs["llama"][1]
     table = load_file(src / "model.safetensors")["model.embed_tokens.weight"]
@@ -363,7 +362,7 @@ def test_a_tied_config_read_untied_exports_untied_and_bit_exact(hooks, tied_dirs
 
     src = tied_dirs["llama"][1]
     table = load_file(src / "model.safetensors")["model.embed_tokens.weight"]
-    directory, tensors = _with_own_head(tmp_path, src, torch.randn(table.shape,
+    directory, _ = _with_own_head(tmp_path, src, torch.randn(table.shape,
                                                                    generator=torch.Generator().manual_seed(6)))
     out = export_after_lr_0(hooks, directory, tmp_path)
     exported, original = load_file(out / "model.safetensors"), load_file(directory / "model.safetensors")

@@ -94,3 +94,6 @@ def deadline(seconds: float):
         yield
     finally:
         _WATCHDOG.disarm()
+
+
+DEFAULT_BOUNDS = RenderBounds()  # the keys' defaults, for callers without a config

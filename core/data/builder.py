@@ -26,7 +26,6 @@ import torch
 from ipuft.config.schema import Truncation
 from ipuft.errors import DataError
 
-
 # Padding: the id never reaches the loss (its labels are IGNORE_INDEX), and 0 is a valid id for every vocabulary,
 # so no tokenizer needs a pad token.
 PAD_ID = 0

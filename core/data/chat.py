@@ -29,7 +29,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ipuft.data.bounds import Overrun, RenderBounds, deadline
+from ipuft.data.bounds import DEFAULT_BOUNDS, Overrun, RenderBounds, deadline
 from ipuft.data.tokenizer import token_name
 from ipuft.errors import DataError, first_line
 
@@ -195,7 +195,7 @@ def _environment(budget_of: Callable[[], _Budget]):
                 _digits_beyond(left, budget, "its % format width")
             return super().call_binop(context, operator, left, right)
 
-        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's own signature)
+        def call(__self, __context, __obj, *args, **kwargs):
             budget = budget_of()
             for value in (*args, *kwargs.values()):
                 if isinstance(value, int) and not isinstance(value, bool):
@@ -283,8 +283,8 @@ class ChatTemplate:
                             raise _Refused(f"it renders {type(chunk).__name__}, not text")
                         size += len(chunk)
                         if size > self.bounds.max_chars:
-                            raise _Refused(f"it renders more than {self.bounds.max_chars:,} characters of one conversation "
-                                          f"(data.template_max_chars)")
+                            raise _Refused(f"it renders more than {self.bounds.max_chars:,} characters of one "
+                                          f"conversation (data.template_max_chars)")
                         budget.tick(0)
                         parts.append(chunk)
             except Overrun:
@@ -405,7 +405,7 @@ def _from_config(settings: dict, where: str) -> str | None:
 
 
 def load_chat_template(override: str | None, home: Path | None, where: str, need: str = "data.format=chat",
-                       bounds: RenderBounds = RenderBounds()) -> ChatTemplate:
+                       bounds: RenderBounds = DEFAULT_BOUNDS) -> ChatTemplate:
     """The chat template: ``override`` (``data.chat_template``: a literal Jinja template, told by its ``{{`` or
     ``{%``, else a file holding one, read bounded), else ``home``'s (a tokenizer's or model's directory, or an
     ipuft checkpoint: chat_template.jinja, else tokenizer_config.json's chat_template). The special tokens come

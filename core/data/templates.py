@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from ipuft.data.bounds import RenderBounds
+from ipuft.data.bounds import DEFAULT_BOUNDS, RenderBounds
 from ipuft.errors import DataError
 
 
@@ -75,7 +75,7 @@ class Template:
                     names.append(name)
         return names
 
-    def render(self, row: dict[str, Any], where: str, bounds: RenderBounds = RenderBounds()) -> tuple[str, str]:
+    def render(self, row: dict[str, Any], where: str, bounds: RenderBounds = DEFAULT_BOUNDS) -> tuple[str, str]:
         """``(prompt_text, target_text)`` for ``row``; the target text is ``""`` without a target.
 
         ``where`` ("FILE row N") starts every error message. An integer (or digit-string) ``label`` is
@@ -156,7 +156,7 @@ class InstructionTemplate:
     response_field: str
     literal: Template | None = None
 
-    def render(self, row: dict[str, Any], where: str, bounds: RenderBounds = RenderBounds()) -> tuple[str, str]:
+    def render(self, row: dict[str, Any], where: str, bounds: RenderBounds = DEFAULT_BOUNDS) -> tuple[str, str]:
         """``(prompt, response)`` of ``row``; one :class:`DataError` line starting with ``where`` if a field the
         template reads is missing or not text, or a literal template renders past ``bounds``."""
         if self.literal is not None:

@@ -46,8 +46,7 @@ def check_export_target(out: str | Path, option: str, sources: Sequence[Path],
             where = "is" if place == target else f"is inside {place},"
             raise CheckpointError(f"{option} {out} {where} an ipuft {kind}; an export never writes into one "
                                   f"(it would no longer load): choose a directory outside it")
-    for source in sources:
-        source = Path(source).resolve()
+    for source in (Path(s).resolve() for s in sources):
         if target == source or source.is_relative_to(target) or target.is_relative_to(source):
             raise CheckpointError(f"{option} {out} would write over {source}, which the export reads; choose a "
                                   f"directory apart from it")

@@ -27,7 +27,6 @@ from ipuft.engine.model import build_model
 from ipuft.engine.precision import DTYPES
 from ipuft.errors import CheckpointError, PluginError, described
 from ipuft.families import HFConfigError, ModelFamily, check_config_fields
-from ipuft.io.export_dir import check_export_target, staged_directory
 from ipuft.io.checkpoint import (
     SOURCE_CONFIG,
     WEIGHTS,
@@ -36,6 +35,7 @@ from ipuft.io.checkpoint import (
     read_manifest,
     read_meta,
 )
+from ipuft.io.export_dir import check_export_target, staged_directory
 from ipuft.io.hf_names import DEFAULT_SHARD_BYTES, component_hf_config, export_names, unit_mappings
 from ipuft.io.model_files import checkpoint_files
 from ipuft.plugins import PluginHooks
