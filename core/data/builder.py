@@ -119,11 +119,6 @@ class Builder:
             lines.append(f"{self.unlabelled} of {self.examples} examples have no token to learn (one token, or none "
                          f"in the loss) and were left out; data.packing=true with data.whole_examples=false keeps "
                          f"their tokens as context")
-        if self.layout is Layout.chunks and not self.pad_tail and (left := len(self.tokens) % self.width) \
-                and len(self.tokens) >= self.width:
-            lines.append(f"the last {left} tokens fill no chunk of model.sequence_length + 1 = {self.width} tokens "
-                         f"and were left out, as the reference's group_texts leaves them; data.packing=false pads "
-                         f"each example instead")
         for line in lines:
             sys.stderr.write(f"ipuft: note: {self.name}: {line}\n")
 
