@@ -205,6 +205,11 @@ def export(hooks: PluginHooks, checkpoint: str, out: str | None, adapter_out: st
     """
     if out is None and adapter_out is None:
         raise click.UsageError("export: give --hf OUT (the whole model), --adapter OUT (a peft adapter), or both")
+    if out is not None and adapter_out is not None:
+        hf, adapter = Path(out).resolve(), Path(adapter_out).resolve()
+        if hf.is_relative_to(adapter) or adapter.is_relative_to(hf):
+            raise click.UsageError(f"export: --hf {out} and --adapter {adapter_out} overlap; give each its own "
+                                   f"directory")
     if out is not None:
         from ipuft.io.hf_export import export_hf
 

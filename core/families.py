@@ -149,3 +149,88 @@ def config_flag(config: Mapping, key: str, default: bool) -> bool:
     if not isinstance(value, bool):
         raise HFConfigError(f"{key} must be true or false, got {shown(value)}")
     return value
+
+
+# ---- every field of config.json, checked where it is read ----
+
+def _int_at_least(minimum: int) -> Callable[[Mapping, str], Any]:
+    return lambda config, key: config_int(config, key, None, minimum=minimum)
+
+
+def _fraction(config: Mapping, key: str) -> Any:
+    """A probability (a dropout): a number in [0, 1]."""
+    value = config.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1):
+        raise HFConfigError(f"{key} must be a number in [0, 1], got {shown(value)}")
+    return value
+
+
+def _positive(config: Mapping, key: str) -> Any:
+    return config_float(config, key, None)
+
+
+def _flag(config: Mapping, key: str) -> Any:
+    return config_flag(config, key, False)
+
+
+def _of_type(kind: type | tuple[type, ...], what: str) -> Callable[[Mapping, str], Any]:
+    def check(config: Mapping, key: str) -> Any:
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
+            raise HFConfigError(f"{key} must be {what}, got {shown(value)}")
+        return value
+    return check
+
+
+def _text_list(config: Mapping, key: str) -> Any:
+    value = config.get(key)
+    if value is not None and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        raise HFConfigError(f"{key} must be a list of class names, got {shown(value)}")
+    return value
+
+
+# The fields transformers' configs of the families ipuft runs (and PretrainedConfig) give, by what each must be:
+# read or not by a family, an export writes them back, so each is checked when config.json is read. Null is a
+# field's "unset" for all of them; a field not listed may hold any JSON value but a non-finite number.
+CONFIG_FIELDS: dict[str, Callable[[Mapping, str], Any]] = {
+    **{key: _int_at_least(1) for key in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "max_position_embeddings", "n_positions", "n_embd", "n_layer", "n_head",
+        "n_inner", "rotary_dim", "sliding_window", "pretraining_tp", "n_ctx")},
+    "max_window_layers": _int_at_least(0),
+    "pad_token_id": _int_at_least(-1),  # some converted Llama configs say -1: no pad token
+    **{key: _fraction for key in ("attention_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout",
+                                  "mlp_dropout", "summary_first_dropout")},
+    **{key: _positive for key in ("rope_theta", "rms_norm_eps", "layer_norm_epsilon", "initializer_range")},
+    **{key: _flag for key in ("tie_word_embeddings", "use_cache", "attention_bias", "mlp_bias", "use_sliding_window",
+                              "scale_attn_weights", "is_encoder_decoder")},
+    **{key: _of_type(str, "text") for key in ("model_type", "hidden_act", "activation_function", "torch_dtype",
+                                              "dtype", "transformers_version")},
+    "architectures": _text_list,
+    "rope_scaling": _of_type(dict, "an object"),
+    "rope_parameters": _of_type(dict, "an object"),
+}
+
+
+def _non_finite(value: Any, path: str) -> str | None:
+    """The dotted path of the first NaN or infinity in a JSON value (Python's json reads them; JSON has none)."""
+    if isinstance(value, float) and value - value != 0:
+        return path
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if (found := _non_finite(item, f"{path}.{key}" if isinstance(value, dict) else f"{path}[{key}]")) is not None:
+            return found
+    return None
+
+
+def check_config_fields(config: Mapping) -> None:
+    """Every field of config.json (a dict, untrusted) that :data:`CONFIG_FIELDS` knows, of its type and range,
+    and no NaN or infinity anywhere: :class:`HFConfigError` naming the first that is not. Core calls it wherever a
+    config.json is read (an import, an export's pass-through of the source's), before any family reads it, so
+    that no family (a new one included) reads, and no export writes back, a value no model could have."""
+    for key, check in CONFIG_FIELDS.items():
+        if key in config:
+            check(config, key)
+    for key, value in config.items():
+        if (found := _non_finite(value, str(key))) is not None:
+            raise HFConfigError(f"{found[:80]} must be a finite number, got NaN or an infinity")

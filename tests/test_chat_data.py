@@ -274,9 +274,10 @@ def test_truncation_error_drop_and_truncate(tmp_path, capsys):
     dropped, _ = dataset(tmp_path / "d", CHATML, CONVERSATIONS[:2], "data.packing=false", "data.truncation=drop",
                          seq=width - 1)
     assert examples(dropped) == [short]
-    assert capsys.readouterr().err == (f"ipuft: note: {tmp_path / 'd' / 'chat.jsonl'}: 1 of 2 examples are longer "
-                                       f"than model.sequence_length + 1 = {width} tokens and were left out "
-                                       f"(data.truncation=drop)\n")
+    assert capsys.readouterr().err == (f"ipuft: note: {tmp_path / 'd' / 'chat.jsonl'}: 1 of 2 examples "
+                                       f"({len(long_ids)} tokens) are longer than model.sequence_length + 1 = "
+                                       f"{width} tokens and were left out (data.truncation=drop); "
+                                       f"data.truncation=truncate keeps their first tokens\n")
     for overrides in (["data.packing=false"], []):  # the default, unpacked and packed whole
         cut, _ = dataset(tmp_path / f"t{len(overrides)}", CHATML, CONVERSATIONS[:2], *overrides, seq=width - 1)
         assert examples(cut) == [(long_ids[:width], long_mask[:width]), short]
@@ -316,6 +317,14 @@ def test_a_bad_row_is_one_line_naming_file_and_row(tmp_path, row, message):
     ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "fails: RecursionError"),
     ("{{ cycler.__init__.__globals__.os.system('true') }}", "fails: "),
     ("{% for m in messages %}{{ 'x' * 9000000 }}{% endfor %}", "refuses it: it renders more than 16,777,216 char"),
+    ("{{ lipsum(n=10**9) }}", "refuses it: it passes a call the number 1,000,000,000, more than "
+                              "data.template_max_chars=16,777,216"),
+    ("{{ lipsum(n=100000, max=1000) }}", "refuses it: lipsum would make up to 1,600,000,000, more than"),
+    ("{{ 'x' * 10**10 }}", "refuses it: it repeats a value to a length of 10,000,000,000, more than"),
+    ("{{ 'x'|center(10**9) }}", "refuses it: its filter center is given 1,000,000,000, more than"),
+    ("{{ '{:999999999}'.format(1) }}", "refuses it: its format width is 999999999, more than"),
+    ("{{ '%999999999d' % 1 }}", "refuses it: its % format width is 999999999, more than"),
+    ("{{ 2 ** 100000000 }}", "refuses it: it raises 2 to the power 100000000"),
     ("{{ 'abc'.__class__ }}{{ [].append }}{% if false %}x{% endif %}", "renders no text for it"),
 ])
 def test_a_template_that_fails_or_loops_is_one_line(tmp_path, template, message):
@@ -326,6 +335,64 @@ def test_a_template_that_fails_or_loops_is_one_line(tmp_path, template, message)
     assert str(err.value).startswith(f"{path} row 1: the chat template ({home / 'tokenizer_config.json'}'s "
                                      f"chat_template) ")
     assert any(m in str(err.value) for m in message.split("|")) and "\n" not in str(err.value)
+
+
+@pytest.fixture
+def _never_hangs():
+    """A rendering the deadline fails to stop fails the test (SIGALRM) instead of hanging the suite."""
+    import signal
+
+    def stuck(signum, frame):
+        raise TimeoutError("the rendering was not stopped by data.template_seconds")
+
+    previous = signal.signal(signal.SIGALRM, stuck)
+    signal.alarm(30)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("template", [
+    # 2.7e10 loop steps over strings: no range(), no output, nothing a check between chunks would ever see.
+    "{% for a in 'x' * 3000 %}{% for b in 'x' * 3000 %}{% for c in 'x' * 3000 %}{% endfor %}{% endfor %}"
+    "{% endfor %}hi",
+    # One Python call (jinja's own lorem generator, 20000 paragraphs) inside the bound of characters.
+    "{{ lipsum(n=20000, max=50)|length }}{{ lipsum(n=20000, max=50)|length }}" * 50,
+])
+def test_a_chat_template_that_runs_on_is_stopped_by_its_deadline(tmp_path, _never_hangs, template):
+    """data.template_seconds interrupts the rendering wherever it is (a loop that prints nothing, inside a
+    function the template calls): one line naming the row, the template and the key, soon after the bound."""
+    import time
+
+    home = word_tokenizer(tmp_path / "tok", template)
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATIONS[0]}])
+    start = time.monotonic()
+    with pytest.raises(DataError) as err:
+        TokenDataset.from_config(config(path, home, "data.template_seconds=0.3"), load_tokenizer(str(home)))
+    took = time.monotonic() - start
+    assert str(err.value) == (f"{path} row 1: the chat template ({home / 'tokenizer_config.json'}'s chat_template) "
+                              f"refuses it: it renders one conversation for more than 0.3 s (data.template_seconds)")
+    assert took < 5, took
+    # The same real template renders afterwards: no interruption is left pending for the thread.
+    real = ChatTemplate(CHATML, "data.chat_template")
+    assert real.render(CONVERSATIONS[0], False, "row")[0].startswith("<|im_start|>system")
+    time.sleep(0.1)
+
+
+def test_the_render_bounds_are_keys(tmp_path):
+    """data.template_max_chars bounds what one rendering yields (a conversation that is within the default is
+    refused under a smaller one); both keys refuse nonsense in one line."""
+    home = word_tokenizer(tmp_path / "tok", CHATML)
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATIONS[0]}])
+    with pytest.raises(DataError, match=r"row 1: .* refuses it: it renders more than 40 characters of one "
+                                        r"conversation \(data\.template_max_chars\)$"):
+        TokenDataset.from_config(config(path, home, "data.template_max_chars=40"), load_tokenizer(str(home)))
+    from ipuft.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"data\.template_seconds.*must be in \(0, 3600\] seconds, got 0"):
+        config(path, home, "data.template_seconds=0")
+    with pytest.raises(ConfigError, match=r"data\.template_max_chars.*must be a positive number"):
+        config(path, home, "data.template_max_chars=0")
 
 
 def test_a_template_too_large_or_not_jinja_is_one_line(tmp_path):

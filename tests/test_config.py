@@ -138,7 +138,14 @@ def test_a_yaml_starts_from_a_base_preset_or_file(hooks, tmp_path):
     ({"a.yaml": "base: missing.yaml\n"}, r"base missing\.yaml: preset file .*missing\.yaml does not exist$"),
     ({"a.yaml": "base: nope\n"}, r"base nope: unknown preset 'nope'; presets: finetune, "),
     ({"a.yaml": "base: b.yaml\n", "b.yaml": "model:\n  layerz: 2\n"}, r"unknown config key model\.layerz"),
-], ids=["cycle", "self", "depth", "absolute", "escapes", "not-a-name", "missing-file", "unknown-preset", "bad-key"])
+    # Without a .yaml suffix a base is a preset's name, never a path joined to the presets' directory.
+    ({"a.yaml": "base: /etc/hostname\n"}, r"base /etc/hostname: unknown preset '/etc/hostname'; presets: finetune, "
+                                          r".* \(or a \.yaml file inside .*configs\)$"),
+    ({"a.yaml": "base: ../outside\n"}, r"base \.\./outside: unknown preset '\.\./outside'; .*inside .*configs\)$"),
+    ({"a.yaml": "base: ../../../../../../../../etc/hostname\n"}, r"unknown preset '\.\./\.\./"),
+    ({"a.yaml": "base: b\n", "b.yaml": "training:\n  steps: 3\n"}, r"base b: unknown preset 'b'"),
+], ids=["cycle", "self", "depth", "absolute", "escapes", "not-a-name", "missing-file", "unknown-preset", "bad-key",
+        "absolute-no-suffix", "escapes-no-suffix", "preset-dir-escape", "file-no-suffix"])
 def test_a_bad_base_is_one_line(hooks, tmp_path, files, message):
     root = tmp_path / "configs"
     root.mkdir()

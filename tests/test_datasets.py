@@ -135,11 +135,40 @@ def test_tokens_exact_shift_without_padding(tmp_path):
 
 
 def test_packing_concatenates_and_chunks(tmp_path):
+    """Token rows are the user's own ids: the 3 that fill no chunk make a last row, padded, the padding out of
+    the loss (text's remainder is dropped, as the reference's group_texts drops it)."""
     ds = tokens_dataset(tmp_path, [[1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11, 12], [13]], "data.shuffle=false")
-    assert len(ds) == 2  # 13 tokens → two chunks of 5, remainder dropped
-    b = ds.batch(0, 2, 2)
-    assert b.input_ids.tolist() == [[[1, 2, 3, 4], [6, 7, 8, 9]]]
-    assert b.labels.tolist() == [[[2, 3, 4, 5], [7, 8, 9, 10]]]
+    assert len(ds) == 3  # 13 tokens → two chunks of 5 and a padded row of 3
+    b = ds.batch(0, 3, 3)
+    assert b.input_ids.tolist() == [[[1, 2, 3, 4], [6, 7, 8, 9], [11, 12, 13, 0]]]
+    assert b.labels.tolist() == [[[2, 3, 4, 5], [7, 8, 9, 10], [12, 13, IGNORE_INDEX, IGNORE_INDEX]]]
+
+
+def test_token_rows_shorter_than_the_sequence_are_padded_and_masked(tmp_path, capsys):
+    """A newcomer's token rows, each shorter than model.sequence_length: packed (the default) they fill a padded
+    row whose padding is out of the loss; unpacked each row is padded alone; never "the dataset is empty"."""
+    rows = [[5, 6, 7], [8, 9]]
+    packed = tokens_dataset(tmp_path, rows, "data.shuffle=false", seq=8)
+    assert len(packed) == 1
+    b = packed.batch(0, 1, 1)
+    assert b.input_ids.tolist() == [[[5, 6, 7, 8, 9, 0, 0, 0]]]
+    assert b.labels.tolist() == [[[6, 7, 8, 9] + [IGNORE_INDEX] * 4]]
+    unpacked = tokens_dataset(tmp_path, rows, "data.shuffle=false", "data.packing=false", seq=8)
+    b = unpacked.batch(0, 2, 1)
+    assert b.input_ids.tolist() == [[[5, 6, 7, 0, 0, 0, 0, 0]], [[8, 9, 0, 0, 0, 0, 0, 0]]]
+    assert b.labels.tolist() == [[[6, 7] + [IGNORE_INDEX] * 6], [[9] + [IGNORE_INDEX] * 7]]
+    assert capsys.readouterr().err == ""
+
+
+def test_examples_left_out_are_counted_with_their_lengths_and_the_key(tmp_path, capsys):
+    tokens_dataset(tmp_path, [[1] * 5, [1] * 7, [1] * 9, [4], [2, 3]], "data.packing=false", "data.truncation=drop",
+                   seq=4)
+    name = tmp_path / "ids.jsonl"
+    assert capsys.readouterr().err == (
+        f"ipuft: note: {name}: 2 of 5 examples (7 to 9 tokens) are longer than model.sequence_length + 1 = 5 tokens "
+        f"and were left out (data.truncation=drop); data.truncation=truncate keeps their first tokens\n"
+        f"ipuft: note: {name}: 1 of 5 examples have no token to learn (one token, or none in the loss) and were "
+        f"left out; data.packing=true with data.whole_examples=false keeps their tokens as context\n")
 
 
 def test_unpacked_pads_and_masks_padding_and_prompt(tmp_path, tok):
@@ -321,12 +350,24 @@ def test_missing_tokenizer(tmp_path):
         load_tokenizer(str(tmp_path))
 
 
-def test_empty_dataset(tmp_path):
+def test_empty_dataset(tmp_path, tok):
+    path = write_jsonl(tmp_path / "short.jsonl", [{"text": "a cat sat"}, {"text": "a cat"}])
+    with pytest.raises(DataError) as err:  # a newcomer's text rows, shorter than the sequence: what would fit
+        TokenDataset.from_config(config(path, "data.format=text", "data.add_eos=false", seq=64), tok)
+    total = len(ids(tok, "a cat sat")) + len(ids(tok, "a cat"))
+    assert str(err.value) == (f"{path}: the dataset is empty: its 2 examples hold {len(ids(tok, 'a cat'))} to "
+                              f"{len(ids(tok, 'a cat sat'))} tokens ({total} in all), too few to fill one chunk of "
+                              f"model.sequence_length + 1 = 65 tokens (data.packing=true concatenates and cuts "
+                              f"them); set model.sequence_length to at most {total - 1}, or data.packing=false to "
+                              f"pad each example (its padding out of the loss)")
     (tmp_path / "empty.jsonl").write_text("\n")
-    with pytest.raises(DataError, match=r"empty\.jsonl: the dataset is empty$"):
+    with pytest.raises(DataError, match=r"empty\.jsonl: the dataset is empty \(no row holds a token\)$"):
         TokenDataset.from_config(config(tmp_path / "empty.jsonl", "data.format=tokens"), None)
-    with pytest.raises(DataError, match=r"ids\.jsonl: the dataset is empty$"):
-        tokens_dataset(tmp_path, [[1, 2], [3]], seq=4)  # 3 tokens: less than one chunk of 5
+    with pytest.raises(DataError) as err:  # every row too long, and dropped
+        tokens_dataset(tmp_path, [[1] * 9, [1] * 12], "data.packing=false", "data.truncation=drop", seq=4)
+    assert str(err.value) == (f"{tmp_path / 'ids.jsonl'}: the dataset is empty: its 2 examples hold 9 to 12 tokens "
+                              f"(21 in all), and every one was left out (see the notes above: 2 longer than "
+                              f"model.sequence_length + 1 = 5, 0 with no token to learn)")
 
 
 def test_row_longer_than_the_sequence(tmp_path):

@@ -39,6 +39,20 @@ PLAN_LLAMA = ["plan", "--config", "llama3-8b", "model.layers=2", "model.hidden_s
               "training.global_batch_size=1"]
 MISTRAL_LONG = {**LLAMA, "model_type": "mistral", "max_position_embeddings": 32768}
 
+GPTJ = {"model_type": "gptj", "n_embd": 64, "n_layer": 2, "n_head": 4, "rotary_dim": 8, "vocab_size": 128,
+        "n_positions": 128}
+
+
+def _with_source(tmp, trained, **fields):
+    """A copy of the trained run's checkpoint carrying a source config.json (hf_config.json) of its model, with
+    ``fields`` over it, resealed as a forger would."""
+    from test_bad_input import _reseal
+
+    checkpoint = _checkpoint(tmp, trained)
+    (checkpoint / "hf_config.json").write_text(json.dumps({**GPTJ, "n_inner": 256, **fields}))
+    return _reseal(checkpoint)
+
+
 # (id, setup(tmp, trained) -> CLI arguments, a fragment the one-line message must contain)
 CASES = [
     # Token ids: where each is set, checked against the vocabulary.
@@ -85,6 +99,27 @@ CASES = [
      "model.hidden_size: 64 is not divisible by model.attention.heads=5"),
     ("heads-gptj-rotary-past-head", lambda t, r: ["plan", "--config", "tiny", "model.attention.rotary_dim=32"],
      "model.attention.rotary_dim: must be at most the head size 16"),
+    # Every config.json field an export writes back is checked when read, whether the family reads it or not.
+    ("field-llama-positions-text", lambda t, r: ["train", f"model.hf_checkpoint={_hf_other(t, **{**LLAMA, 'max_position_embeddings': 'lots'})}"],
+     "config.json: max_position_embeddings must be a positive integer, got the string 'lots'"),
+    ("field-gptj-unread-positions", lambda t, r: ["train", f"model.hf_checkpoint={_hf_other(t, **GPTJ, max_position_embeddings=0)}"],
+     "config.json: max_position_embeddings must be a positive integer, got 0"),
+    ("field-gptj-dropout", lambda t, r: ["train", f"model.hf_checkpoint={_hf_other(t, **GPTJ, resid_pdrop=2)}"],
+     "config.json: resid_pdrop must be a number in [0, 1], got 2"),
+    ("field-llama-init-range", lambda t, r: ["train", f"model.hf_checkpoint={_hf_other(t, **LLAMA, initializer_range=-1)}"],
+     "config.json: initializer_range must be a number in (0, inf), got -1"),
+    ("field-llama-use-cache", lambda t, r: ["train", f"model.hf_checkpoint={_hf_other(t, **LLAMA, use_cache='yes')}"],
+     "config.json: use_cache must be true or false, got the string 'yes'"),
+    ("field-llama-act-type", lambda t, r: ["train", f"model.hf_checkpoint={_hf_other(t, **LLAMA, hidden_act=1)}"],
+     "config.json: hidden_act must be text, got 1"),
+    ("field-architectures", lambda t, r: ["train", f"model.hf_checkpoint={_hf_other(t, **LLAMA, architectures='Llama')}"],
+     "config.json: architectures must be a list of class names, got the string 'Llama'"),
+    ("field-unknown-nan", lambda t, r: ["train", f"model.hf_checkpoint={_hf_other(t, **LLAMA, quant={'scales': [1.0, float('nan')]})}"],
+     "config.json: quant.scales[1] must be a finite number, got NaN or an infinity"),
+    ("field-export-pass-through", lambda t, r: ["export", "--checkpoint", str(_with_source(t, r, max_position_embeddings="lots")),
+                                                "--hf", str(t / "out")],
+     "model.family=gptj: the source's config.json (hf_config.json) does not describe the model: "
+     "max_position_embeddings must be a positive integer, got the string 'lots'"),
     # A Mistral config.json without sliding_window is windowed at 4096, as transformers reads it.
     ("window-mistral-default", lambda t, r: ["train", "data.path=null", "model.sequence_length=8192",
                                              f"model.hf_checkpoint={_hf_other(t, **MISTRAL_LONG)}"],

@@ -5,6 +5,7 @@ whole examples against the unpacked dataset; the new keys' bad values."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from cli_helpers import run_cli
@@ -123,6 +124,29 @@ def test_a_bad_row_or_template_is_one_line(tmp_path, home):
     with pytest.raises(DataError, match=r"^data\.instruction_template: a literal template must hold \{output\} "
                                         r"\(data\.response_field\) where the response"):
         prepared(tmp_path, home, ROWS, "data.instruction_template=alpacca")
+
+
+@pytest.mark.parametrize("template, message", [
+    ("Q: {instruction:999999999} A: {output}", r"its format spec '999999999' asks for 999999999 characters"),
+    ("Q: {instruction:.999999999} A: {output}", r"its format spec '\.999999999' asks for 999999999 characters"),
+    ("Q: {instruction:>99999999999999999999999999} A: {output}", r"its format spec '>9999999999999999999999"),
+    ("Q: {instruction:300}{instruction:300} A: {output}", r"the text it renders is longer"),
+])
+def test_a_format_width_beyond_the_bound_is_one_line(tmp_path, home, template, message):
+    """A width or precision (also one filled in from the row) is checked before str.format makes it: one line
+    naming the row, the template's key and data.template_max_chars, never a MemoryError."""
+    with pytest.raises(DataError) as err:
+        prepared(tmp_path, home, ROWS, "data.packing=false", f"data.instruction_template={template}",
+                 "data.template_max_chars=500")
+    assert re.fullmatch(rf"{tmp_path / 'data.jsonl'} row 1: data\.instruction_template renders past "
+                        rf"data\.template_max_chars=500: {message}.*; shorten the template or raise "
+                        rf"data\.template_max_chars", str(err.value)), str(err.value)
+
+
+def test_a_huge_format_width_is_refused_at_the_default_bound(tmp_path, home):
+    with pytest.raises(DataError, match=r"row 1: data\.instruction_template renders past data\.template_max_chars="
+                                        r"16,777,216: its format spec '999999999' asks for 999999999 characters"):
+        prepared(tmp_path, home, [ROWS[0]], "data.instruction_template=Q: {instruction:999999999} A: {output}")
 
 
 @pytest.mark.parametrize("override, message", [

@@ -276,3 +276,99 @@ def test_a_tie_whose_owner_computes_its_gradient_first_is_refused():
     embeddings = next(p for p in ok if p.role == "embeddings" and Op.OPTIMIZER_STEP in p.ops)
     assert ok.moves(embeddings, True).carries == ok.ties
     assert ok.tied_gradients() == {Unit("embeddings"): ("wte.weight",)}
+
+
+def _with_own_head(tmp_path, src, head):
+    """A copy of tied directory ``src`` whose safetensors also hold ``lm_head.weight`` = ``head``."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    out = tmp_path / "with-head"
+    shutil.copytree(src, out)
+    tensors = load_file(out / "model.safetensors")
+    save_file({**tensors, "lm_head.weight": head}, out / "model.safetensors", {"format": "pt"})
+    return out, tensors
+
+
+@pytest.mark.parametrize("same", [False, True], ids=["differs", "equal"])
+def test_a_tied_config_whose_weights_hold_a_head_reads_as_transformers_reads_it(hooks, tied_dirs, tmp_path, capsys,
+                                                                                  same):
+    """tie_word_embeddings: true with an lm_head.weight in the weights: transformers 5 unties them where the two
+    differ (the head is the file's lm_head.weight) and ties them where they are equal; ipuft's logits and loss
+    equal transformers' loading of the same directory either way, and the CLI says when it unties."""
+    from transformers import AutoModelForCausalLM
+
+    from ipuft.engine.inference import LayerMajor
+    from ipuft.run.generate import inference_config
+    from ipuft.run.runtime import inference_engine
+
+    src = tied_dirs["llama"][1]
+    table = load_file(src / "model.safetensors")["model.embed_tokens.weight"]
+    head = table.clone() if same else torch.randn(table.shape, generator=torch.Generator().manual_seed(5))
+    directory, _ = _with_own_head(tmp_path, src, head)
+    theirs = AutoModelForCausalLM.from_pretrained(directory).eval()
+    assert (theirs.lm_head.weight is theirs.model.embed_tokens.weight) is same
+    cfg = inference_config(str(directory), hooks)
+    assert cfg.model.tie_embeddings is same
+    ids = torch.randint(0, 101, (2, 12), generator=torch.Generator().manual_seed(2))
+    ours = LayerMajor(inference_engine(cfg, hooks)).logits(ids)
+    with torch.no_grad():
+        expected = theirs(ids).logits
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=0)
+    if not same:  # the untied head is a head of its own: the embeddings' logits are far from these
+        tied_logits = LayerMajor(inference_engine(inference_config(str(src), hooks), hooks)).logits(ids)
+        assert (tied_logits - expected).abs().max() > 1e-2
+    from cli_helpers import run_cli
+
+    capsys.readouterr()
+    code, _, err = run_cli(capsys, "config", "show", "--config", "tiny", f"model.hf_checkpoint={directory}",
+                           "model.sequence_length=16")
+    assert code == 0
+    note = (f"ipuft: note: model.hf_checkpoint {directory}: config.json ties the head to the embeddings "
+            f"(tie_word_embeddings: true) but its lm_head.weight differs from model.embed_tokens.weight: the head "
+            f"is lm_head.weight, untied, as transformers loads it\n")
+    assert err == ("" if same else note)
+
+
+def test_a_tied_config_whose_head_has_another_shape_is_refused_as_transformers_refuses_it(hooks, tied_dirs, tmp_path,
+                                                                                            capsys):
+    from test_bad_input import snapshot
+    from transformers import AutoModelForCausalLM
+
+    src = tied_dirs["llama"][1]
+    table = load_file(src / "model.safetensors")["model.embed_tokens.weight"]
+    directory, _ = _with_own_head(tmp_path, src, torch.zeros(table.shape[0] + 1, table.shape[1]))
+    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
+        AutoModelForCausalLM.from_pretrained(directory)
+    from cli_helpers import run_cli
+
+    capsys.readouterr()  # transformers' own report
+    before = snapshot(tmp_path)
+    code, _, err = run_cli(capsys, "train", "--config", "tiny", f"model.hf_checkpoint={directory}",
+                           f"output_dir={tmp_path / 'run'}")
+    shape, table_shape = (table.shape[0] + 1, table.shape[1]), tuple(table.shape)
+    assert code == 2 and err == (f"ipuft: error: model.hf_checkpoint {directory}: config.json ties the head to the "
+                                 f"embeddings (tie_word_embeddings: true), but its weights hold lm_head.weight of "
+                                 f"shape {shape}, not the table's {table_shape}; transformers refuses it too: "
+                                 f"remove lm_head.weight or give it shape {table_shape}\n")
+    assert snapshot(tmp_path) == before
+
+
+def test_a_tied_config_read_untied_exports_untied_and_bit_exact(hooks, tied_dirs, tmp_path):
+    """The directory transformers unties exports as the untied model it is: both tensors, bit for bit, and
+    tie_word_embeddings false (the run's, not the source's), which transformers loads to the same logits."""
+    import transformers
+
+    src = tied_dirs["llama"][1]
+    table = load_file(src / "model.safetensors")["model.embed_tokens.weight"]
+    directory, _ = _with_own_head(tmp_path, src, torch.randn(table.shape,
+                                                                   generator=torch.Generator().manual_seed(6)))
+    out = export_after_lr_0(hooks, directory, tmp_path)
+    exported, original = load_file(out / "model.safetensors"), load_file(directory / "model.safetensors")
+    assert exported.keys() == original.keys() and all(torch.equal(exported[n], t) for n, t in original.items())
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    ids = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()(ids).logits
+        assert torch.equal(transformers.AutoModelForCausalLM.from_pretrained(out).eval()(ids).logits, theirs)

@@ -66,10 +66,13 @@ def _read_chain(spec: str, within: Path | None, chain: list[str]) -> tuple[dict,
         identity, shipped = str(path.resolve()), False
         data = read_config_data(path, f"{named}: preset {path}")
     else:
-        resource = resources.files("ipuft.presets") / f"{spec}.yaml"
-        if not resource.is_file():
+        # Only a shipped preset's own name: `base: /etc/passwd` or `../../secret` would otherwise be joined to the
+        # presets' directory and read.
+        if spec not in preset_names():
+            allowed = "a path to a .yaml file" if within is None else f"a .yaml file inside {within}"
             raise ConfigError(f"{named}: unknown preset {spec!r}; presets: {choices(preset_names())} "
-                              f"(or a path to a .yaml file)")
+                              f"(or {allowed})")
+        resource = resources.files("ipuft.presets") / f"{spec}.yaml"
         identity, shipped, path = f"preset {spec}", True, None
         data = parse_config_mapping(resource.read_text(), f"{named}: preset {spec}")
     if identity in chain:
@@ -206,17 +209,20 @@ def load_config(
     if cfg.checkpoint.load == "latest":
         cfg.checkpoint.load = str(latest_of_run(cfg))
     positions = saved = None
+    found: list[str] = []  # what reading the checkpoint notes
     if cfg.model.hf_checkpoint is not None:
         from ipuft.io.hf_import import apply_hf_shapes, resolve_hf_directory
 
         cfg.model.hf_checkpoint = str(resolve_hf_directory(cfg.model.hf_checkpoint))
-        positions = apply_hf_shapes(cfg, typed, sections.families if sections is not None else None)
+        positions = apply_hf_shapes(cfg, typed, sections.families if sections is not None else None, found)
     if cfg.model.init_checkpoint is not None:
         saved = apply_checkpoint_model(cfg, typed, sections)
     if recipe_for is not None:
         line = apply_recipe(cfg, typed, recipe_for, positions, saved)
         if notes is not None:
             notes.append(line)
+    if notes is not None:
+        notes += found
     if default_preset and "data.tokenizer" not in typed and (cfg.model.hf_checkpoint or cfg.model.init_checkpoint):
         cfg.data.tokenizer = None  # the checkpoint's own tokenizer, not the default preset's sample one
     if sections is not None and (unused := sections.unused_settings(cfg, chosen)):

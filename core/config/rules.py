@@ -105,6 +105,10 @@ def derive_and_validate(cfg: DictConfig) -> None:
                  "starts a new run from a checkpoint's weights and checkpoint.load resumes one; give one of them")
     training = cfg.training
     data = cfg.data
+    _require(data.template_max_chars >= 1, "data.template_max_chars",
+             f"must be a positive number of characters, got {data.template_max_chars}")
+    _require(0 < data.template_seconds <= 3600, "data.template_seconds",
+             f"must be in (0, 3600] seconds, got {data.template_seconds}")
     _require(0.0 <= data.validation_fraction < 1.0, "data.validation_fraction",
              f"must be in [0, 1), got {data.validation_fraction}")
     _require(not (data.validation_fraction and data.validation_path is not None), "data.validation_fraction",

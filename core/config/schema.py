@@ -225,6 +225,12 @@ class DataConfig:
     # tokenizer_config.json chat_template or chat_template.jinja). The loss covers the assistant turns only.
     messages_field: str = "messages"
     chat_template: Optional[str] = None
+    # Bounds on rendering one row through a template (data.template, data.instruction_template, a chat
+    # template): the characters it may yield (a format width or precision above it is refused before
+    # formatting), and a chat template's wall-clock seconds per rendering. Real templates stay far inside both
+    # (a row is kB, a rendering takes a millisecond); a breach is one line naming the template and the row.
+    template_max_chars: int = 1 << 24
+    template_seconds: float = 10.0
     # Concatenate examples and cut chunks of sequence_length + 1 (the reference's group_texts; every token in
     # the loss for tokens, text and template, the masks kept for instruction and chat); false pads each
     # example and masks padding (and the prompt, where the template marks a target) out of the loss.

@@ -18,15 +18,18 @@ token in). The characters then map to tokens through the tokenizer's offsets.
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ipuft.data.bounds import DEFAULT_BOUNDS, Overrun, RenderBounds, deadline
 from ipuft.data.tokenizer import token_name
 from ipuft.errors import DataError, first_line
 
@@ -36,9 +39,7 @@ if TYPE_CHECKING:
 ROLES = ("system", "user", "assistant")
 MAX_TEMPLATE_CHARS = 1 << 20  # real chat templates are a few kB; a tool-calling one some tens of kB
 MAX_MESSAGES = 1024  # messages in one conversation
-MAX_RENDER_CHARS = 1 << 24  # what one rendering may yield (a data row's bound, ipuft.data.files.MAX_ROW_CHARS)
 MAX_LOOP_STEPS = 1_000_000  # range() iterations of one rendering
-MAX_RENDER_SECONDS = 10.0  # wall-clock of one rendering, checked at each range() step and each output chunk
 
 
 def check_messages(value: Any, where: str, key: str = "messages") -> list[dict[str, str]]:
@@ -85,18 +86,31 @@ class _Refused(Exception):
 
 
 class _Budget:
-    """One rendering's bounds: the ``range()`` steps left, and its deadline."""
+    """One rendering's bounds: the ``range()`` steps left, its deadline (also enforced from outside, by
+    :func:`ipuft.data.bounds.deadline`, wherever the rendering is), and the characters one value may hold."""
 
-    def __init__(self) -> None:
+    def __init__(self, bounds: RenderBounds) -> None:
+        self.bounds = bounds
         self.steps = MAX_LOOP_STEPS
-        self.deadline = time.monotonic() + MAX_RENDER_SECONDS
+        self.deadline = time.monotonic() + bounds.seconds
 
     def tick(self, steps: int = 1) -> None:
         self.steps -= steps
         if self.steps < 0:
             raise _Refused(f"it loops more than {MAX_LOOP_STEPS:,} range() steps in one conversation")
         if time.monotonic() > self.deadline:
-            raise _Refused(f"it renders one conversation for more than {MAX_RENDER_SECONDS:g} s")
+            raise _Refused(self.overrun())
+
+    def overrun(self) -> str:
+        return f"it renders one conversation for more than {self.bounds.seconds:g} s (data.template_seconds)"
+
+    def too_long(self, what: str) -> str:
+        return f"{what}, more than data.template_max_chars={self.bounds.max_chars:,}"
+
+    def check_size(self, count: Any, what: str) -> None:
+        """Refuse making a value of ``count`` characters (or items), or a call given such a number."""
+        if isinstance(count, int) and count > self.bounds.max_chars:
+            raise _Refused(self.too_long(f"{what} {count:,}" if len(str(count)) < 40 else f"{what} a huge number"))
 
 
 class _Range:
@@ -116,12 +130,39 @@ class _Range:
             yield value
 
 
-def _environment(budget_of):
+def _digits_beyond(text: str, budget: _Budget, what: str) -> None:
+    """Refuse a format string (``"%999999999d"``, ``"{:999999999}"``) whose width or precision is beyond the
+    character bound: it is made in one C call."""
+    for number in re.findall(r"\d+", text):
+        if len(number) > 18 or int(number) > budget.bounds.max_chars:
+            raise _Refused(budget.too_long(f"{what} is {number[:20]}"))
+
+
+def _sized_filter(name: str, function: Callable, budget_of: Callable[[], _Budget]) -> Callable:
+    """Filter ``name`` with its integer arguments bounded (``center(10**9)``, ``indent(10**9)``), and for
+    ``format`` its format string too."""
+    @functools.wraps(function)  # keeps jinja's pass_context and pass_eval_context marks
+    def sized(*args, **kwargs):
+        budget = budget_of()
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, int) and not isinstance(value, bool):
+                budget.check_size(value, f"its filter {name} is given")
+        if name == "format" and args and isinstance(args[0], str):
+            _digits_beyond(args[0], budget, "its format width")
+        return function(*args, **kwargs)
+    return sized
+
+
+def _environment(budget_of: Callable[[], _Budget]):
     """The sandboxed environment chat templates render in: transformers' settings (trim_blocks, lstrip_blocks,
-    loop controls, its globals and tojson), our generation tag, and a ``range`` charged to ``budget_of()``."""
+    loop controls, its globals and tojson), our generation tag, a ``range`` charged to ``budget_of()``, and every
+    way one expression could make a huge value in one C call, which no deadline interrupts, bounded by the
+    budget's characters: a string or list repeated (``*``), a power, any call or filter given an integer beyond
+    the bound, a format string's width, ``lipsum``'s paragraphs."""
     from jinja2.ext import Extension
     from jinja2.nodes import CallBlock
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2.utils import generate_lorem_ipsum
 
     class _GenerationTag(Extension):
         """``{% generation %}BODY{% endgeneration %}``: BODY rendered between two markers no text can hold (a
@@ -138,16 +179,53 @@ def _environment(budget_of):
         def _marked(self, caller) -> str:
             return f"{OPEN}{caller()}{CLOSE}"
 
+    class _SizedSandbox(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**", "%"})
+
+        def call_binop(self, context, operator, left, right):
+            budget = budget_of()
+            if operator == "*":
+                for seq, count in ((left, right), (right, left)):
+                    if isinstance(seq, (str, list, tuple)) and isinstance(count, int):
+                        budget.check_size(len(seq) * count, "it repeats a value to a length of")
+            elif operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1:
+                if right * abs(left).bit_length() > 4096:
+                    raise _Refused(f"it raises {left} to the power {right}, a number of more than 4096 bits")
+            elif operator == "%" and isinstance(left, str):
+                _digits_beyond(left, budget, "its % format width")
+            return super().call_binop(context, operator, left, right)
+
+        def call(__self, __context, __obj, *args, **kwargs):
+            budget = budget_of()
+            for value in (*args, *kwargs.values()):
+                if isinstance(value, int) and not isinstance(value, bool):
+                    budget.check_size(value, "it passes a call the number")
+            return super().call(__context, __obj, *args, **kwargs)
+
+        def wrap_str_format(self, value):
+            # "{:999999999}".format(...): the sandbox hands out its own str.format; its string is checked first.
+            wrapped = super().wrap_str_format(value)
+            if wrapped is not None:
+                _digits_beyond(value.__self__, budget_of(), "its format width")
+            return wrapped
+
     def raise_exception(message: Any) -> None:
         raise _Refused(str(message)[:200])
 
     def strftime_now(format: str) -> str:
         return datetime.now().strftime(format)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, "jinja2.ext.loopcontrols"])
+    def lipsum(n: int = 5, html: bool = True, min: int = 20, max: int = 100) -> str:
+        # At most n × max words of at most 16 characters each (with a comma and a space): refused before
+        # making what would be more.
+        budget_of().check_size(n * max * 16 if isinstance(n, int) and isinstance(max, int) else 0,
+                               "lipsum would make up to")
+        return generate_lorem_ipsum(n, html, min, max)
+
+    env = _SizedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, "jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
-    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now,
+    env.filters.update({name: _sized_filter(name, f, budget_of) for name, f in env.filters.items()})
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, lipsum=lipsum,
                        range=lambda *args: _Range(budget_of(), *args))
     return env
 
@@ -167,6 +245,7 @@ class ChatTemplate:
     text: str
     source: str
     specials: dict[str, Any] = field(default_factory=dict)
+    bounds: RenderBounds = field(default_factory=RenderBounds)  # data.template_max_chars, data.template_seconds
 
     def __post_init__(self) -> None:
         from jinja2 import TemplateError, nodes
@@ -174,7 +253,7 @@ class ChatTemplate:
         if len(self.text) > MAX_TEMPLATE_CHARS:
             raise DataError(f"{self.source}: the chat template has {len(self.text):,} characters, more than "
                             f"{MAX_TEMPLATE_CHARS:,}; a chat template is a few kB")
-        self._budget = _Budget()
+        self._budget = _Budget(self.bounds)
         env = _environment(lambda: self._budget)
         try:
             self._template = env.from_string(self.text)
@@ -193,18 +272,23 @@ class ChatTemplate:
         conversation, breaks a bound, or renders no text for a conversation of at least one message."""
         from jinja2 import TemplateError
 
-        self._budget = _Budget()
+        self._budget = budget = _Budget(self.bounds)
         context = {**self.specials, "messages": list(messages), "add_generation_prompt": add_generation_prompt}
         parts, size = [], 0
         try:
-            for chunk in self._template.generate(**context):
-                if not isinstance(chunk, str):
-                    raise _Refused(f"it renders {type(chunk).__name__}, not text")
-                size += len(chunk)
-                if size > MAX_RENDER_CHARS:
-                    raise _Refused(f"it renders more than {MAX_RENDER_CHARS:,} characters of one conversation")
-                self._budget.tick(0)
-                parts.append(chunk)
+            try:
+                with deadline(self.bounds.seconds):  # interrupts loops that print nothing, wherever they are
+                    for chunk in self._template.generate(**context):
+                        if not isinstance(chunk, str):
+                            raise _Refused(f"it renders {type(chunk).__name__}, not text")
+                        size += len(chunk)
+                        if size > self.bounds.max_chars:
+                            raise _Refused(f"it renders more than {self.bounds.max_chars:,} characters of one "
+                                          f"conversation (data.template_max_chars)")
+                        budget.tick(0)
+                        parts.append(chunk)
+            except Overrun:
+                raise _Refused(budget.overrun()) from None
         except _Refused as exc:
             raise DataError(f"{where}: the chat template ({self.source}) refuses it: {exc}") from None
         except Exception as exc:  # noqa: BLE001 (a template is code: whatever it raises is one line)
@@ -320,13 +404,14 @@ def _from_config(settings: dict, where: str) -> str | None:
                     f"{{\"name\", \"template\"}} objects")
 
 
-def load_chat_template(override: str | None, home: Path | None, where: str, need: str = "data.format=chat"
-                       ) -> ChatTemplate:
+def load_chat_template(override: str | None, home: Path | None, where: str, need: str = "data.format=chat",
+                       bounds: RenderBounds = DEFAULT_BOUNDS) -> ChatTemplate:
     """The chat template: ``override`` (``data.chat_template``: a literal Jinja template, told by its ``{{`` or
     ``{%``, else a file holding one, read bounded), else ``home``'s (a tokenizer's or model's directory, or an
     ipuft checkpoint: chat_template.jinja, else tokenizer_config.json's chat_template). The special tokens come
     from ``home``'s tokenizer_config.json either way. ``where`` names the key that gave ``home``, ``need`` what
-    asked for a template. One line saying what to set where there is none."""
+    asked for a template; ``bounds``: how far one rendering may go. One line saying what to set where there is
+    none."""
     from ipuft.io.model_files import home_files
 
     found = home_files(home, ("tokenizer_config.json", "chat_template.jinja"), f"{where}: ") \
@@ -335,7 +420,7 @@ def load_chat_template(override: str | None, home: Path | None, where: str, need
     specials = _special_tokens(settings)
     if override is not None:
         if "{{" in override or "{%" in override:
-            return ChatTemplate(override, "data.chat_template", specials)
+            return ChatTemplate(override, "data.chat_template", specials, bounds)
         from ipuft.io.files import read_bounded
 
         path = Path(override)
@@ -345,15 +430,15 @@ def load_chat_template(override: str | None, home: Path | None, where: str, need
         data = read_bounded(path, 4 * MAX_TEMPLATE_CHARS, f"data.chat_template: {path}", DataError,
                             "; a chat template is a few kB")
         try:
-            return ChatTemplate(data.decode("utf-8"), f"data.chat_template {path}", specials)
+            return ChatTemplate(data.decode("utf-8"), f"data.chat_template {path}", specials, bounds)
         except UnicodeDecodeError:
             raise DataError(f"data.chat_template: {path} is not UTF-8 text") from None
     if "chat_template.jinja" in found:
         return ChatTemplate(found["chat_template.jinja"].decode("utf-8"), f"{home / 'chat_template.jinja'}",
-                            specials)
+                            specials, bounds)
     text = _from_config(settings, f"{where}: {home and home / 'tokenizer_config.json'}")
     if text is not None:
-        return ChatTemplate(text, f"{home / 'tokenizer_config.json'}'s chat_template", specials)
+        return ChatTemplate(text, f"{home / 'tokenizer_config.json'}'s chat_template", specials, bounds)
     place = f"{where} ({home})" if home is not None else "the run's tokenizer"
     raise DataError(f"{need}: {place} has no chat template (no chat_template.jinja, no chat_template in "
                     f"tokenizer_config.json); set data.chat_template to a Jinja template or a file holding one")

@@ -12,12 +12,48 @@ its ``{<data.response_field>}`` placeholder; only the target is in the loss.
 
 from __future__ import annotations
 
+import re
 import string
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from ipuft.data.bounds import DEFAULT_BOUNDS, RenderBounds
 from ipuft.errors import DataError
+
+
+class _TooLong(Exception):
+    """A format spec, or the text rendered so far, beyond the rendering's character bound."""
+
+
+class _BoundedFormatter(string.Formatter):
+    """``str.format_map`` with every field's format spec checked before formatting (a width or precision of
+    ``{instruction:999999999}`` would ask for that many characters at once), and the text made counted: either
+    beyond ``limit`` characters raises :class:`_TooLong`. The spec is checked as it is applied, after any
+    nested ``{field}`` in it was filled in from the row."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit, self.made = limit, 0
+
+    def format_field(self, value: Any, format_spec: str) -> str:
+        for number in re.findall(r"\d+", format_spec):
+            if len(number) > 18 or int(number) > self.limit:
+                raise _TooLong(f"its format spec {format_spec[:40]!r} asks for {number[:20]} characters")
+        text = super().format_field(value, format_spec)
+        self.made += len(text)
+        if self.made > self.limit:
+            raise _TooLong("the text it renders is longer")
+        return text
+
+
+def bounded_format(template: str, values: dict[str, Any], bounds: RenderBounds) -> str:
+    """``template.format_map(values)`` within ``bounds.max_chars`` characters (:class:`_BoundedFormatter`)."""
+    formatter = _BoundedFormatter(bounds.max_chars)
+    text = formatter.vformat(template, (), values)
+    if len(text) > bounds.max_chars:
+        raise _TooLong("the text it renders is longer")
+    return text
 
 
 @dataclass(frozen=True)
@@ -39,11 +75,12 @@ class Template:
                     names.append(name)
         return names
 
-    def render(self, row: dict[str, Any], where: str) -> tuple[str, str]:
+    def render(self, row: dict[str, Any], where: str, bounds: RenderBounds = DEFAULT_BOUNDS) -> tuple[str, str]:
         """``(prompt_text, target_text)`` for ``row``; the target text is ``""`` without a target.
 
         ``where`` ("FILE row N") starts every error message. An integer (or digit-string) ``label`` is
         mapped through :attr:`labels` when the template names its labels; other label values pass through.
+        Neither text may exceed ``bounds.max_chars`` (``data.template_max_chars``), nor any format width.
         """
         values = {}
         for name in self.fields:
@@ -60,8 +97,11 @@ class Template:
                 value = self._label_name(value, where)
             values[name] = value
         try:
-            prompt = self.prompt.format_map(values)
-            target = self.target.format_map(values) if self.target is not None else ""
+            prompt = bounded_format(self.prompt, values, bounds)
+            target = bounded_format(self.target, values, bounds) if self.target is not None else ""
+        except _TooLong as exc:
+            raise DataError(f"{where}: {self.key} renders past data.template_max_chars={bounds.max_chars:,}: "
+                            f"{exc}; shorten the template or raise data.template_max_chars") from None
         except (ValueError, IndexError, KeyError, AttributeError) as exc:
             # A malformed literal template (an unmatched brace, a positional "{}" or "{0}").
             raise DataError(f"{where}: cannot render {self.key}: {exc}") from None
@@ -116,11 +156,11 @@ class InstructionTemplate:
     response_field: str
     literal: Template | None = None
 
-    def render(self, row: dict[str, Any], where: str) -> tuple[str, str]:
+    def render(self, row: dict[str, Any], where: str, bounds: RenderBounds = DEFAULT_BOUNDS) -> tuple[str, str]:
         """``(prompt, response)`` of ``row``; one :class:`DataError` line starting with ``where`` if a field the
-        template reads is missing or not text."""
+        template reads is missing or not text, or a literal template renders past ``bounds``."""
         if self.literal is not None:
-            return self.literal.render(row, where)
+            return self.literal.render(row, where, bounds)
         instruction = _field_text(row, self.prompt_field, "data.prompt_field", where)
         response = _field_text(row, self.response_field, "data.response_field", where)
         given = None if self.input_field is None else row.get(self.input_field)

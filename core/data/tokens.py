@@ -23,7 +23,8 @@ import torch
 from ipuft.components import IGNORE_INDEX
 from ipuft.config.schema import DataFormat, Truncation
 from ipuft.data.batch import Batch
-from ipuft.data.builder import Arrays, Builder, Layout
+from ipuft.data.bounds import RenderBounds
+from ipuft.data.builder import PAD_ID, Arrays, Builder, Layout
 from ipuft.data.cache import TokenCache
 from ipuft.data.files import read_rows, resolve_data_path
 from ipuft.data.synthetic import SampleData
@@ -35,9 +36,6 @@ if TYPE_CHECKING:
     from omegaconf import DictConfig
     from tokenizers import Tokenizer
 
-# Padding of unpacked rows: the id never reaches the loss (its labels are IGNORE_INDEX), and 0 is a valid
-# id for every vocabulary, so no tokenizer needs a pad token.
-PAD_ID = 0
 # Rows are tokenized this many at a time: encode_batch parallelises within a chunk, and the chunk bounds
 # the Python strings held at once.
 ENCODE_CHUNK = 1024
@@ -157,7 +155,8 @@ class TokenDataset:
         eos = added.eos if ends else None
         chat = chat_template_of(cfg) if fmt is DataFormat.chat else None
         layout, masked, truncation = layout_of(cfg)
-        shapes = (added.prefix, added.suffix, eos, chat.text if chat else None, layout.value, masked, truncation.value)
+        shapes = (added.prefix, added.suffix, eos, chat.text if chat else None, layout.value, masked, truncation.value,
+                  "tokens-tail-padded" if fmt is DataFormat.tokens else None)
         cache = TokenCache.for_config(cfg, resolved, tokenizer, shapes) if data.cache else None
         shuffle = data.shuffle if shuffle is None else shuffle
         if cache is not None and (hit := cache.load(name, cfg.model.embedding.vocab_size)) is not None:
@@ -165,7 +164,7 @@ class TokenDataset:
         hint = "; shorten it or set data.packing=true" if fmt in (DataFormat.tokens, *TEXTS) and not data.packing \
             else "; shorten it, or set data.truncation=truncate or drop"
         builder = Builder(name, cfg.model.sequence_length, cfg.model.embedding.vocab_size, layout, masked,
-                          truncation, hint)
+                          truncation, hint, pad_tail=fmt is DataFormat.tokens)
         rows = read_rows(resolved, name)
         if fmt is DataFormat.tokens:
             for number, row in rows:
@@ -189,7 +188,8 @@ class TokenDataset:
                                      data.response_field)
             # Without a target the whole text is in the loss (target None); with one, only the target is.
             has_target = fmt is DataFormat.instruction or template.target is not None
-            _encode(builder, tokenizer, ((n, *_rendered(template, row, f"{name} row {n}", has_target))
+            bounds = RenderBounds.of(data)
+            _encode(builder, tokenizer, ((n, *_rendered(template, row, f"{name} row {n}", has_target, bounds))
                                          for n, row in rows), added, eos)
         builder.report()
         dataset = cls(builder.build(), cfg.model.sequence_length, shuffle, data.seed, name)
@@ -330,11 +330,13 @@ def chat_template_of(cfg: DictConfig):
 
     source = tokenizer_source(cfg)
     home = Path(source[0]) if source is not None and Path(source[0]).is_dir() else None
-    return load_chat_template(cfg.data.chat_template, home, source[1] if source is not None else "data.tokenizer")
+    return load_chat_template(cfg.data.chat_template, home, source[1] if source is not None else "data.tokenizer",
+                              bounds=RenderBounds.of(cfg.data))
 
 
-def _rendered(template, row: dict[str, Any], where: str, has_target: bool) -> tuple[str, str | None]:
-    prompt, target = template.render(row, where)
+def _rendered(template, row: dict[str, Any], where: str, has_target: bool, bounds: RenderBounds
+              ) -> tuple[str, str | None]:
+    prompt, target = template.render(row, where, bounds)
     return prompt, target if has_target else None
 
 

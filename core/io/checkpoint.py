@@ -330,6 +330,8 @@ def _meta_problem(meta) -> str | None:
         return "units must be a list of unit names"
     if not isinstance(meta.get("optim_state"), bool):
         return "optim_state must be true or false"
+    if "optimizer" in meta and not (isinstance(meta["optimizer"], str) and meta["optimizer"]):
+        return f"optimizer must name the optimizer whose state the checkpoint holds, got {shown(meta['optimizer'])}"
     scale = meta.get("loss_scale")
     if scale is not None:
         if not (isinstance(scale, dict) and set(scale) == {"scale", "dynamic", "growth_interval", "clean_steps"}):
@@ -365,8 +367,8 @@ def read_meta(checkpoint: Path) -> dict:
     return meta
 
 
-def checkpoint_initializer(checkpoint: Path, file: str = WEIGHTS,
-                           units: Iterable[str] | None = None) -> Callable[[str, list[VariableSpec]], dict]:
+def checkpoint_initializer(checkpoint: Path, file: str = WEIGHTS, units: Iterable[str] | None = None,
+                           exact: str | None = None) -> Callable[[str, list[VariableSpec]], dict]:
     """An engine initializer reading each unit's full weights from the checkpoint, tensor by tensor
     (``file=OPTIM``: its optimizer state, with specs named ``<variable>.<state>``). A unit's ``out`` may hold
     tensors of the full shape and dtype to read into, which are then the values returned.
@@ -375,6 +377,9 @@ def checkpoint_initializer(checkpoint: Path, file: str = WEIGHTS,
     asked for, the rest of the file is hashed and compared with the manifest, and a mismatch raises from
     that last call, so no caller ever holds all of a damaged file's values. Asked in the order the units
     were saved (program order), the file is read in one sequential pass.
+
+    ``exact`` (the optimizer's name, for its state): every tensor must be of the spec's dtype too, not cast
+    into it (an 8-bit code cast to float32 is no moment); the file's header records each one's dtype and shape.
     """
     manifest = read_manifest(checkpoint)
     meta = read_meta(checkpoint)
@@ -393,6 +398,11 @@ def checkpoint_initializer(checkpoint: Path, file: str = WEIGHTS,
             if entry.shape != tuple(spec.shape):
                 raise CheckpointError(f"{source}: {name} has shape {entry.shape}, the model expects "
                                       f"{tuple(spec.shape)}")
+            if exact is not None and entry.dtype != spec.dtype:
+                raise CheckpointError(f"{source}: {file} holds {name} as {str(entry.dtype).removeprefix('torch.')}, "
+                                      f"optimizer {exact} keeps it as {str(spec.dtype).removeprefix('torch.')}: it "
+                                      f"is another optimizer's state; start from the weights with "
+                                      f"model.init_checkpoint={checkpoint}")
             home = (out or {}).get(spec.name)
             if home is not None and home.dtype == entry.dtype == spec.dtype:
                 values[spec.name] = reader.get(name, out=home)  # read in place: no copy

@@ -19,7 +19,7 @@ from ipuft.engine.model import build_model
 from ipuft.engine.precision import DTYPES
 from ipuft.errors import CheckpointError, PluginError
 from ipuft.io.checkpoint import WEIGHTS, find_checkpoint, open_tensors, read_manifest, read_meta
-from ipuft.io.hf_export import staged_directory
+from ipuft.io.export_dir import check_export_target, staged_directory
 from ipuft.plugins import PluginHooks
 from ipuft.program import StepProgram
 
@@ -67,12 +67,9 @@ def export_adapter(path: str | Path, out: str | Path, hooks: PluginHooks, dtype:
     from ipuft.io.safetensors import SafetensorsWriter
 
     checkpoint = find_checkpoint(path)
+    check_export_target(out, "--adapter", [checkpoint], is_adapter_export)  # before any work; again when writing
     manifest = read_manifest(checkpoint)
     read_meta(checkpoint)
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or not is_adapter_export(out)):  # before any work; again when writing
-        raise CheckpointError(f"--adapter {out} exists and is not an empty directory or an adapter export; "
-                              f"choose a new directory")
     cfg = checkpoint_config(checkpoint, hooks.registrations.config_sections)
     if cfg.model.adapter is None:
         raise CheckpointError(f"--adapter: checkpoint {checkpoint} has no adapter (its model.adapter is null): "
@@ -88,7 +85,7 @@ def export_adapter(path: str | Path, out: str | Path, hooks: PluginHooks, dtype:
         raise CheckpointError(f"checkpoint {checkpoint} lacks {', '.join(missing[:5])}")
     order = sorted(names, key=lambda n: reader.entries[n].begin)  # one pass over the file
     config = {**adapter, "base_model_name_or_path": base_model(checkpoint), "revision": None}
-    with staged_directory(out, "--adapter", is_adapter_export) as tmp:
+    with staged_directory(Path(out), "--adapter", [checkpoint], is_adapter_export) as tmp:
         specs = [VariableSpec(names[n], reader.entries[n].shape, torch_dtype) for n in order]
         with SafetensorsWriter(tmp / TENSORS, specs, {"format": "pt"}) as writer:
             for name in order:
@@ -96,4 +93,4 @@ def export_adapter(path: str | Path, out: str | Path, hooks: PluginHooks, dtype:
             writer.close()
         reader.finish()  # raises if the weights read were not the checkpoint's: nothing is left behind
         (tmp / CONFIG).write_text(json.dumps(config, indent=2))
-    return out
+    return Path(out)

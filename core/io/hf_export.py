@@ -14,13 +14,8 @@ state does not stop an export.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
-import shutil
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -30,8 +25,8 @@ from ipuft.config import checkpoint_config
 from ipuft.data.tokenizer import EOS, tokenizer_from_bytes
 from ipuft.engine.model import build_model
 from ipuft.engine.precision import DTYPES
-from ipuft.errors import CheckpointError, PluginError, described, first_line
-from ipuft.families import HFConfigError, ModelFamily
+from ipuft.errors import CheckpointError, PluginError, described
+from ipuft.families import HFConfigError, ModelFamily, check_config_fields
 from ipuft.io.checkpoint import (
     SOURCE_CONFIG,
     WEIGHTS,
@@ -40,6 +35,7 @@ from ipuft.io.checkpoint import (
     read_manifest,
     read_meta,
 )
+from ipuft.io.export_dir import check_export_target, staged_directory
 from ipuft.io.hf_names import DEFAULT_SHARD_BYTES, component_hf_config, export_names, unit_mappings
 from ipuft.io.model_files import checkpoint_files
 from ipuft.plugins import PluginHooks
@@ -62,6 +58,10 @@ def source_mismatches(cfg: DictConfig, family: ModelFamily, source: dict) -> lis
     """Where the source's config.json (as the family reads it) says otherwise than the run's config: a
     config.json that no longer describes the model cannot be written back as it was read."""
     try:
+        check_config_fields(source)  # what is written back unread must be valid too
+    except HFConfigError as exc:
+        return [str(exc)]
+    try:
         settings = family.read_config(source)
     except HFConfigError as exc:
         return [f"the family reads it as: {exc}"]
@@ -70,6 +70,8 @@ def source_mismatches(cfg: DictConfig, family: ModelFamily, source: dict) -> lis
                           f"source's config.json: {described(exc)}") from None
     found = []
     for key, value in settings.items():
+        if family.source_keys.get(key) in RUN_KEYS:  # the run decides it (a tied source read untied, say)
+            continue
         current = OmegaConf.select(cfg, key, default=None)
         if OmegaConf.is_config(current):
             current = OmegaConf.to_container(current)
@@ -129,11 +131,9 @@ def export_hf(path: str | Path, out: str | Path, hooks: PluginHooks, shard_bytes
     from ipuft.io.safetensors import SafetensorsWriter
 
     checkpoint = find_checkpoint(path)
+    check_export_target(out, "--hf", [checkpoint])  # before any work; again when writing
     manifest = read_manifest(checkpoint)
     read_meta(checkpoint)
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):  # before any work; again when writing
-        raise CheckpointError(f"--hf {out} exists and is not an empty directory; choose a new directory")
     cfg = checkpoint_config(checkpoint, hooks.registrations.config_sections)
     dtype = dtype or cfg.model.precision.value
     torch_dtype = DTYPES[dtype]
@@ -180,7 +180,7 @@ def export_hf(path: str | Path, out: str | Path, hooks: PluginHooks, shard_bytes
         shards[-1].append(spec)
         size += nbytes
         total += nbytes
-    with staged_directory(out, "--hf") as tmp:
+    with staged_directory(Path(out), "--hf", [checkpoint]) as tmp:
         weight_map = {}
         merged: dict[str, object] = {}  # a merging unit's exported tensors, read and merged together
 
@@ -210,42 +210,4 @@ def export_hf(path: str | Path, out: str | Path, hooks: PluginHooks, shard_bytes
             if name != SOURCE_CONFIG:  # the tokenizer's files and generation_config.json, as the source had them
                 (tmp / name).write_bytes(data)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    return out
-
-
-@contextlib.contextmanager
-def staged_directory(out: Path, option: str, replaceable: Callable[[Path], bool] = lambda _: False):
-    """A temporary directory beside ``out`` to write an export into, renamed into place when the block ends
-    (as checkpoints are): a full disk, a read-only place or a kill leaves no partial export under the final
-    name. ``out`` must be absent, an empty directory, or one ``replaceable`` accepts (a previous export of the
-    same kind, replaced whole); anything else is refused before anything is written. ``option`` names it in
-    errors (``--hf``)."""
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not replaceable(out))):
-        raise CheckpointError(f"{option} {out} exists and is not an empty directory; choose a new directory")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    except OSError as exc:
-        raise CheckpointError(f"{option} {out} cannot be written ({exc.strerror or exc})") from None
-    old = None
-    try:
-        yield tmp
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 is for the scratch directory, not the export
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{tmp.name}"
-            os.replace(out, old)  # empty or replaceable, checked above
-        os.replace(tmp, out)
-    except CheckpointError:
-        raise
-    except Exception as exc:  # noqa: BLE001 (a full disk is an OSError, or another write error)
-        why = getattr(exc, "strerror", None) or first_line(exc, type(exc).__name__)
-        if old is not None and not out.exists():
-            os.replace(old, out)  # the previous export back in place
-        raise CheckpointError(f"{option} {out} cannot be written ({why}); nothing was left behind") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-
+    return Path(out)

@@ -17,7 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ipuft.components import VariableSpec
 from ipuft.errors import CheckpointError, ConfigError, PluginError, described, shown
-from ipuft.families import HFConfigError, ModelFamily, ModelFamilyRegistry, config_int
+from ipuft.families import HFConfigError, ModelFamily, ModelFamilyRegistry, check_config_fields, config_int
 from ipuft.io.checkpoint import checked
 from ipuft.io.files import read_json, read_text, require_regular
 from ipuft.io.hf_names import unit_mappings
@@ -93,6 +93,10 @@ def read_hf_config(directory: str | Path, families: ModelFamilyRegistry | None) 
     if not isinstance(model_type, str) or model_type not in known:
         raise CheckpointError(f"model.hf_checkpoint: {config_file} has model_type {str(model_type)[:40]!r}; the "
                               f"installed plugins read {', '.join(repr(k) for k in known) or 'none'}")
+    try:
+        check_config_fields(config)
+    except HFConfigError as exc:
+        raise CheckpointError(f"model.hf_checkpoint: {config_file}: {exc}") from None
     return families.get(model_type), config
 
 
@@ -118,15 +122,18 @@ def _special_tokens(config: dict, vocab_size: int) -> dict[str, Any]:
     return out
 
 
-def apply_hf_shapes(cfg: DictConfig, typed: set[str], families: ModelFamilyRegistry | None) -> tuple[str, int] | None:
+def apply_hf_shapes(cfg: DictConfig, typed: set[str], families: ModelFamilyRegistry | None,
+                    notes: list[str] | None = None) -> tuple[str, int] | None:
     """Take the model from ``model.hf_checkpoint``'s config.json: the checkpoint defines it.
 
     The family of its ``model_type`` reads it into config keys (``model.family``, the shapes, the family's
     own settings), and sets the components, unless the user chose others (a LoRA decoder, say), and the
     special tokens. A key the user did not type (``typed``: their overrides, and the keys of a YAML file of
     theirs; not a shipped preset's) takes the checkpoint's value; a typed key with another value is a
-    mismatch, and every mismatch is listed in one error. Returns the family's positions key and its value in
-    config.json, if it has one (an untyped ``model.sequence_length`` is capped at it).
+    mismatch, and every mismatch is listed in one error. A tied config.json whose weights hold a head of their
+    own is read as transformers reads it (:func:`tied_head`; its note appended to ``notes``). Returns the
+    family's positions key and its value in config.json, if it has one (an untyped ``model.sequence_length``
+    is capped at it).
     """
     family, config = read_hf_config(cfg.model.hf_checkpoint, families)
     source = f"model.hf_checkpoint: {Path(cfg.model.hf_checkpoint) / 'config.json'}"
@@ -161,6 +168,8 @@ def apply_hf_shapes(cfg: DictConfig, typed: set[str], families: ModelFamilyRegis
     if mismatches:
         raise ConfigError(f"model.hf_checkpoint {cfg.model.hf_checkpoint}: {'; '.join(mismatches)} (drop those "
                           f"settings: the checkpoint's config.json fixes the model)")
+    if (note := tied_head(cfg, family, typed)) is not None and notes is not None:
+        notes.append(note)
     if positions is None:
         return None
     if "model.sequence_length" not in typed:
@@ -169,6 +178,43 @@ def apply_hf_shapes(cfg: DictConfig, typed: set[str], families: ModelFamilyRegis
         raise ConfigError(f"model.sequence_length: {cfg.model.sequence_length} exceeds the checkpoint's "
                           f"{family.positions_key}={positions}")
     return family.positions_key, positions
+
+
+def tied_head(cfg: DictConfig, family: ModelFamily, typed: set[str]) -> str | None:
+    """``tie_word_embeddings: true`` whose weights also hold the head's own tensor (``lm_head.weight``: the name
+    an untied model of the family has and a tied one lacks), read as transformers 5 reads that directory: a
+    head of another shape than the embeddings' table is refused (transformers raises on it); one equal to the
+    table is the tied head; one that differs is the head, untied (transformers warns and does not tie them),
+    and the note that says so is returned. Unless the user typed ``model.tie_embeddings`` themselves."""
+    if not cfg.model.tie_embeddings or "model.tie_embeddings" in typed:
+        return None
+    untied, outer = cfg.copy(), cfg.copy()
+    untied.model.tie_embeddings = False
+    outer.model.layers = 0  # the names outside the layers: where the embeddings' table is
+    heads = sorted(family.parameter_names(untied) - family.parameter_names(cfg))
+    weights = HFWeights(cfg.model.hf_checkpoint)
+    present = [name for name in heads if name in weights]
+    if not present:
+        return None
+    source = f"model.hf_checkpoint {weights.directory}"
+    table = (cfg.model.embedding.vocab_size, cfg.model.hidden_size)
+    for name in present:
+        if (shape := weights.shape(name)) != table:
+            raise CheckpointError(f"{source}: config.json ties the head to the embeddings (tie_word_embeddings: "
+                                  f"true), but its weights hold {name} of shape {shape}, not the table's {table}; "
+                                  f"transformers refuses it too: remove {name} or give it shape {table}")
+    tables = [n for n in sorted(family.parameter_names(outer) - set(heads)) if n in weights
+              and weights.shape(n) == table]
+    if len(tables) != 1:
+        raise CheckpointError(f"{source}: config.json ties the head to the embeddings, its weights hold "
+                              f"{present[0]} too, and which tensor is the embeddings' table is unclear "
+                              f"({', '.join(tables) or 'none'}); remove {present[0]}")
+    embedding = weights.get(tables[0])
+    if all(torch.equal(weights.get(name), embedding) for name in present):
+        return None
+    cfg.model.tie_embeddings = False
+    return (f"note: {source}: config.json ties the head to the embeddings (tie_word_embeddings: true) but its "
+            f"{present[0]} differs from {tables[0]}: the head is {present[0]}, untied, as transformers loads it")
 
 
 _INDEX_LIMIT = 1 << 26  # bytes; GPT-J-6B's index is about 30 kB
@@ -246,6 +292,11 @@ class HFWeights:
                 raise CheckpointError(f"{file} cannot be read: it holds a {type(self._open[file]).__name__}, not "
                                       f"a mapping of tensor names to tensors")
         return self._open[file]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Tensor ``name``'s shape, from its file's header (nothing read)."""
+        handle = self._handle(self.files[name])
+        return tuple(handle.get_slice(name).get_shape() if hasattr(handle, "get_slice") else handle[name].shape)
 
     def get(self, name: str) -> torch.Tensor:
         handle = self._handle(self.files[name])

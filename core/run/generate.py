@@ -104,12 +104,14 @@ def chat_prompts(cfg: DictConfig, tokenizer, conversations: list) -> list[list[i
     """Each of ``conversations`` (a user message's text, or a list of ``{role, content}`` messages) rendered by the
     model's chat template (``data.chat_template``, else the checkpoint's) with the generation prompt, and encoded
     as transformers encodes a rendered chat (nothing added: the template writes its own bos)."""
+    from ipuft.data.bounds import RenderBounds
     from ipuft.data.chat import check_messages, load_chat_template
 
     home = Path(cfg.checkpoint.load or cfg.model.hf_checkpoint)
     if not (home / "tokenizer.json").exists() and cfg.data.tokenizer is not None and Path(cfg.data.tokenizer).is_dir():
         home = Path(cfg.data.tokenizer)
-    template = load_chat_template(cfg.data.chat_template, home, "--checkpoint", "generate --chat")
+    template = load_chat_template(cfg.data.chat_template, home, "--checkpoint", "generate --chat",
+                                  RenderBounds.of(cfg.data))
     encoded = []
     for number, conversation in enumerate(conversations, start=1):
         where = f"prompt {number}"

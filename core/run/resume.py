@@ -57,6 +57,31 @@ def resume_differences(cfg: DictConfig, checkpoint: Path, meta: dict,
     return found
 
 
+def saved_optimizer(checkpoint: Path, meta: dict) -> str | None:
+    """The optimizer whose state ``checkpoint`` holds: meta.json's ``optimizer``, or for a checkpoint written
+    before it was recorded, its saved config's ``training.optimizer.name`` (the run's own, saved whole); None
+    where neither says."""
+    if isinstance(meta.get("optimizer"), str):
+        return meta["optimizer"]
+    training = saved_config_data(checkpoint).get("training")
+    optimizer = training.get("optimizer") if isinstance(training, dict) else None
+    name = optimizer.get("name") if isinstance(optimizer, dict) else None
+    return name if isinstance(name, str) else None
+
+
+def optimizer_mismatch(cfg: DictConfig, checkpoint: Path, meta: dict) -> str | None:
+    """Why ``cfg`` cannot take ``checkpoint``'s optimizer state, whatever ``checkpoint.allow_changes`` says:
+    another optimizer's state is not this one's (adamw8bit's 8-bit codes read as Adam's moments would train on
+    garbage). None where it can, or where the state is not loaded (``checkpoint.optim_state=false``)."""
+    saved = saved_optimizer(checkpoint, meta)
+    mine = cfg.training.optimizer.name
+    if not (cfg.checkpoint.optim_state and meta["optim_state"]) or saved is None or saved == mine:
+        return None
+    return (f"checkpoint.load: {checkpoint} holds the state of optimizer {saved}, which "
+            f"training.optimizer.name={mine} cannot resume; resume with {saved}, or start {mine} from this run's "
+            f"weights with model.init_checkpoint={checkpoint} (a new run, no checkpoint.load)")
+
+
 def checkpoint_to_resume(cfg: DictConfig, sections: ConfigSectionRegistry | None = None) -> Path | None:
     """The checkpoint ``checkpoint.load`` resumes, if any, once the resume policy accepts it: it is short of
     ``training.steps`` and :func:`resume_differences` finds nothing."""
@@ -67,6 +92,8 @@ def checkpoint_to_resume(cfg: DictConfig, sections: ConfigSectionRegistry | None
     if meta["step"] >= cfg.training.steps:
         raise ConfigError(f"training.steps: {resumed} is at step {meta['step']} and training.steps="
                           f"{cfg.training.steps}, so there is nothing to train; raise training.steps")
+    if problem := optimizer_mismatch(cfg, resumed, meta):
+        raise ConfigError(problem)
     if changes := resume_differences(cfg, resumed, meta, sections):
         raise ConfigError(f"checkpoint.load: resuming {resumed} would change {'; '.join(changes)}; keep "
                           f"them, or list the keys in checkpoint.allow_changes to accept the change")
@@ -115,7 +142,8 @@ def save(engine: PhasedEngine, cfg: DictConfig, root: Path | None, step: int, da
         files={files[g]: [replace(s, name=f"{u}.{s.name}") for u in units for s in engine.model.full_specs(u, g)]
                for g in groups},
         tensors=((files[group], f"{unit}.{spec.name}", t) for unit, group, spec, t in tensors))
-    state = {"updates": engine.updates, "loss_scale": engine.scale.state_dict(),
+    state = {"optimizer": cfg.training.optimizer.name, "updates": engine.updates,
+             "loss_scale": engine.scale.state_dict(),
              "data": data.state_dict() if hasattr(data, "state_dict") else {"step": step}}
     model_files = run_files(cfg) if model_files is None else model_files
     return save_checkpoint(contents, cfg, root, step, model_files, keep=cfg.checkpoint.to_keep, state=state)
@@ -126,7 +154,8 @@ def restore(engine: PhasedEngine, cfg: DictConfig, checkpoint: Path, data) -> in
     meta = read_meta(checkpoint)
     if cfg.checkpoint.optim_state and meta.get("optim_state"):
         units = engine.program.units()
-        state_of = checkpoint_initializer(checkpoint, OPTIM, units=units)  # verified as it is read
+        # Verified as it is read; every state tensor of the dtype and shape this optimizer keeps.
+        state_of = checkpoint_initializer(checkpoint, OPTIM, units=units, exact=cfg.training.optimizer.name)
         for unit in units:
             specs = engine.model.full_specs(unit, "optim")
             engine.model.load_full("optim", {unit: state_of(unit, specs, engine.model.full_homes(unit, "optim"))})
