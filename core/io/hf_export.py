@@ -40,7 +40,14 @@ from ipuft.io.checkpoint import (
     read_manifest,
     read_meta,
 )
-from ipuft.io.hf_names import DEFAULT_SHARD_BYTES, component_hf_config, export_names, unit_mappings
+from ipuft.io.hf_names import (
+    DEFAULT_SHARD_BYTES,
+    component_hf_config,
+    export_names,
+    stack_rows,
+    unit_fused,
+    unit_mappings,
+)
 from ipuft.io.model_files import checkpoint_files
 from ipuft.plugins import PluginHooks
 
@@ -167,12 +174,15 @@ def export_hf(path: str | Path, out: str | Path, hooks: PluginHooks, shard_bytes
             raise CheckpointError(f"checkpoint {checkpoint}: {name} has shape {reader.entries[name].shape}, the "
                                   f"model expects {shapes[name]}")
 
+    # Each tensor the files hold, from the variables it is written from: one, or the parts a fused tensor stacks
+    # (hf_fused), in row order.
+    outputs = written_tensors(names, unit_fused(parts.modules, cfg.model.layers), reader.entries)
     # Plan the shards from the header, in the file's order (so that reading is one pass), then write them one
-    # tensor at a time: never more than a tensor in memory.
+    # tensor at a time: never more than a tensor (a fused one and its parts) in memory.
     shards: list[list[VariableSpec]] = [[]]
     size = total = 0
-    for name in sorted(names, key=lambda n: reader.entries[n].begin):
-        spec = VariableSpec(name, reader.entries[name].shape, torch_dtype)
+    for hf_name in sorted(outputs, key=lambda n: reader.entries[outputs[n][1][0]].begin):
+        spec = VariableSpec(hf_name, outputs[hf_name][2], torch_dtype)
         nbytes = math.prod(spec.shape) * torch_dtype.itemsize
         if shards[-1] and size + nbytes > shard_bytes:
             shards.append([])
@@ -196,12 +206,16 @@ def export_hf(path: str | Path, out: str | Path, hooks: PluginHooks, shard_bytes
 
         for i, shard in enumerate(shards, start=1):
             file = WEIGHTS if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            specs = [VariableSpec(names[s.name], s.shape, s.dtype) for s in shard]
-            with SafetensorsWriter(tmp / file, specs, {"format": "pt"}) as writer:
+            with SafetensorsWriter(tmp / file, shard, {"format": "pt"}) as writer:
                 for spec in shard:
-                    writer.write(names[spec.name], exported(spec.name).to(torch_dtype))
+                    fused, sources, _ = outputs[spec.name]
+                    if fused is None:
+                        tensor = exported(sources[0])
+                    else:
+                        tensor = stack_rows(fused, {names[n]: exported(n) for n in sources})
+                    writer.write(spec.name, tensor.to(torch_dtype))
                 writer.close()
-            weight_map.update({names[s.name]: file for s in shard})
+            weight_map.update({s.name: file for s in shard})
         reader.finish()  # raises if the weights read were not the checkpoint's: nothing is left behind
         if len(shards) > 1:
             (tmp / "model.safetensors.index.json").write_text(
@@ -210,6 +224,23 @@ def export_hf(path: str | Path, out: str | Path, hooks: PluginHooks, shard_bytes
             if name != SOURCE_CONFIG:  # the tokenizer's files and generation_config.json, as the source had them
                 (tmp / name).write_bytes(data)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def written_tensors(names: dict[str, str], fused: dict, entries: dict) -> dict[str, tuple]:
+    """``{hf_name: (fused, sources, shape)}`` of every tensor an export writes: ``fused`` the
+    :class:`~ipuft.components.FusedRows` it stacks (None for a plain one), ``sources`` the ``"<unit>.<variable>"``
+    names it is written from (its parts in row order), ``shape`` its shape (from the checkpoint's ``entries``)."""
+    by_hf = {hf: name for name, hf in names.items()}
+    stacked = {p: f for group in fused.values() for f in group for p in f.parts}
+    out: dict[str, tuple] = {}
+    for name, hf in names.items():
+        if hf not in stacked:
+            out[hf] = (None, [name], tuple(entries[name].shape))
+        elif (f := stacked[hf]).name not in out:
+            sources = [by_hf[p] for p in f.parts]
+            shapes = [tuple(entries[n].shape) for n in sources]
+            out[f.name] = (f, sources, (sum(s[0] for s in shapes), *shapes[0][1:]))
     return out
 
 

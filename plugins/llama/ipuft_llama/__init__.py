@@ -1,6 +1,6 @@
 """Llama-architecture models for ipuft: the ``llama`` embeddings, decoder and head, their options
 (``plugins.llama``), and the Hugging Face families that read and write them (``llama``, ``mistral``,
-``qwen2``; see :mod:`ipuft_llama.family`).
+``qwen2``, see :mod:`ipuft_llama.family`; ``phi3``, Phi-3 and Phi-4, see :mod:`ipuft_llama.phi3`).
 
 ``model.hf_checkpoint=DIR`` with a Llama, Mistral or Qwen2 config.json selects these components and sets
 every option from it; the ``llama3-8b`` and ``mistral-7b`` presets set them for a run from scratch or a plan.
@@ -32,13 +32,17 @@ if TYPE_CHECKING:
 
 @dataclass
 class RopeScaling:
-    """Rotary frequency scaling: ``llama3`` (Llama 3.1's) or ``linear`` (position interpolation)."""
+    """Rotary frequency scaling: ``llama3`` (Llama 3.1's), ``linear`` (position interpolation) or ``longrope``
+    (Phi-3's: a factor per frequency, short or long, and an attention factor on cos and sin; ``factor`` unused)."""
 
     rope_type: str = "llama3"
     factor: float = 8.0
     low_freq_factor: Optional[float] = 1.0
     high_freq_factor: Optional[float] = 4.0
     original_max_position_embeddings: Optional[int] = 8192
+    short_factor: Optional[list[float]] = None
+    long_factor: Optional[list[float]] = None
+    attention_factor: Optional[float] = None
 
 
 @dataclass
@@ -59,6 +63,9 @@ class LlamaOptions:
     # Mistral's sliding-window attention: ipuft attends over the whole causal past, the same as long as
     # model.sequence_length is at most the window (a longer sequence is refused).
     sliding_window: Optional[int] = None
+    # Phi-3: the checkpoint holds q, k and v stacked in one tensor (qkv_proj) and gate and up in another
+    # (gate_up_proj); ipuft splits them at import and stacks them again at export (ipuft_llama.phi3).
+    fused_projections: bool = False
 
 
 def _check(cfg: DictConfig) -> None:
@@ -75,9 +82,9 @@ def _check(cfg: DictConfig) -> None:
                           f"set plugins.llama.head_dim")
     if heads % kv:
         raise ConfigError(f"plugins.llama.kv_heads={kv} does not divide model.attention.heads={heads}")
-    if m.attention.rotary_dim != dim:
-        raise ConfigError(f"model.attention.rotary_dim={m.attention.rotary_dim}: the Llama decoder rotates whole "
-                          f"heads, so it must equal the head width {dim}")
+    if not (0 < m.attention.rotary_dim <= dim and m.attention.rotary_dim % 2 == 0):
+        raise ConfigError(f"model.attention.rotary_dim={m.attention.rotary_dim}: the Llama decoder rotates the first "
+                          f"rotary_dim dimensions of each head, an even number up to the head width {dim}")
     if m.intermediate_size is None:
         raise ConfigError("model.intermediate_size: the Llama MLP needs its width set (null means 4 × hidden "
                           "only for GPT-J)")
@@ -91,14 +98,21 @@ def _check(cfg: DictConfig) -> None:
                           f"ipuft attends over the whole causal past, so a sequence must fit in the window")
     scaling = options.rope_scaling
     if scaling is not None:
-        _check_rope_scaling(scaling)
+        _check_rope_scaling(scaling, m.attention.rotary_dim)
 
 
-def _check_rope_scaling(scaling: DictConfig) -> None:
+def _check_rope_scaling(scaling: DictConfig, rotary_dim: int) -> None:
     """A rope scaling ipuft computes: a known kind, a factor in (0, MAX_ROPE_FACTOR] (0 divides every
-    frequency by zero), finite positive llama3 bounds."""
-    if scaling.rope_type not in ("llama3", "linear"):
-        raise ConfigError(f"plugins.llama.rope_scaling.rope_type={scaling.rope_type!r}: one of llama3, linear")
+    frequency by zero), finite positive llama3 bounds, longrope's factors one finite positive number per
+    rotated pair."""
+    if scaling.rope_type not in ("llama3", "linear", "longrope"):
+        raise ConfigError(f"plugins.llama.rope_scaling.rope_type={scaling.rope_type!r}: one of llama3, linear, "
+                          f"longrope")
+    if scaling.rope_type == "longrope":
+        from ipuft_llama.phi3 import check_longrope
+
+        check_longrope(scaling, rotary_dim)
+        return
     factor = scaling.factor
     if not (math.isfinite(factor) and 0 < factor <= MAX_ROPE_FACTOR):
         raise ConfigError(f"plugins.llama.rope_scaling.factor: must be a number in (0, {MAX_ROPE_FACTOR:g}] (real "
@@ -136,7 +150,8 @@ def build_decoder(cfg: DictConfig) -> LlamaDecoderBlock:
         kv_heads=kv_heads(cfg), head_dim=head_dim(cfg), rms_norm_eps=m.layer_norm_epsilon,
         rope_theta=float(m.attention.rotary_positional_embeddings_base), rope_scaling=scaling,
         qkv_bias=options.qkv_bias, output_bias=options.output_bias, dropout_prob=m.dropout_prob,
-        tensor_parallel=cfg.execution.tensor_parallel)
+        tensor_parallel=cfg.execution.tensor_parallel, rotary_dim=m.attention.rotary_dim,
+        longest=m.sequence_length, fused_projections=options.fused_projections)
 
 
 def build_head(cfg: DictConfig) -> LlamaLMHead:
@@ -187,5 +202,7 @@ def ipuft_register_config_sections(registry: ConfigSectionRegistry) -> None:
 
 @hookimpl
 def ipuft_register_model_families(registry: ModelFamilyRegistry) -> None:
-    for family in FAMILIES:
+    from ipuft_llama.phi3 import FAMILY as PHI3
+
+    for family in [*FAMILIES, PHI3]:
         registry.add(family)

@@ -79,16 +79,19 @@ class LlamaDecoderBlock(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, heads: int, kv_heads: int, head_dim: int,
                  rms_norm_eps: float = 1e-6, rope_theta: float = 10000.0, rope_scaling: dict | None = None,
                  qkv_bias: bool = False, output_bias: bool = False, dropout_prob: float = 0.0,
-                 tensor_parallel: int = 1) -> None:
+                 tensor_parallel: int = 1, rotary_dim: int | None = None, longest: int | None = None,
+                 fused_projections: bool = False) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(hidden_size, rms_norm_eps)
-        self.self_attn = CausalSelfAttention(hidden_size, heads, head_dim,
-                                             HalvesRotary(head_dim, head_dim, rope_theta, rope_scaling),
+        # rotary_dim < head_dim: partial rotary (Phi-3's partial_rotary_factor); longest: which longrope factors
+        rotary = HalvesRotary(head_dim, rotary_dim or head_dim, rope_theta, rope_scaling, longest)
+        self.self_attn = CausalSelfAttention(hidden_size, heads, head_dim, rotary,
                                              kv_heads=kv_heads, tensor_parallel=tensor_parallel, qkv_bias=qkv_bias,
                                              output_bias=output_bias, output_name="o_proj")
         self.post_attention_layernorm = RMSNorm(hidden_size, rms_norm_eps)
         self.mlp = LlamaMLP(hidden_size, intermediate_size // tensor_parallel)
         self.dropout_prob = dropout_prob
+        self.fused_projections = fused_projections
 
     def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None) -> torch.Tensor:
         attn = reduce_from_tensor_parallel(self.self_attn(copy_to_tensor_parallel(self.input_layernorm(x)), cache))
@@ -106,6 +109,14 @@ class LlamaDecoderBlock(nn.Module):
 
     def hf_mapping(self, layer: int | None) -> dict[str, str]:
         return {name: f"model.layers.{layer}.{name}" for name, _ in self.named_parameters()}
+
+    def hf_fused(self, layer: int | None) -> tuple:
+        """Phi-3's fused q/k/v and gate/up tensors (:func:`ipuft_llama.phi3.fused_rows`), when it is one."""
+        if not self.fused_projections:
+            return ()
+        from ipuft_llama.phi3 import fused_rows
+
+        return fused_rows(layer)
 
 
 class LlamaLMHead(nn.Module):
