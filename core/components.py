@@ -18,6 +18,10 @@ Module call conventions, by role:
 
 Every component also implements ``variable_specs()`` and ``hf_mapping(layer)``, and may implement
 ``hf_fused(layer)``: the Hugging Face tensors that hold several of its variables stacked (:class:`FusedRows`).
+A decoder may also declare
+``projections``: ``{name: module path}`` for the projections every family shares (``q``, ``k``, ``v``, ``o``,
+``gate``, ``up``, ``down``; each an :class:`ipuft.ops.Linear`), which adapters target by name (LoRA's
+``plugins.lora.targets``), so that an adapter plugin knows no decoder's module paths.
 """
 
 from __future__ import annotations
@@ -143,6 +147,9 @@ class Component(Protocol):
     def hf_mapping(self, layer: int | None) -> dict[str, str]:
         """Map each local variable name to its Hugging Face GPT-J parameter name (``layer`` for decoders)."""
         ...
+
+    # Optional, for decoders: ``projections -> dict[str, str]``, each shared projection name (q k v o gate up down)
+    # and its module's path (see the module docstring). Not a Protocol member: embeddings and heads lack it.
 
 
 def has_values(tensor: torch.Tensor) -> bool:

@@ -20,8 +20,10 @@ A Phi-3 layer computes what a Llama layer does; three things differ, each a ``pl
 
 Phi-4 (14B) is the same family with a 100352-token vocabulary, full rotary and no longrope.
 
-Read and refused: ``resid_pdrop`` and ``attention_dropout`` other than 0 (ipuft takes no dropout from a
-checkpoint: ``model.dropout_prob`` is the run's choice); ``embd_pdrop`` is read by nothing, as in transformers'
+The family is a :class:`~ipuft_llama.description.Description` (:data:`PHI3`: Llama's pre-norm block without
+biases) read by :mod:`ipuft_llama.family`, plus what this module reads beside it: the rope, the partial
+rotary and the fused names. Refused: ``resid_pdrop`` and ``attention_dropout`` other than 0 (ipuft takes no
+dropout from a checkpoint: ``model.dropout_prob`` is the run's choice); ``embd_pdrop`` is read by nothing, as in transformers'
 Phi-3. ``pad_token_id`` is written back as read and used in no arithmetic: transformers' embedding gives the
 pad row no gradient (``padding_idx``), ipuft trains it from its uses, the same wherever the pad id is padding
 only. ``sliding_window`` is the Llama block's (``plugins.llama.sliding_window``). This module imports no torch.
@@ -39,13 +41,27 @@ from ipuft.components import FusedRows
 from ipuft.errors import ConfigError, shown
 from ipuft.families import HFConfigError, ModelFamily, config_float, config_int
 from ipuft_llama import family as llama
+from ipuft_llama.description import Description, _window, _writes
 
-MODEL_TYPE = "phi3"
 SECTION = llama.SECTION
 # Phi3Config's defaults where config.json lacks the key.
 DEFAULTS = {"original_max_position_embeddings": 4096, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5}
 # transformers reads these rope types as longrope (Phi3Config.convert_rope_params_to_dict).
 _LONGROPE = ("longrope", "su", "yarn")
+
+
+@_writes(lambda window, types, layers: {"sliding_window": window})
+def phi3_window(config: Mapping, layers: int) -> tuple[int | None, None]:
+    """Phi-3: ``sliding_window`` (Phi3Config's default: none) on every layer (Phi-3-mini's 2047)."""
+    return _window(config, None), None
+
+
+# The Llama block as Phi-3 computes it (no biases, SwiGLU); its rope, partial rotary and fused names are read
+# here, beside the description. resid_pdrop is the branches' dropout, which ipuft takes from no checkpoint.
+PHI3 = Description("phi3", "Phi-3", "Phi3ForCausalLM", attention_bias="none", layer_types=phi3_window,
+                   defaults={"rms_norm_eps": DEFAULTS["rms_norm_eps"]},
+                   refused={"resid_pdrop": (None, 0, 0.0), "use_bidirectional_attention": (None, False)})
+MODEL_TYPE = PHI3.model_type
 
 
 def fused_rows(layer: int) -> tuple[FusedRows, ...]:
@@ -99,10 +115,6 @@ def longrope(config: Mapping, params: dict, key: str, rotary_dim: int) -> dict[s
 def read_config(config: Mapping) -> dict[str, Any]:
     """A Phi-3 config.json as ipuft config keys: the Llama reading of its shapes, then the rotary (partial,
     longrope), the fused projections, and the dropouts refused."""
-    for name in ("resid_pdrop", "attention_dropout"):
-        if config.get(name) not in (None, 0, 0.0):
-            raise HFConfigError(f"{name}={str(config[name])[:40]}: ipuft takes no dropout from a checkpoint; set it "
-                                f"to 0 in config.json and choose model.dropout_prob for the run")
     key, params = _rope_parameters(config)
     theta = config_float(params if params.get("rope_theta") is not None else config, "rope_theta", 10000.0)
     kind = params.get("rope_type", params.get("type", "default"))
@@ -110,8 +122,8 @@ def read_config(config: Mapping) -> dict[str, Any]:
         raise HFConfigError(f"{key}'s rope_type {str(kind)[:40]!r}: Phi-3 runs default or longrope")
     # Phi-3 has no attention or MLP biases whatever these say; its rope is read here, not as Llama's.
     shapes = {k: v for k, v in config.items() if k not in ("attention_bias", "mlp_bias", "rope_scaling")}
-    shapes.update(rope_parameters={"rope_theta": theta}, rms_norm_eps=config.get("rms_norm_eps", DEFAULTS["rms_norm_eps"]))
-    out = llama.read_config(shapes, "llama")
+    shapes["rope_parameters"] = {"rope_theta": theta}
+    out = llama.read_config(shapes, PHI3)
     head_dim = out[f"plugins.{SECTION}.head_dim"]
     partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor"))
     partial = config_float({"partial_rotary_factor": partial}, "partial_rotary_factor", 1.0, high=1.0 + 1e-9)
@@ -130,14 +142,12 @@ def read_config(config: Mapping) -> dict[str, Any]:
 def write_config(cfg: DictConfig) -> dict[str, Any]:
     """The run's config as a Phi-3 config.json (the inverse of :func:`read_config`)."""
     m, options = cfg.model, cfg.plugins[SECTION]
-    if options.qkv_bias or options.output_bias:
-        raise HFConfigError("plugins.llama.qkv_bias/output_bias: a Phi-3 config.json cannot say attention biases")
+    llama.check_options(cfg, PHI3)
     if not options.fused_projections:
         raise HFConfigError("plugins.llama.fused_projections=false: a Phi-3 checkpoint holds qkv_proj and "
                             "gate_up_proj fused")
-    out = llama.write_config(cfg, "llama")
-    for gone in ("attention_bias", "mlp_bias", "rope_scaling"):
-        out.pop(gone)
+    out = llama.write_config(cfg, PHI3)
+    out.pop("rope_scaling")
     head_dim = llama.head_dim(cfg)
     partial = m.attention.rotary_dim / head_dim
     if int(head_dim * partial) != m.attention.rotary_dim:
@@ -151,7 +161,7 @@ def write_config(cfg: DictConfig) -> dict[str, Any]:
                                "attention_factor": scaling.attention_factor,
                                "short_factor": list(scaling.short_factor), "long_factor": list(scaling.long_factor)}
     out.update(partial_rotary_factor=partial, original_max_position_embeddings=original, resid_pdrop=0.0,
-               embd_pdrop=0.0, sliding_window=options.sliding_window, pad_token_id=None)
+               embd_pdrop=0.0, pad_token_id=None)
     return out
 
 
