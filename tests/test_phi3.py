@@ -250,3 +250,106 @@ def test_three_adam_steps_equal_transformers_with_torch_adamw(hooks, hf_dirs, ki
     # Where a gradient nearly cancels (a tied table's two uses; q, k and v as three matmuls against one fused),
     # the sums' rounding differs, and Adam's m / (sqrt(v) + eps) makes more of a step of it (1.6e-5 measured).
     assert max(worst.values()) <= 3e-5, worst
+
+
+def lora_config(hooks, src, *targets, steps=3, out=None):
+    return config(hooks, src, "training.global_batch_size=4", "execution.micro_batch_size=2", f"training.steps={steps}",
+                  "training.optimizer.learning_rate.maximum=2e-2", "training.optimizer.gradient_clipping=0.05",
+                  "plugins.adamw.weight_decay=0.1", "plugins.adamw.eps=1e-5", "model.adapter=lora",
+                  "plugins.lora.rank=4", "plugins.lora.alpha=8.0", f"plugins.lora.targets=[{','.join(targets)}]",
+                  "execution.head_chunk_tokens=0", *([f"output_dir={out}"] if out else []))
+
+
+def unfused_llama(phi3):
+    """transformers' LlamaForCausalLM with ``phi3``'s weights, q/k/v and gate/up apart: the same model (full
+    rotary, no longrope) with a module per projection, as ipuft holds it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    c = phi3.config
+    llama = LlamaForCausalLM(LlamaConfig(
+        hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+        vocab_size=c.vocab_size, max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
+        rope_theta=c.rope_parameters["rope_theta"], tie_word_embeddings=False)).float().eval()
+    state, q, kv = {}, c.num_attention_heads * 8, c.num_key_value_heads * 8
+    for name, t in phi3.state_dict().items():
+        if name.endswith("qkv_proj.weight"):
+            for p, piece in zip("qkv", t.split([q, kv, kv])):
+                state[name.replace("qkv_proj", f"{p}_proj")] = piece
+        elif name.endswith("gate_up_proj.weight"):
+            for p, piece in zip(("gate", "up"), t.chunk(2)):
+                state[name.replace("gate_up_proj", f"{p}_proj")] = piece
+        else:
+            state[name] = t
+    llama.load_state_dict(state, strict=True)
+    return llama
+
+
+def test_lora_three_adamw_steps_equal_peft_with_torch_adamw(hooks, hf_dirs):
+    """LoRA on every target of a Phi-4 (q, k, v apart though the checkpoint fuses them) equals peft's LoRA on
+    the same model with a module per projection (Llama's), clipping and weight decay active: losses, norms and
+    every adapter within 1e-5. (peft on Phi3ForCausalLM adapts qkv_proj as one module: the export writes ipuft's
+    three adapters as that one, next test.)"""
+    from peft import LoraConfig, get_peft_model
+    from test_lora import peft_adam_steps
+
+    hf, src = hf_dirs["phi4"]
+    cfg = lora_config(hooks, src, "q", "k", "v", "o", "gate", "up", "down")
+    engine = build_engine(cfg, hooks)
+    names = {f"decoder.{n}": {f"{path}.{ab}": f"base_model.model.model.layers.{n}.{path}.{ab}.weight"
+                              for path in engine.modules["decoder"].lora_paths for ab in ("lora_A", "lora_B")}
+             for n in range(2)}
+
+    def ours():
+        weights = engine.model.full_weights()
+        return {peft: weights[unit][local] for unit, m in names.items() for local, peft in m.items()}
+
+    model = get_peft_model(unfused_llama(hf), LoraConfig(r=4, lora_alpha=8.0, lora_dropout=0.0, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    initial = ours()
+    with torch.no_grad():  # ipuft's initial adapters (B zeros in both)
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                p.copy_(initial[name.replace(".default.", ".")])
+    results = peft_adam_steps(model, cfg, engine)
+    assert results[0][1][1] > 2 * cfg.training.optimizer.gradient_clipping  # clipping is active
+    for (loss, peft_loss), (norm, peft_norm) in results:
+        assert abs(loss - peft_loss) <= 1e-5 * abs(peft_loss)
+        assert abs(norm - peft_norm) <= 1e-5 * peft_norm
+    theirs = {n.replace(".default.", "."): p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    mine = ours()
+    assert mine.keys() == theirs.keys() and len(mine) == 2 * 7 * 2
+    for name, p in theirs.items():
+        assert max_rel(mine[name], p) <= 1e-5, name
+
+
+def test_lora_exports_load_in_peft_and_transformers_and_give_ipufts_logits(hooks, hf_dirs, tmp_path):
+    """Phi-4-mini (longrope, partial rotary, tied) after LoRA steps on q, v (k not), o, gate, up and down: the
+    peft export adapts qkv_proj and gate_up_proj as peft does, one adapter each of rank m · 4 (m the parts
+    targeted; B block-diagonal, k's rows zero; alpha scaled alike), which peft loads onto Phi3ForCausalLM; it
+    and the merged --hf export give ipuft's logits."""
+    import transformers
+    from peft import PeftModel
+    from test_lora import eval_logits
+
+    from ipuft.io.hf_adapter import export_adapter
+
+    _, src = hf_dirs["phi4-mini"]
+    run = tmp_path / "run"
+    targets = ("q", "v", "o", "gate", "up", "down")
+    train(lora_config(hooks, src, *targets, steps=4, out=run), hooks, progress=False)
+    adapter = export_adapter(run, tmp_path / "adapter", hooks)
+    written = json.loads((adapter / "adapter_config.json").read_text())
+    m = sum(t in targets for t in "qkv")
+    assert written["rank_pattern"]["qkv_proj"] == 4 * m and written["alpha_pattern"]["qkv_proj"] == 8.0 * m
+    assert written["target_modules"] == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
+    assert written["rank_pattern"]["gate_up_proj"] == 8
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(4))
+    ours = eval_logits(hooks, run, ids)
+    with torch.no_grad():
+        peft = PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(src), adapter).eval()
+        torch.testing.assert_close(peft(input_ids=ids).logits, ours, atol=1e-5, rtol=0)
+        merged = transformers.AutoModelForCausalLM.from_pretrained(export_hf(run, tmp_path / "merged", hooks)).eval()
+        torch.testing.assert_close(merged(ids).logits, ours, atol=1e-5, rtol=0)
+        base = transformers.AutoModelForCausalLM.from_pretrained(src)(ids).logits
+    assert (ours - base).abs().max() > 1e-3  # the adapters moved the model
