@@ -118,11 +118,13 @@ def test_config_json_sets_partial_rotary_longrope_and_fused_projections(hooks, h
     original = KINDS[kind]["original_max_position_embeddings"]
     assert scaling["attention_factor"] == pytest.approx((1 + torch.tensor(64 / original).log().item()
                                                          / torch.tensor(float(original)).log().item()) ** 0.5)
-    assert (scaling["original_max_position_embeddings"], len(scaling["short_factor"])) == (original, m.attention.rotary_dim // 2)
+    assert scaling["original_max_position_embeddings"] == original
+    assert len(scaling["short_factor"]) == len(scaling["long_factor"]) == m.attention.rotary_dim // 2
     params = KINDS[kind]["rope_parameters"]
     hub = {k: v for k, v in source.items() if k != "rope_parameters"}
     hub.update(rope_theta=params["rope_theta"], partial_rotary_factor=params.get("partial_rotary_factor", 1.0),
-               rope_scaling={"type": "su", "short_factor": params["short_factor"], "long_factor": params["long_factor"]})
+               rope_scaling={"type": "su", "short_factor": params["short_factor"],
+                             "long_factor": params["long_factor"]})
     assert read_config(hub) == read_config(source)
 
 
@@ -180,7 +182,7 @@ def test_import_train_at_lr_0_export_is_bit_exact_and_loads_in_transformers(hook
     out = export_hf(run, tmp_path / "exported", hooks)
     exported, original = load_file(str(out / "model.safetensors")), load_file(str(src / "model.safetensors"))
     assert exported.keys() == original.keys()
-    assert "model.layers.1.self_attn.qkv_proj.weight" in exported and "model.layers.0.mlp.gate_up_proj.weight" in exported
+    assert {"model.layers.1.self_attn.qkv_proj.weight", "model.layers.0.mlp.gate_up_proj.weight"} <= exported.keys()
     for name, tensor in original.items():
         assert torch.equal(exported[name], tensor), name
     assert json.loads((out / "config.json").read_text())["model_type"] == "phi3"
@@ -353,3 +355,44 @@ def test_lora_exports_load_in_peft_and_transformers_and_give_ipufts_logits(hooks
         torch.testing.assert_close(merged(ids).logits, ours, atol=1e-5, rtol=0)
         base = transformers.AutoModelForCausalLM.from_pretrained(src)(ids).logits
     assert (ours - base).abs().max() > 1e-3  # the adapters moved the model
+
+
+@pytest.mark.parametrize("kind", ["phi3-mini-128k", "phi4-mini"])
+def test_a_config_json_written_from_scratch_reads_back_and_builds_phi3_in_transformers(hooks, hf_dirs, kind):
+    """Without a source config.json (a model from scratch), the family's own: transformers' Phi3Config reads it
+    to the same rotary (partial, longrope factors, attention factor) and ipuft reads it back to the same keys."""
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    from ipuft_llama.phi3 import FAMILY, read_config
+
+    hf, src = hf_dirs[kind]
+    cfg = config(hooks, src)
+    written = FAMILY.write_config(cfg)
+    source = read_config(json.loads((src / "config.json").read_text()))
+    assert read_config(written) == source
+    theirs = Phi3Config(**copy.deepcopy(written))
+    positions = torch.arange(16)[None]
+    for a, b in zip(Phi3RotaryEmbedding(theirs)(torch.zeros(1), positions),
+                    hf.model.rotary_emb(torch.zeros(1), positions), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"resid_pdrop": 0.1}, "resid_pdrop=0.1: ipuft runs Phi-3 with resid_pdrop null, 0, 0.0 only"),
+    ({"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0, 2.0, 3.0, 4.0]}},
+     "rope_parameters's short_factor must be a list of 4 positive numbers (one per rotated pair of "
+     "partial_rotary_factor · head_dim dimensions), got a list ([1.0])"),
+    ({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.1}}, "partial_rotary_factor=0.1 turns 0 of "
+     "head_dim=8 dimensions; rotary needs an even number of at least 2"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}},
+     "rope_parameters's rope_type 'dynamic': Phi-3 runs default or longrope"),
+])
+def test_a_phi3_config_json_it_cannot_run_is_one_line(hf_dirs, change, message):
+    from ipuft.families import HFConfigError
+    from ipuft_llama.phi3 import read_config
+
+    source = json.loads((hf_dirs["phi3-mini-128k"][1] / "config.json").read_text())
+    with pytest.raises(HFConfigError) as caught:
+        read_config({**source, **change})
+    assert str(caught.value) == message

@@ -23,10 +23,11 @@ Phi-4 (14B) is the same family with a 100352-token vocabulary, full rotary and n
 The family is a :class:`~ipuft_llama.description.Description` (:data:`PHI3`: Llama's pre-norm block without
 biases) read by :mod:`ipuft_llama.family`, plus what this module reads beside it: the rope, the partial
 rotary and the fused names. Refused: ``resid_pdrop`` and ``attention_dropout`` other than 0 (ipuft takes no
-dropout from a checkpoint: ``model.dropout_prob`` is the run's choice); ``embd_pdrop`` is read by nothing, as in transformers'
-Phi-3. ``pad_token_id`` is written back as read and used in no arithmetic: transformers' embedding gives the
-pad row no gradient (``padding_idx``), ipuft trains it from its uses, the same wherever the pad id is padding
-only. ``sliding_window`` is the Llama block's (``plugins.llama.sliding_window``). This module imports no torch.
+dropout from a checkpoint: ``model.dropout_prob`` is the run's choice); ``embd_pdrop`` is read by nothing,
+as in transformers' Phi-3. ``pad_token_id`` is written back as read and used in no arithmetic:
+transformers' embedding gives the pad row no gradient (``padding_idx``), ipuft trains it from its uses, the
+same wherever the pad id is padding only. ``sliding_window`` is the Llama block's
+(``plugins.llama.sliding_window``). This module imports no torch.
 """
 
 from __future__ import annotations
