@@ -7,7 +7,8 @@ config.json is the source's, written back as it was read, where the model came f
 ``AutoTokenizer`` and ``AutoConfig`` on the export give the source's special tokens, chat template and positions.
 
 It streams: each tensor is read from the checkpoint's model.safetensors (verified as it is read) and
-written into its shard before the next is read, so export needs about one tensor of memory. It reads, and
+written into its shard before the next is read, so export needs about one tensor of memory; a tensor that a
+component's ``hf_fused`` stacks (Phi-3's ``qkv_proj``) is stacked from its parts as it is written. It reads, and
 so verifies, only model.safetensors, config.yaml, meta.json and the model's own files: a damaged optimizer
 state does not stop an export.
 """
