@@ -89,11 +89,18 @@ def example_mask(positions: torch.Tensor) -> torch.Tensor:
     return (i >= first).logical_and_(i <= i[:, None])[:, None]
 
 
-def inverse_frequencies(rotary_dim: int, base: float, scaling: dict | None = None) -> torch.Tensor:
+def inverse_frequencies(rotary_dim: int, base: float, scaling: dict | None = None,
+                        longest: int | None = None) -> torch.Tensor:
     """``base^(-2i/rotary_dim)`` for each pair ``i`` (float32, on the CPU), scaled as ``scaling`` says:
     ``linear`` divides every frequency by ``factor``; ``llama3`` divides the low frequencies (wavelengths past
-    the original context over ``low_freq_factor``) by ``factor``, keeps the high ones, and blends in between."""
+    the original context over ``low_freq_factor``) by ``factor``, keeps the high ones, and blends in between;
+    ``longrope`` (Phi-3) divides pair ``i``'s by ``short_factor[i]``, or by ``long_factor[i]`` when the longest
+    sequence the model runs (``longest``) exceeds ``original_max_position_embeddings`` (see
+    :func:`longrope_is_long`)."""
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    if scaling is not None and scaling["rope_type"] == "longrope":
+        key = "long_factor" if longrope_is_long(scaling, longest) else "short_factor"
+        return 1.0 / (torch.tensor(scaling[key], dtype=torch.float32) * base**exponents)
     inv = 1.0 / (base**exponents)
     if scaling is None:
         return inv
@@ -108,6 +115,25 @@ def inverse_frequencies(rotary_dim: int, base: float, scaling: dict | None = Non
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelength < context / high) & ~(wavelength > context / low)
     return torch.where(medium, blended, scaled)
+
+
+def longrope_is_long(scaling: dict, longest: int | None) -> bool:
+    """Whether ``longrope`` turns by its long factors: when ``longest``, the longest sequence the model runs
+    (``model.sequence_length``, which also bounds generation), exceeds ``original_max_position_embeddings``.
+
+    transformers chooses per forward call, by the call's last position (long past the original context, for
+    every position of the call) and, generating, recomputes the whole sequence once it crosses. ipuft chooses
+    once per run, so that training, eval and a generation's cached keys all turn alike: a row as long as the
+    run's sequences is turned as transformers turns it; shorter calls of a run longer than the original
+    context (a short prompt's first tokens) turn by the long factors where transformers would use the short."""
+    return longest is not None and longest > scaling["original_max_position_embeddings"]
+
+
+def rotary_attention_factor(scaling: dict | None) -> float:
+    """What ``scaling`` multiplies the rotary cos and sin by: ``longrope``'s ``attention_factor``, else 1."""
+    if scaling is None or scaling["rope_type"] != "longrope":
+        return 1.0
+    return float(scaling["attention_factor"])
 
 
 def rotary_angles(positions: int, rotary_dim: int, base: float, scaling: dict | None,
@@ -198,7 +224,8 @@ class InterleavedRotary:
 class HalvesRotary:
     """Llama's and GPT-NeoX's rotary ("rotate_half"): dimension ``i`` of the first ``rotary_dim`` pairs with
     ``i + rotary_dim / 2`` and turns by ``position · base^(-2i/rotary_dim)`` (frequencies scaled by
-    ``scaling``, see :func:`inverse_frequencies`); the rows are float32 cos and sin, each frequency twice, cast
+    ``scaling``, see :func:`inverse_frequencies`; longrope's cos and sin also by its ``attention_factor``, and
+    its factors chosen by ``longest``); the rows are float32 cos and sin, each frequency twice, cast
     to the activations' dtype, and the rotation is computed in that dtype after the heads are transposed, as
     transformers does."""
 
@@ -206,11 +233,16 @@ class HalvesRotary:
     rotary_dim: int
     base: float = 10000.0
     scaling: dict | None = None
+    longest: int | None = None  # the longest sequence the model runs: which longrope factors apply
 
     def table(self, size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = rotary_angles(size, self.rotary_dim, self.base, self.scaling, device)
+        inv = inverse_frequencies(self.rotary_dim, self.base, self.scaling, self.longest).to(device)
+        angles = torch.outer(torch.arange(size, device=device).float(), inv)
         angles = torch.cat((angles, angles), dim=-1)
-        return angles.cos(), angles.sin()  # each [size, rotary_dim]
+        factor = rotary_attention_factor(self.scaling)
+        if factor == 1.0:
+            return angles.cos(), angles.sin()  # each [size, rotary_dim]
+        return angles.cos() * factor, angles.sin() * factor  # longrope's attention factor, in float32
 
     def span(self, table: tuple[torch.Tensor, torch.Tensor], start: int,
              length: int) -> tuple[torch.Tensor, torch.Tensor]:

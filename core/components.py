@@ -16,7 +16,12 @@ Module call conventions, by role:
   over the micro-batch's tokens whose label is not ``IGNORE_INDEX`` (labels are already shifted: the
   label at position t is the token at t + 1)
 
-Every component also implements ``variable_specs()`` and ``hf_mapping(layer)``.
+Every component also implements ``variable_specs()`` and ``hf_mapping(layer)``, and may implement
+``hf_fused(layer)``: the Hugging Face tensors that hold several of its variables stacked (:class:`FusedRows`).
+A decoder may also declare
+``projections``: ``{name: module path}`` for the projections every family shares (``q``, ``k``, ``v``, ``o``,
+``gate``, ``up``, ``down``; each an :class:`ipuft.ops.Linear`), which adapters target by name (LoRA's
+``plugins.lora.targets``), so that an adapter plugin knows no decoder's module paths.
 """
 
 from __future__ import annotations
@@ -104,6 +109,33 @@ class VariableSpec:
         return self.numel * self.dtype.itemsize
 
 
+@dataclass(frozen=True)
+class FusedRows:
+    """One Hugging Face tensor that holds several variables of a unit stacked by rows (dimension 0): Phi-3's
+    ``self_attn.qkv_proj.weight`` is ``[q; k; v]``, its ``mlp.gate_up_proj.weight`` is ``[gate; up]``.
+
+    ``parts`` are the variables' Hugging Face names as the component's ``hf_mapping`` gives them (the names an
+    unfused family uses, ``self_attn.q_proj.weight``, which the fused checkpoint does not hold), in row order;
+    each part's rows are its variable's first dimension. With ``groups`` > 1 the rows are ``groups`` equal
+    blocks, each holding every part's next ``rows / groups`` rows in order (GPT-NeoX's ``query_key_value``: per
+    head, its q, k and v rows).
+
+    Only the files see the fused tensor: an import splits it into the parts (a tensor of another shape is one
+    line), an export stacks them again, bit for bit. The engine, the plan, the store, LoRA, TP sharding and the
+    optimizer see the parts as plain variables under their own names, and ``hf_mapping`` stays one name each,
+    so that nothing that reads names needs to know.
+    """
+
+    name: str
+    parts: tuple[str, ...]
+    groups: int = 1
+
+    def __post_init__(self) -> None:
+        if len(self.parts) < 2 or len(set(self.parts)) != len(self.parts) or self.groups < 1:
+            raise ValueError(f"FusedRows {self.name}: two or more distinct parts and groups >= 1, got "
+                             f"{self.parts}, groups={self.groups}")
+
+
 @runtime_checkable
 class Component(Protocol):
     """What the engine needs from a component module besides ``forward``."""
@@ -115,6 +147,9 @@ class Component(Protocol):
     def hf_mapping(self, layer: int | None) -> dict[str, str]:
         """Map each local variable name to its Hugging Face GPT-J parameter name (``layer`` for decoders)."""
         ...
+
+    # Optional, for decoders: ``projections -> dict[str, str]``, each shared projection name (q k v o gate up down)
+    # and its module's path (see the module docstring). Not a Protocol member: embeddings and heads lack it.
 
 
 def has_values(tensor: torch.Tensor) -> bool:

@@ -18,17 +18,35 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, 
 KINDS = {"llama": {"rope_theta": 5000.0, "rope_scaling": LLAMA3_SCALING},
          "qwen2": {"rope_theta": 20000.0},
          "mistral": {"rope_theta": 1e6, "sliding_window": 32}}
+# The families described since: heads of 16 (not hidden / heads), and what each has of its own made to matter at
+# these shapes: larger weights (initializer_range) so that the soft-caps bend, a 5-token window shorter than the
+# tests' 16-token rows on the sliding layers (Gemma 2's and Gemma 3's layer 0), Gemma 3's local rotary base and
+# linear rope scaling on its global layer.
+GEMMA = {"head_dim": 16, "query_pre_attn_scalar": 12, "sliding_window": 5, "initializer_range": 0.1,
+         "tie_word_embeddings": True}
+KINDS.update({
+    "qwen3": {"rope_theta": 20000.0, "head_dim": 16},
+    "olmo2": {"rope_theta": 30000.0, "head_dim": 16, "initializer_range": 0.1},
+    "gemma2": {**GEMMA, "rope_theta": 10000.0, "attn_logit_softcapping": 1.5, "final_logit_softcapping": 0.8},
+    "gemma3_text": {**GEMMA, "rope_theta": 20000.0, "rope_local_base_freq": 100.0, "sliding_window_pattern": 2,
+                    "rope_scaling": {"rope_type": "linear", "factor": 4.0}, "final_logit_softcapping": 0.8},
+})
+# transformers' config and model classes of each kind.
+CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+           "mistral": ("MistralConfig", "MistralForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+           "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+           "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
 
 
 def hf_model(kind: str, seed: int = 0, **extra):
-    """transformers' causal LM of ``kind`` (``llama``, ``qwen2``, ``mistral``) with :data:`SHAPE`, random weights
-    (no download), every norm and bias non-trivial so that a mapping mistake cannot hide, in eval mode."""
+    """transformers' causal LM of ``kind`` (a key of :data:`KINDS`) with :data:`SHAPE`, random weights (no
+    download), every norm and bias non-trivial so that a mapping mistake cannot hide, in eval mode."""
     import transformers
 
-    classes = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}[kind]
-    config = getattr(transformers, f"{classes}Config")(**{**SHAPE, **KINDS[kind], **extra})
+    config_class, model_class = CLASSES[kind]
+    config = getattr(transformers, config_class)(**{**SHAPE, **KINDS[kind], **extra})
     torch.manual_seed(seed)
-    model = getattr(transformers, f"{classes}ForCausalLM")(config).float().eval()
+    model = getattr(transformers, model_class)(config).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:

@@ -7,7 +7,8 @@ config.json is the source's, written back as it was read, where the model came f
 ``AutoTokenizer`` and ``AutoConfig`` on the export give the source's special tokens, chat template and positions.
 
 It streams: each tensor is read from the checkpoint's model.safetensors (verified as it is read) and
-written into its shard before the next is read, so export needs about one tensor of memory. It reads, and
+written into its shard before the next is read, so export needs about one tensor of memory; a tensor that a
+component's ``hf_fused`` stacks (Phi-3's ``qkv_proj``) is stacked from its parts as it is written. It reads, and
 so verifies, only model.safetensors, config.yaml, meta.json and the model's own files: a damaged optimizer
 state does not stop an export.
 """
@@ -36,7 +37,14 @@ from ipuft.io.checkpoint import (
     read_meta,
 )
 from ipuft.io.export_dir import check_export_target, staged_directory
-from ipuft.io.hf_names import DEFAULT_SHARD_BYTES, component_hf_config, export_names, unit_mappings
+from ipuft.io.hf_names import (
+    DEFAULT_SHARD_BYTES,
+    component_hf_config,
+    export_names,
+    stack_rows,
+    unit_fused,
+    unit_mappings,
+)
 from ipuft.io.model_files import checkpoint_files
 from ipuft.plugins import PluginHooks
 
@@ -167,12 +175,15 @@ def export_hf(path: str | Path, out: str | Path, hooks: PluginHooks, shard_bytes
             raise CheckpointError(f"checkpoint {checkpoint}: {name} has shape {reader.entries[name].shape}, the "
                                   f"model expects {shapes[name]}")
 
+    # Each tensor the files hold, from the variables it is written from: one, or the parts a fused tensor stacks
+    # (hf_fused), in row order.
+    outputs = written_tensors(names, unit_fused(parts.modules, cfg.model.layers), reader.entries)
     # Plan the shards from the header, in the file's order (so that reading is one pass), then write them one
-    # tensor at a time: never more than a tensor in memory.
+    # tensor at a time: never more than a tensor (a fused one and its parts) in memory.
     shards: list[list[VariableSpec]] = [[]]
     size = total = 0
-    for name in sorted(names, key=lambda n: reader.entries[n].begin):
-        spec = VariableSpec(name, reader.entries[name].shape, torch_dtype)
+    for hf_name in sorted(outputs, key=lambda n: reader.entries[outputs[n][1][0]].begin):
+        spec = VariableSpec(hf_name, outputs[hf_name][2], torch_dtype)
         nbytes = math.prod(spec.shape) * torch_dtype.itemsize
         if shards[-1] and size + nbytes > shard_bytes:
             shards.append([])
@@ -196,12 +207,16 @@ def export_hf(path: str | Path, out: str | Path, hooks: PluginHooks, shard_bytes
 
         for i, shard in enumerate(shards, start=1):
             file = WEIGHTS if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            specs = [VariableSpec(names[s.name], s.shape, s.dtype) for s in shard]
-            with SafetensorsWriter(tmp / file, specs, {"format": "pt"}) as writer:
+            with SafetensorsWriter(tmp / file, shard, {"format": "pt"}) as writer:
                 for spec in shard:
-                    writer.write(names[spec.name], exported(spec.name).to(torch_dtype))
+                    fused, sources, _ = outputs[spec.name]
+                    if fused is None:
+                        tensor = exported(sources[0])
+                    else:
+                        tensor = stack_rows(fused, {names[n]: exported(n) for n in sources})
+                    writer.write(spec.name, tensor.to(torch_dtype))
                 writer.close()
-            weight_map.update({names[s.name]: file for s in shard})
+            weight_map.update({s.name: file for s in shard})
         reader.finish()  # raises if the weights read were not the checkpoint's: nothing is left behind
         if len(shards) > 1:
             (tmp / "model.safetensors.index.json").write_text(
@@ -211,3 +226,20 @@ def export_hf(path: str | Path, out: str | Path, hooks: PluginHooks, shard_bytes
                 (tmp / name).write_bytes(data)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
     return Path(out)
+
+
+def written_tensors(names: dict[str, str], fused: dict, entries: dict) -> dict[str, tuple]:
+    """``{hf_name: (fused, sources, shape)}`` of every tensor an export writes: ``fused`` the
+    :class:`~ipuft.components.FusedRows` it stacks (None for a plain one), ``sources`` the ``"<unit>.<variable>"``
+    names it is written from (its parts in row order), ``shape`` its shape (from the checkpoint's ``entries``)."""
+    by_hf = {hf: name for name, hf in names.items()}
+    stacked = {p: f for group in fused.values() for f in group for p in f.parts}
+    out: dict[str, tuple] = {}
+    for name, hf in names.items():
+        if hf not in stacked:
+            out[hf] = (None, [name], tuple(entries[name].shape))
+        elif (f := stacked[hf]).name not in out:
+            sources = [by_hf[p] for p in f.parts]
+            shapes = [tuple(entries[n].shape) for n in sources]
+            out[f.name] = (f, sources, (sum(s[0] for s in shapes), *shapes[0][1:]))
+    return out

@@ -20,7 +20,7 @@ from ipuft.errors import CheckpointError, ConfigError, PluginError, described, s
 from ipuft.families import HFConfigError, ModelFamily, ModelFamilyRegistry, check_config_fields, config_int
 from ipuft.io.checkpoint import checked
 from ipuft.io.files import read_json, read_text, require_regular
-from ipuft.io.hf_names import unit_mappings
+from ipuft.io.hf_names import split_rows, unit_fused, unit_mappings
 
 _CONFIG_LIMIT = 1 << 20  # bytes; a config.json is a few kB
 
@@ -309,9 +309,11 @@ class HFWeights:
         """The highest decoder layer these weights hold, as the decoder component names its tensors
         (``modules["decoder"].hf_mapping``), and one tensor of it; None if they hold none."""
         sentinel = "1000000007"  # a layer index no name holds otherwise: where a name carries its layer
+        decoder = modules["decoder"]
+        fused = decoder.hf_fused(int(sentinel)) if hasattr(decoder, "hf_fused") else ()
         patterns = {re.compile(re.escape(before) + r"(\d+)" + re.escape(after))
-                    for hf in modules["decoder"].hf_mapping(int(sentinel)).values() if sentinel in hf
-                    for before, _, after in [hf.partition(sentinel)]}
+                    for hf in [*decoder.hf_mapping(int(sentinel)).values(), *(f.name for f in fused)]
+                    if sentinel in hf for before, _, after in [hf.partition(sentinel)]}
         found = [(int(m.group(1)), name) for name in self.files for p in patterns if (m := p.fullmatch(name))]
         return max(found) if found else None
 
@@ -332,17 +334,35 @@ def hf_initializer(directory: str | Path, modules, layers: int,
                               f"config.json names {layers} layers; config.json must describe all the weights "
                               f"(their first {layers} layers alone are another model)")
 
+    fused = unit_fused(modules, layers)
+
     def initial(unit: str, specs: list[VariableSpec]) -> dict[str, torch.Tensor]:
         hf_names = mappings[unit]
+        parts = split_parts(unit, specs)
+        available = parts.keys() | weights.files.keys()
         out = {}
         for spec in specs:
             if spec.name in hf_names:
-                out[spec.name] = checked(spec, hf_names[spec.name], weights, weights.get, source)
+                out[spec.name] = checked(spec, hf_names[spec.name], available,
+                                         lambda n: parts[n] if n in parts else weights.get(n), source)
             elif spec.added:
                 out.update(initial_values(unit, [spec], seed))
             else:
                 raise PluginError(f"{source}: {unit}.{spec.name} has no Hugging Face name (the component's "
                                   f"hf_mapping) and is not marked added, so it cannot start from this checkpoint")
         return out
+
+    def split_parts(unit: str, specs: list[VariableSpec]) -> dict[str, torch.Tensor]:
+        """The unit's variables that the checkpoint holds stacked in one tensor, by Hugging Face name."""
+        shapes = {mappings[unit][s.name]: s.shape for s in specs if s.name in mappings[unit]}
+        parts: dict[str, torch.Tensor] = {}
+        for tensor in fused[unit]:
+            if lacking := [p for p in tensor.parts if p not in shapes]:
+                raise PluginError(f"{source}: {unit}'s component stacks {lacking[0]} into {tensor.name} "
+                                  f"(hf_fused), but none of its variables has that name (hf_mapping)")
+            if tensor.name not in weights:
+                raise CheckpointError(f"{source} lacks {tensor.name}: it is of another model")
+            parts.update(split_rows(tensor, weights.get(tensor.name), shapes, source))
+        return parts
 
     return initial

@@ -1,4 +1,6 @@
-"""Hugging Face parameter names ↔ ipuft units, through each component's own ``hf_mapping``.
+"""Hugging Face parameter names ↔ ipuft units, through each component's own ``hf_mapping``, and the tensors
+that stack several of a unit's variables (its optional ``hf_fused``, :class:`~ipuft.components.FusedRows`),
+split at import and stacked again at export.
 
 Generic machinery only: the names themselves live in the component plugins.
 """
@@ -8,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from ipuft.components import FusedRows
 from ipuft.program import Unit
 
 if TYPE_CHECKING:
@@ -29,6 +32,53 @@ def unit_mappings(modules: Mapping[str, torch.nn.Module], layers: int) -> dict[U
     return out
 
 
+def unit_fused(modules: Mapping[str, torch.nn.Module], layers: int) -> dict[Unit, tuple[FusedRows, ...]]:
+    """For every unit, the Hugging Face tensors that stack several of its variables (its component's
+    ``hf_fused(layer)``; none where the component has no such method)."""
+    def fused(role: str, layer: int | None) -> tuple[FusedRows, ...]:
+        module = modules[role]
+        return tuple(module.hf_fused(layer)) if hasattr(module, "hf_fused") else ()
+
+    out = {Unit("embeddings"): fused("embeddings", None)}
+    for n in range(layers):
+        out[Unit("decoder", n)] = fused("decoder", n)
+    out[Unit("head")] = fused("head", None)
+    return out
+
+
+def file_names(names: set[str], fused: tuple[FusedRows, ...]) -> set[str]:
+    """Hugging Face names ``names`` as the files hold them: each fused tensor's parts replaced by the tensor."""
+    parts = {p for f in fused for p in f.parts}
+    return (names - parts) | {f.name for f in fused if set(f.parts) <= names}
+
+
+def split_rows(fused: FusedRows, tensor: torch.Tensor, shapes: Mapping[str, tuple[int, ...]],
+               source: str) -> dict[str, torch.Tensor]:
+    """Fused ``tensor`` cut into its parts (each a copy, of its shape in ``shapes``); one line naming it (after
+    ``source``) when its shape is not the parts' rows stacked."""
+    from ipuft.errors import CheckpointError
+
+    rows = [shapes[p][0] for p in fused.parts]
+    rest = {tuple(shapes[p][1:]) for p in fused.parts}
+    expected = (sum(rows), *next(iter(rest)))
+    if len(rest) != 1 or tuple(tensor.shape) != expected or any(r % fused.groups for r in rows):
+        sizes = " + ".join(f"{p.rsplit('.', 2)[-2] if '.' in p else p} {r}" for p, r in zip(fused.parts, rows))
+        raise CheckpointError(f"{source}: {fused.name} has shape {tuple(tensor.shape)}, the model expects "
+                              f"{expected} ({sizes} rows{f' in {fused.groups} groups' if fused.groups > 1 else ''})")
+    blocks = tensor.reshape(fused.groups, -1, *expected[1:])
+    pieces = blocks.split([r // fused.groups for r in rows], dim=1)
+    return {p: piece.reshape(shapes[p]).clone() for p, piece in zip(fused.parts, pieces)}
+
+
+def stack_rows(fused: FusedRows, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The fused tensor of parts ``tensors`` (by Hugging Face name): the inverse of :func:`split_rows`."""
+    import torch
+
+    parts = [tensors[p] for p in fused.parts]
+    blocks = [t.reshape(fused.groups, -1, *t.shape[1:]) for t in parts]
+    return torch.cat(blocks, dim=1).reshape(-1, *parts[0].shape[1:])
+
+
 def export_names(modules: Mapping[str, torch.nn.Module], variables: Mapping[str, list], cfg: DictConfig,
                  family: ModelFamily) -> dict[str, str]:
     """``{"<unit>.<variable>": hf_name}`` of every variable an export writes, after checking that the result is
@@ -48,6 +98,7 @@ def export_names(modules: Mapping[str, torch.nn.Module], variables: Mapping[str,
                               f"(it sets hf_exportable = False)")
     names: dict[str, str] = {}
     owner: dict[str, str] = {}
+    fused = unit_fused(modules, layers)
     for unit, mapping in unit_mappings(modules, layers).items():
         role = unit.role
         for spec in variables[role]:
@@ -64,8 +115,13 @@ def export_names(modules: Mapping[str, torch.nn.Module], variables: Mapping[str,
                                   f"would overwrite the other")
             owner[hf] = f"{unit}.{local}"
             names[f"{unit}.{local}"] = hf
+        for tensor in fused[unit]:
+            if lacking := [p for p in tensor.parts if p not in mapping.values()]:
+                raise PluginError(f"model.{role}: {type(modules[role]).__name__}'s hf_fused stacks {lacking[0]} into "
+                                  f"{tensor.name}, but no variable of {unit} has that name (hf_mapping)")
+    written = file_names(set(owner), tuple(f for group in fused.values() for f in group))
     expected = family.parameter_names(cfg)
-    missing, foreign = sorted(expected - set(owner)), sorted(set(owner) - expected)
+    missing, foreign = sorted(expected - written), sorted(written - expected)
     if missing or foreign:
         what = f"lacks {', '.join(missing[:3])}" if missing else f"has {', '.join(foreign[:3])}, not {kind}'s"
         raise PluginError(f"the export would not be a complete {kind}: it {what}"

@@ -130,6 +130,13 @@ class GPTJDecoderBlock(nn.Module):
                       "mlp.fc_in.bias": Init("zeros"), "mlp.fc_out.bias": Init("zeros")})
         return specs_from_module(self, inits)
 
+    @property
+    def projections(self) -> dict[str, str]:
+        """Each shared projection name and its module's path, for adapters (``plugins.lora.targets``): GPT-J's
+        MLP is ``fc_in`` (up) and ``fc_out`` (down), without a gate."""
+        return {"q": "attn.q_proj", "k": "attn.k_proj", "v": "attn.v_proj", "o": "attn.out_proj",
+                "up": "mlp.fc_in", "down": "mlp.fc_out"}
+
     def hf_config(self) -> dict:
         """This block's part of a Hugging Face config.json."""
         return {"activation_function": "gelu_new"}

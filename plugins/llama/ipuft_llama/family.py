@@ -1,11 +1,12 @@
-"""The Hugging Face families of the Llama architecture: ``llama``, ``mistral`` and ``qwen2``.
+"""The Hugging Face families of the Llama architecture, each made from its :class:`Description`.
 
-They share the components (:mod:`ipuft_llama.modules`) and differ in their config.json: Mistral may set a
-``sliding_window`` and an explicit ``head_dim``; Qwen2 always has q/k/v biases and a ``use_sliding_window``
-switch; Llama has ``attention_bias``, ``mlp_bias`` and Llama 3.1's ``rope_scaling``. Each reads its
-config.json into ipuft's keys (the shared shapes under ``model``, the rest under ``plugins.llama``) and writes
-it back for an export; what ipuft does not run (tied embeddings, MLP biases, an active sliding window,
-another activation) is refused in one line. This module imports no torch.
+:func:`read_config` reads a family's config.json into ipuft's keys (the shared shapes under ``model``, the
+rest under ``plugins.llama``), :func:`write_config` writes them back for an export of a model from scratch,
+and :func:`parameter_names` lists a complete model's weights; all three follow the description, so a family is
+a :class:`~ipuft_llama.description.Description` and :func:`family` makes its
+:class:`ipuft.families.ModelFamily`. What ipuft does not run (an activation or rope scaling it lacks, attention
+dropout, a key of :attr:`Description.refused` with another value) is refused in one line. This module
+imports no torch.
 """
 
 from __future__ import annotations
@@ -17,27 +18,24 @@ from omegaconf import DictConfig
 
 from ipuft.errors import shown
 from ipuft.families import HFConfigError, ModelFamily, config_flag, config_float, config_int
+from ipuft_llama.description import BY_TYPE, DESCRIPTIONS, FULL, NORMS, SLIDING, Description
 
 NAME = "llama"  # the component name of every role
 SECTION = "llama"  # plugins.llama
 
 _ROPE_TYPES = ("llama3", "linear")
-# transformers' defaults where config.json lacks the key (MistralConfig, Qwen2Config); LlamaConfig has none.
-_KV_HEADS_DEFAULT = {"mistral": 8, "qwen2": 32}
-_WINDOW_DEFAULT = {"mistral": 4096, "qwen2": 4096}
-
 
 # The largest rope scaling factor ipuft takes: real ones are 2 to 64; beyond this every frequency is ~0.
 MAX_ROPE_FACTOR = 1e4
 
 
-def _rope(config: Mapping) -> tuple[float, dict[str, Any] | None]:
+def _rope(config: Mapping, default_theta: float = 10000.0) -> tuple[float, dict[str, Any] | None]:
     """The rotary base and ``plugins.llama.rope_scaling`` (null, Llama 3.1's ``llama3`` scaling, or ``linear``
     position interpolation), as transformers 5 reads them from a config.json that may hold the older
     ``rope_theta`` and ``rope_scaling`` (the Hub's checkpoints), the one ``rope_parameters`` object transformers 5
     writes, or both: a non-empty ``rope_scaling`` replaces ``rope_parameters`` whole; the chosen object's
-    ``rope_theta`` wins over the top-level ``rope_theta``, which wins over 10000; its ``rope_type`` (or ``type``)
-    defaults to ``default``; Llama 3.1's ``original_max_position_embeddings`` defaults to
+    ``rope_theta`` wins over the top-level ``rope_theta``, which wins over ``default_theta``; its ``rope_type``
+    (or ``type``) defaults to ``default``; Llama 3.1's ``original_max_position_embeddings`` defaults to
     ``max_position_embeddings``."""
     key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
     params = config.get(key)
@@ -48,7 +46,7 @@ def _rope(config: Mapping) -> tuple[float, dict[str, Any] | None]:
     if params.get("rope_theta") is not None:
         theta = config_float(params, "rope_theta")
     else:
-        theta = config_float(config, "rope_theta", 10000.0)
+        theta = config_float(config, "rope_theta", default_theta)
     return theta, _rope_scaling(params, key, config)
 
 
@@ -73,14 +71,74 @@ def _rope_scaling(scaling: dict, key: str, config: Mapping) -> dict[str, Any] | 
     return out
 
 
-def read_config(config: Mapping, model_type: str) -> dict[str, Any]:
-    """A Llama-architecture config.json as ipuft config keys, every value checked."""
+def _layer_ropes(config: Mapping, d: Description) -> tuple[float, dict | None, float | None]:
+    """The global layers' rotary base and scaling, and the sliding layers' own base (None: the same rotary).
+    With :attr:`Description.local_rope`, transformers 5's ``rope_parameters`` has one object per layer type;
+    a Hub config.json has ``rope_theta``, ``rope_scaling`` (the global layers') and ``rope_local_base_freq``."""
+    default_theta = d.defaults.get("rope_theta", 10000.0)
+    if not d.local_rope:
+        return (*_rope(config, default_theta), None)
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and FULL in params and not config.get("rope_scaling"):
+        local = params.get(SLIDING) or {}
+        theta, scaling = _rope({"rope_parameters": params[FULL], "rope_theta": config.get("rope_theta"),
+                                "max_position_embeddings": config.get("max_position_embeddings")}, default_theta)
+        if not isinstance(local, dict) or local.get("rope_type", "default") != "default":
+            raise HFConfigError(f"rope_parameters.{SLIDING} must be a default rope (a rope_theta), got "
+                                f"{shown(local)}")
+        return theta, scaling, config_float(local, "rope_theta", d.defaults.get("rope_local_base_freq", 10000.0))
+    theta, scaling = _rope(config, default_theta)
+    return theta, scaling, config_float(config, "rope_local_base_freq", d.defaults.get("rope_local_base_freq"))
+
+
+def _biases(config: Mapping, d: Description) -> tuple[bool, bool, bool]:
+    """q/k/v, output and MLP biases."""
+    if d.attention_bias == "qkv":  # Qwen2's attention always has q/k/v biases, never an output bias
+        qkv, out = True, False
+    elif d.attention_bias == "key":
+        qkv = out = config_flag(config, "attention_bias", False)
+    else:
+        qkv = out = False
+    mlp = config_flag(config, "mlp_bias", False)
+    if mlp and not d.mlp_bias:
+        raise HFConfigError(f"mlp_bias=true: {d.title}'s MLP has no biases in transformers; ipuft runs none")
+    return qkv, out, mlp
+
+
+def _refused(config: Mapping, d: Description) -> None:
+    """One line for a key whose value changes the arithmetic in a way ipuft does not run."""
+    act = config.get(d.activation_key, d.activations[0])
+    if act not in d.activations:
+        mlp = "SwiGLU" if d.activations == ("silu",) else "gated"
+        raise HFConfigError(f"{d.activation_key} {str(act)[:40]!r}: ipuft runs {d.model_type}'s {mlp} MLP with "
+                            f"{' or '.join(d.activations)} only")
+    if config.get("attention_dropout") not in (None, 0, 0.0):
+        raise HFConfigError(f"attention_dropout={str(config['attention_dropout'])[:40]}: ipuft's Llama attention "
+                            f"has no dropout (model.dropout_prob drops the residual branches instead); set it to 0")
+    for key, values in d.refused.items():
+        if config.get(key) not in values:
+            ran = ", ".join("null" if v is None else str(v).lower() for v in values)
+            raise HFConfigError(f"{key}={str(config[key])[:40]}: ipuft runs {d.title} with {key} {ran} only")
+
+
+def _float_or_none(config: Mapping, key: str, default: Any) -> float | None:
+    return None if config.get(key, default) is None else config_float({key: config.get(key, default)}, key)
+
+
+def described(d: Description | str) -> Description:
+    """``d``, or the description of model_type ``d``."""
+    return BY_TYPE[d] if isinstance(d, str) else d
+
+
+def read_config(config: Mapping, d: Description | str) -> dict[str, Any]:
+    """A config.json of family ``d`` (a description or its model_type) as ipuft config keys, every value
+    checked."""
+    d = described(d)
+    config = {**{k: v for k, v in d.defaults.items() if k not in config}, **config}
     hidden = config_int(config, "hidden_size")
     heads = config_int(config, "num_attention_heads")
-    # Absent, num_key_value_heads and sliding_window take their transformers config class's defaults (null: all
-    # heads, no window).
-    kv_default = _KV_HEADS_DEFAULT.get(model_type, heads) if "num_key_value_heads" not in config else heads
-    kv_heads = config_int(config, "num_key_value_heads", kv_default)
+    layers = config_int(config, "num_hidden_layers")
+    kv_heads = config_int(config, "num_key_value_heads", heads)
     if hidden % heads and config.get("head_dim") is None:
         raise HFConfigError(f"num_attention_heads={heads} does not divide hidden_size={hidden} and no head_dim "
                             f"is given")
@@ -89,25 +147,15 @@ def read_config(config: Mapping, model_type: str) -> dict[str, Any]:
         raise HFConfigError(f"num_key_value_heads={kv_heads} does not divide num_attention_heads={heads}")
     if head_dim % 2:
         raise HFConfigError(f"head_dim={head_dim} must be even for rotary embeddings")
-    act = config.get("hidden_act", "silu")
-    if act != "silu":
-        raise HFConfigError(f"hidden_act {str(act)[:40]!r}: ipuft runs {model_type}'s SwiGLU MLP with silu only")
-    if config_flag(config, "mlp_bias", False):
-        raise HFConfigError("mlp_bias=true: ipuft's Llama MLP has no biases")
-    window = config.get("sliding_window", _WINDOW_DEFAULT.get(model_type))
-    if model_type == "qwen2":
-        qkv_bias, out_bias = True, False  # Qwen2's attention always has q/k/v biases, never an output bias
-        window = window if config_flag(config, "use_sliding_window", False) else None
-    else:
-        qkv_bias = out_bias = config_flag(config, "attention_bias", False)
-    if window is not None:
-        window = config_int({"sliding_window": window}, "sliding_window")
-    if config.get("attention_dropout") not in (None, 0, 0.0):
-        raise HFConfigError(f"attention_dropout={str(config['attention_dropout'])[:40]}: ipuft's Llama attention "
-                            f"has no dropout (model.dropout_prob drops the residual branches instead); set it to 0")
-    theta, scaling = _rope(config)
+    _refused(config, d)
+    qkv_bias, out_bias, mlp_bias = _biases(config, d)
+    window, types = d.layer_types(config, layers)
+    theta, scaling, local_theta = _layer_ropes(config, d)
+    if types is None or SLIDING not in types:
+        local_theta = None  # no sliding layer reads it
+    section = f"plugins.{SECTION}"
     return {
-        "model.layers": config_int(config, "num_hidden_layers"),
+        "model.layers": layers,
         "model.hidden_size": hidden,
         "model.intermediate_size": config_int(config, "intermediate_size"),
         "model.attention.heads": heads,
@@ -116,12 +164,32 @@ def read_config(config: Mapping, model_type: str) -> dict[str, Any]:
         "model.embedding.vocab_size": config_int(config, "vocab_size"),
         "model.layer_norm_epsilon": config_float(config, "rms_norm_eps", 1e-6, high=1.0),
         "model.tie_embeddings": config_flag(config, "tie_word_embeddings", False),
-        f"plugins.{SECTION}.kv_heads": kv_heads,
-        f"plugins.{SECTION}.head_dim": head_dim,
-        f"plugins.{SECTION}.qkv_bias": qkv_bias,
-        f"plugins.{SECTION}.output_bias": out_bias,
-        f"plugins.{SECTION}.sliding_window": window,
-        f"plugins.{SECTION}.rope_scaling": scaling,
+        f"{section}.kv_heads": kv_heads,
+        f"{section}.head_dim": head_dim,
+        f"{section}.qkv_bias": qkv_bias,
+        f"{section}.output_bias": out_bias,
+        f"{section}.sliding_window": window,
+        f"{section}.rope_scaling": scaling,
+        **_block_keys(config, d, mlp_bias, types, local_theta),
+    }
+
+
+def _block_keys(config: Mapping, d: Description, mlp_bias: bool, types: list[str] | None,
+                local_theta: float | None) -> dict[str, Any]:
+    """The ``plugins.llama`` options beyond the shapes: what the description fixes and what config.json sets."""
+    section = f"plugins.{SECTION}"
+    scalar = _float_or_none(config, "query_pre_attn_scalar", None) if d.query_pre_attn_scalar else None
+    return {
+        **{f"{section}.{k}": v for k, v in d.block_options().items()},
+        f"{section}.mlp_bias": mlp_bias,
+        f"{section}.activation": config.get(d.activation_key, d.activations[0]),
+        f"{section}.query_pre_attn_scalar": scalar,
+        f"{section}.attn_logit_softcap": _float_or_none(config, "attn_logit_softcapping", None)
+        if d.attn_softcap else None,
+        f"{section}.final_logit_softcap": _float_or_none(config, "final_logit_softcapping", None)
+        if d.final_softcap else None,
+        f"{section}.layer_types": types,
+        f"{section}.local_rope_theta": local_theta,
     }
 
 
@@ -137,9 +205,26 @@ def kv_heads(cfg: DictConfig) -> int:
     return cfg.model.attention.heads if kv is None else kv
 
 
-def write_config(cfg: DictConfig, model_type: str) -> dict[str, Any]:
-    """The run's config as a Llama-architecture config.json (the inverse of :func:`read_config`)."""
+def _scaling(options: DictConfig) -> dict | None:
+    return None if options.rope_scaling is None else {
+        k: v for k, v in dict(options.rope_scaling).items() if v is not None}
+
+
+def _rope_keys(cfg: DictConfig, d: Description) -> dict[str, Any]:
+    options = cfg.plugins[SECTION]
+    theta = float(cfg.model.attention.rotary_positional_embeddings_base)
+    if not d.local_rope:
+        return {"rope_theta": theta, "rope_scaling": _scaling(options)}
+    local = options.local_rope_theta if options.local_rope_theta is not None else theta
+    full = {"rope_type": "default", **(_scaling(options) or {}), "rope_theta": theta}
+    return {"rope_parameters": {FULL: full, SLIDING: {"rope_type": "default", "rope_theta": float(local)}}}
+
+
+def write_config(cfg: DictConfig, d: Description | str) -> dict[str, Any]:
+    """The run's config as a config.json of family ``d`` (the inverse of :func:`read_config`)."""
+    d = described(d)
     m, options = cfg.model, cfg.plugins[SECTION]
+    types = None if options.layer_types is None else list(options.layer_types)
     out: dict[str, Any] = {
         "hidden_size": m.hidden_size,
         "intermediate_size": m.intermediate_size,
@@ -147,56 +232,78 @@ def write_config(cfg: DictConfig, model_type: str) -> dict[str, Any]:
         "num_attention_heads": m.attention.heads,
         "num_key_value_heads": kv_heads(cfg),
         "head_dim": head_dim(cfg),
-        "hidden_act": "silu",
+        d.activation_key: options.activation,
         "max_position_embeddings": max(m.sequence_length, 2048),
         "rms_norm_eps": m.layer_norm_epsilon,
-        "rope_theta": float(m.attention.rotary_positional_embeddings_base),
-        "rope_scaling": None if options.rope_scaling is None else {
-            k: v for k, v in dict(options.rope_scaling).items() if v is not None},
+        **_rope_keys(cfg, d),
         "vocab_size": m.embedding.vocab_size,
         "tie_word_embeddings": bool(m.tie_embeddings),
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
         "use_cache": True,
+        **d.layer_types.write(options.sliding_window, types, m.layers),
+        **d.written,
     }
-    if model_type == "qwen2":
-        out.update(use_sliding_window=options.sliding_window is not None,
-                   sliding_window=options.sliding_window, max_window_layers=m.layers)
-    elif model_type == "mistral":
-        out["sliding_window"] = options.sliding_window
-    else:
-        out.update(attention_bias=options.qkv_bias, mlp_bias=False)
+    if d.attention_bias == "key":
+        out["attention_bias"] = options.qkv_bias
+    if d.mlp_bias:
+        out["mlp_bias"] = options.mlp_bias
+    if d.query_pre_attn_scalar:
+        out["query_pre_attn_scalar"] = options.query_pre_attn_scalar
+    if d.attn_softcap:
+        out["attn_logit_softcapping"] = options.attn_logit_softcap
+    if d.final_softcap:
+        out["final_logit_softcapping"] = options.final_logit_softcap
     return out
 
 
-def check_options(cfg: DictConfig, model_type: str) -> None:
-    """What an export as ``model_type`` cannot say: Llama's one ``attention_bias`` covers q/k/v and the output
-    together, Mistral has none, Qwen2 has q/k/v biases only."""
-    options = cfg.plugins[SECTION]
+def check_options(cfg: DictConfig, d: Description | str) -> None:
+    """What an export as family ``d`` cannot say: biases its config.json has no key for (Llama's one
+    ``attention_bias`` covers q/k/v and the output together, Mistral has none, Qwen2 has q/k/v biases only),
+    and block options other than the family's."""
+    d, options = described(d), cfg.plugins[SECTION]
     biases = (options.qkv_bias, options.output_bias)
-    allowed = {"llama": ((False, False), (True, True)), "mistral": ((False, False),), "qwen2": ((True, False),)}
-    if biases not in allowed[model_type]:
+    allowed = {"key": ((False, False), (True, True)), "none": ((False, False),), "qkv": ((True, False),)}
+    if biases not in allowed[d.attention_bias]:
         raise HFConfigError(f"plugins.llama.qkv_bias={options.qkv_bias} with output_bias={options.output_bias} "
-                            f"cannot be written as a {model_type} config.json")
+                            f"cannot be written as a {d.model_type} config.json")
+    fixed = {**d.block_options(), **({} if d.mlp_bias else {"mlp_bias": False}),
+             **({} if d.query_pre_attn_scalar else {"query_pre_attn_scalar": None}),
+             **({} if d.attn_softcap else {"attn_logit_softcap": None}),
+             **({} if d.final_softcap else {"final_logit_softcap": None}),
+             **({} if d.local_rope else {"local_rope_theta": None})}
+    for key, value in fixed.items():
+        if options[key] != value:
+            raise HFConfigError(f"plugins.llama.{key}={options[key]} cannot be written as a {d.model_type} "
+                                f"config.json (its {d.title} models have {value})")
+    if options.activation not in d.activations:
+        raise HFConfigError(f"plugins.llama.activation={options.activation} cannot be written as a {d.model_type} "
+                            f"config.json ({' or '.join(d.activations)})")
+
+
+def layer_names(options: DictConfig) -> list[str]:
+    """One layer's parameter names (local, and under ``model.layers.N.`` in a Hugging Face checkpoint)."""
+    names = [f"{n}.weight" for n in NORMS[options.norms] if n is not None]
+    names += [f"self_attn.{p}_proj.weight" for p in "qkvo"] + [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+    if options.qk_norm is not None:
+        names += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    if options.qkv_bias:
+        names += [f"self_attn.{p}_proj.bias" for p in "qkv"]
+    if options.output_bias:
+        names.append("self_attn.o_proj.bias")
+    if options.mlp_bias:
+        names += [f"mlp.{p}_proj.bias" for p in ("gate", "up", "down")]
+    return names
 
 
 def parameter_names(cfg: DictConfig) -> set[str]:
     """Every parameter name of a complete transformers model of this family and ``cfg``'s shapes."""
-    options = cfg.plugins[SECTION]
-    layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
-             "mlp.up_proj.weight", "mlp.down_proj.weight", "self_attn.o_proj.weight",
-             *(f"self_attn.{p}_proj.weight" for p in "qkv")]
-    if options.qkv_bias:
-        layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
-    if options.output_bias:
-        layer.append("self_attn.o_proj.bias")
+    layer = layer_names(cfg.plugins[SECTION])
     head = set() if cfg.model.tie_embeddings else {"lm_head.weight"}  # tied: the embeddings' table
     return {"model.embed_tokens.weight", "model.norm.weight", *head,
             *(f"model.layers.{n}.{name}" for n in range(cfg.model.layers) for name in layer)}
 
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-_TITLES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
 # The config.json key behind each ipuft key read_config sets (for messages).
 SOURCE_KEYS = {
     "model.layers": "num_hidden_layers", "model.hidden_size": "hidden_size",
@@ -206,36 +313,48 @@ SOURCE_KEYS = {
     "model.tie_embeddings": "tie_word_embeddings",
     f"plugins.{SECTION}.kv_heads": "num_key_value_heads", f"plugins.{SECTION}.head_dim": "head_dim",
     f"plugins.{SECTION}.rope_scaling": "rope_scaling", f"plugins.{SECTION}.sliding_window": "sliding_window",
+    f"plugins.{SECTION}.mlp_bias": "mlp_bias", f"plugins.{SECTION}.layer_types": "layer_types",
+    f"plugins.{SECTION}.query_pre_attn_scalar": "query_pre_attn_scalar",
+    f"plugins.{SECTION}.attn_logit_softcap": "attn_logit_softcapping",
+    f"plugins.{SECTION}.final_logit_softcap": "final_logit_softcapping",
+    f"plugins.{SECTION}.local_rope_theta": "rope_local_base_freq",
 }
 
+# The plugins.llama options that make a model what it is (beside the shapes under model).
+OPTION_KEYS = ("kv_heads", "head_dim", "qkv_bias", "output_bias", "sliding_window", "rope_scaling", "mlp_bias",
+               "activation", "norms", "norm_offset", "norm_gain_float32", "qk_norm", "embedding_scale",
+               "query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "layer_types",
+               "local_rope_theta")
 
 # Every key read_config sets: a checkpoint of the family fixes them (ipuft.config.identity).
 MODEL_KEYS = (
     "model.layers", "model.hidden_size", "model.intermediate_size", "model.attention.heads",
     "model.attention.rotary_dim", "model.attention.rotary_positional_embeddings_base", "model.embedding.vocab_size",
-    "model.layer_norm_epsilon", *(f"plugins.{SECTION}.{key}" for key in (
-        "kv_heads", "head_dim", "qkv_bias", "output_bias", "sliding_window", "rope_scaling")),
+    "model.layer_norm_epsilon", *(f"plugins.{SECTION}.{key}" for key in OPTION_KEYS),
 )  # fmt: skip
 
 
-def family(model_type: str) -> ModelFamily:
+def family(d: Description) -> ModelFamily:
+    """The :class:`ipuft.families.ModelFamily` of description ``d``: the ``llama`` components, config.json read
+    and written as ``d`` says."""
+
     def write(cfg: DictConfig) -> dict[str, Any]:
-        check_options(cfg, model_type)
-        return write_config(cfg, model_type)
+        check_options(cfg, d)
+        return write_config(cfg, d)
 
     return ModelFamily(
-        model_type=model_type,
-        title=_TITLES[model_type],
-        architecture=_ARCHITECTURES[model_type],
+        model_type=d.model_type,
+        title=d.title,
+        architecture=d.architecture,
         components={"embeddings": NAME, "decoder": NAME, "head": NAME},
-        read_config=lambda config: read_config(config, model_type),
+        read_config=lambda config: read_config(config, d),
         write_config=write,
         parameter_names=parameter_names,
         source_keys=SOURCE_KEYS,
         positions_key="max_position_embeddings",
         model_keys=MODEL_KEYS,
-        description=f"{_TITLES[model_type]}: RMSNorm, rotate-half rotary, grouped-query attention, SwiGLU",
+        description=f"{d.title}: RMSNorm ({d.norms}), rotate-half rotary, grouped-query attention, gated MLP",
     )
 
 
-FAMILIES = [family(t) for t in _ARCHITECTURES]
+FAMILIES = [family(d) for d in DESCRIPTIONS]

@@ -8,8 +8,9 @@ checkpoint (``model.hf_checkpoint``) loads the base and starts each ``A`` as pef
 ``±1/√in``) and each ``B`` from zeros, so that the first step computes the base model.
 
 ``plugins.lora.targets`` names projections the way every family shares: ``q``, ``k``, ``v``, ``o`` (attention)
-and ``gate``, ``up``, ``down`` (MLP); :data:`TARGETS` maps them onto each decoder's modules (GPT-J has no
-``gate``; its ``up`` and ``down`` are ``fc_in`` and ``fc_out``).
+and ``gate``, ``up``, ``down`` (MLP); each decoder declares which of its modules they are (its ``projections``,
+see :mod:`ipuft.components`: GPT-J has no ``gate``; its ``up`` and ``down`` are ``fc_in`` and ``fc_out``), so a
+new family needs no edit here.
 
 ``ipuft export --hf`` merges the adapters into the base (``W + (alpha / rank) · B A``) and writes a plain model;
 ``ipuft export --adapter`` writes them in peft's format, for ``peft.PeftModel.from_pretrained(base, OUT)``.
@@ -37,13 +38,6 @@ if TYPE_CHECKING:
 
 NAME = "lora"
 SECTION = "lora"
-# For each decoder ipuft ships, each target's module in it (the projection's weight is ``<path>.weight``).
-TARGETS = {
-    "gptj": {"q": "attn.q_proj", "k": "attn.k_proj", "v": "attn.v_proj", "o": "attn.out_proj",
-             "up": "mlp.fc_in", "down": "mlp.fc_out"},
-    "llama": {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
-              "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"},
-}
 NAMES = ("q", "k", "v", "o", "gate", "up", "down")
 # Row-parallel projections (their input split over TP); the others are column-parallel.
 ROW_PARALLEL = ("o", "down")
@@ -75,14 +69,15 @@ def options(cfg: DictConfig) -> LoRAOptions:
     return LoRAOptions(o.rank, o.alpha, o.dropout, list(o.targets))
 
 
-def target_modules(cfg: DictConfig, decoder: str) -> dict[str, str]:
-    """Each target's module path in decoder ``decoder``; one line for a decoder LoRA does not know or a target
-    the family lacks."""
+def target_modules(cfg: DictConfig, decoder: str, module: nn.Module) -> dict[str, str]:
+    """Each target's module path in decoder ``decoder`` (``module``), from the projections it declares; one line
+    for a decoder that declares none or a target the family lacks."""
     o = options(cfg)
-    if decoder not in TARGETS:
-        raise ConfigError(f"model.adapter=lora adapts the {' and '.join(TARGETS)} decoders; model.decoder={decoder} "
-                          f"is not one of them (set model.adapter=null to train every weight)")
-    modules = TARGETS[decoder]
+    modules = getattr(module, "projections", None)
+    if not isinstance(modules, dict) or not modules:
+        raise ConfigError(f"model.adapter=lora adapts a decoder's projections, which model.decoder={decoder} does "
+                          f"not declare (its module has no projections; set model.adapter=null to train every "
+                          f"weight)")
     if lacking := [t for t in o.targets if t not in modules]:
         raise ConfigError(f"plugins.lora.targets: the {decoder} decoder has no {', '.join(lacking)} projection; "
                           f"choose among {', '.join(modules)}")
@@ -100,7 +95,7 @@ def ipuft_adapt_component(adapter: str, role: str, name: str, module: nn.Module,
     if role != "decoder":
         return freeze(module)
     o = options(cfg)
-    return add_adapters(module, target_modules(cfg, name), o, cfg.execution.tensor_parallel)
+    return add_adapters(module, target_modules(cfg, name, module), o, cfg.execution.tensor_parallel)
 
 
 @hookimpl

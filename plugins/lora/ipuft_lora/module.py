@@ -114,24 +114,82 @@ class LoRAComponent:
             out[f"{path}.weight"] = (weight.float() + self.lora_scale * delta).to(weight.dtype)
         return out
 
+    def _fused_targets(self, layer: int | None) -> dict:
+        """Each fused Hugging Face tensor (:class:`ipuft.components.FusedRows`, Phi-3's ``qkv_proj``) that holds a
+        targeted projection: its targeted paths, in row order. peft adapts the fused module as one."""
+        names = super().hf_mapping(layer)
+        fused = self.hf_fused(layer) if hasattr(self, "hf_fused") else ()
+        out = {}
+        for tensor in fused:
+            paths = [p for part in tensor.parts for p in self.lora_paths if names[f"{p}.weight"] == part]
+            if paths:
+                out[tensor] = paths
+        return out
+
     def peft_mapping(self, layer: int | None) -> dict[str, str]:
         """Each adapter's name in a peft adapter_model.safetensors: its projection's Hugging Face module under
-        ``base_model.model.``, then ``lora_A.weight`` or ``lora_B.weight``."""
+        ``base_model.model.``, then ``lora_A.weight`` or ``lora_B.weight``; the adapters of a fused tensor's parts
+        are written stacked instead (:meth:`peft_stacked`)."""
         names = super().hf_mapping(layer)
+        stacked = {p for paths in self._fused_targets(layer).values() for p in paths}
         out = {}
         for path in self.lora_paths:
+            if path in stacked:
+                continue
             module = names[f"{path}.weight"].removesuffix(".weight")
             out.update({f"{path}.lora_A": f"base_model.model.{module}.lora_A.weight",
                         f"{path}.lora_B": f"base_model.model.{module}.lora_B.weight"})
         return out
 
+    def peft_stacked(self, layer: int | None) -> dict[str, list[str]]:
+        """The peft tensors of the fused modules' adapters, each with the variables it is made of: one adapter
+        of rank ``m · rank`` on the fused module for its ``m`` targeted parts, ``A`` their A's stacked and ``B``
+        block-diagonal (each part's B at its rows and its A's columns, zeros elsewhere), so that ``B A x``
+        is every part's own update: exact, with ``lora_alpha`` scaled alike (``peft_config``'s patterns)."""
+        out = {}
+        for tensor, paths in self._fused_targets(layer).items():
+            module = f"base_model.model.{tensor.name.removesuffix('.weight')}"
+            out[f"{module}.lora_A.weight"] = [f"{p}.lora_A" for p in paths]
+            out[f"{module}.lora_B.weight"] = [f"{p}.lora_B" for p in paths]
+        return out
+
+    def peft_stack(self, layer: int | None, name: str, tensors: dict[str, torch.Tensor],
+                   shapes: dict[str, tuple[int, ...]]) -> torch.Tensor:
+        """peft tensor ``name`` of :meth:`peft_stacked` from its variables ``tensors``; ``shapes``: the unit's
+        variables' whole shapes (a part's rows, targeted or not)."""
+        names = super().hf_mapping(layer)
+        for tensor, paths in self._fused_targets(layer).items():
+            module = f"base_model.model.{tensor.name.removesuffix('.weight')}"
+            if name == f"{module}.lora_A.weight":
+                return torch.cat([tensors[f"{p}.lora_A"] for p in paths])
+            if name != f"{module}.lora_B.weight":
+                continue
+            local = {hf: n.removesuffix(".weight") for n, hf in names.items() if n.endswith(".weight")}
+            rows = [shapes[f"{local[part]}.weight"][0] for part in tensor.parts]
+            rank = self.lora_options.rank
+            first = tensors[f"{paths[0]}.lora_B"]
+            out = torch.zeros(sum(rows), rank * len(paths), dtype=first.dtype)
+            for i, path in enumerate(paths):
+                start = sum(rows[: tensor.parts.index(names[f"{path}.weight"])])
+                b = tensors[f"{path}.lora_B"]
+                out[start : start + b.shape[0], i * rank : (i + 1) * rank] = b
+            return out
+        raise KeyError(name)
+
     def peft_config(self) -> dict:
-        """The adapter's part of a peft adapter_config.json."""
+        """The adapter's part of a peft adapter_config.json: a fused module adapted for ``m`` of its parts has
+        rank ``m · rank`` and alpha ``m · alpha`` (``rank_pattern``, ``alpha_pattern``), its scale unchanged."""
         o = self.lora_options
+        modules = {p.rsplit(".", 1)[-1] for p in self.lora_paths}
+        ranks, alphas = {}, {}
+        for tensor, paths in self._fused_targets(0).items():
+            leaf = tensor.name.removesuffix(".weight").rsplit(".", 1)[-1]
+            modules = (modules - {p.rsplit(".", 1)[-1] for p in paths}) | {leaf}
+            ranks[leaf], alphas[leaf] = o.rank * len(paths), o.alpha * len(paths)
         return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": o.rank, "lora_alpha": o.alpha,
-                "lora_dropout": o.dropout, "target_modules": sorted({p.rsplit(".", 1)[-1] for p in self.lora_paths}),
-                "bias": "none", "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True,
-                "modules_to_save": None, "use_rslora": False, "use_dora": False}
+                "lora_dropout": o.dropout, "target_modules": sorted(modules), "rank_pattern": ranks,
+                "alpha_pattern": alphas, "bias": "none", "fan_in_fan_out": False, "init_lora_weights": True,
+                "inference_mode": True, "modules_to_save": None, "use_rslora": False, "use_dora": False}
 
 
 _CLASSES: dict[tuple[type, type], type] = {}
