@@ -222,3 +222,30 @@ def test_adamw8bit_weights_start_adamw_through_init_checkpoint(capsys, tmp_path,
     assert {t.dtype for t in state.values()} == {torch.float32}
     assert max(t.abs().max().item() for n, t in state.items() if n.endswith(".m")) < 1.0
     assert json.loads((next((out / "checkpoints").glob("step-*")) / "meta.json").read_text())["optimizer"] == "adamw"
+
+
+# -- Configs and templates through the CLI ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("base", ["/etc/hostname", "../outside", "../../../../../../etc/hostname"])
+def test_a_base_outside_the_presets_and_the_directory_is_one_line(capsys, tmp_path, base):
+    (tmp_path / "outside").write_text("training:\n  steps: 3\n")
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "a.yaml").write_text(f"base: {base}\n")
+    line = refused(capsys, tmp_path, "config", "show", "--config", str(tmp_path / "configs" / "a.yaml"))
+    assert line.startswith(f"--config {tmp_path / 'configs' / 'a.yaml'}: base {base}: unknown preset {base!r}; "
+                           f"presets: finetune, ")
+    assert line.endswith(f"(or a .yaml file inside {tmp_path / 'configs'})")
+
+
+def test_a_huge_format_width_in_training_is_one_line(capsys, tmp_path):
+    import json
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"instruction": "name a colour", "output": "red"}) + "\n")
+    line = refused(capsys, tmp_path, "train", "--config", "tiny", "data.format=instruction", f"data.path={data}",
+                   "data.tokenizer=sample", "data.cache=false", "model.embedding.vocab_size=512",
+                   "data.instruction_template=Q: {instruction:999999999} A: {output}", f"output_dir={tmp_path / 'run'}")
+    assert line == (f"{data} row 1: data.instruction_template renders past data.template_max_chars=16,777,216: its "
+                    f"format spec '999999999' asks for 999999999 characters; shorten the template or raise "
+                    f"data.template_max_chars")
