@@ -56,8 +56,8 @@ class LlamaOptions:
     output_bias: bool = False
     # null, or Llama 3.1's frequency scaling.
     rope_scaling: Optional[RopeScaling] = None
-    # Mistral's sliding-window attention: ipuft attends over the whole causal past, the same as long as
-    # model.sequence_length is at most the window (a longer sequence is refused).
+    # Mistral's (and Qwen2's use_sliding_window) sliding-window attention: each query sees the keys of its
+    # last sliding_window positions, itself included; null: every earlier position.
     sliding_window: Optional[int] = None
 
 
@@ -85,10 +85,10 @@ def _check(cfg: DictConfig) -> None:
     if heads % tp or m.intermediate_size % tp:
         raise ConfigError(f"execution.tensor_parallel={tp} must divide model.attention.heads={heads} and "
                           f"model.intermediate_size={m.intermediate_size}")
-    window = cfg.plugins[SECTION].sliding_window
-    if window is not None and m.sequence_length > window:
-        raise ConfigError(f"model.sequence_length={m.sequence_length} exceeds plugins.llama.sliding_window={window}: "
-                          f"ipuft attends over the whole causal past, so a sequence must fit in the window")
+    window = options.sliding_window
+    if window is not None and not 0 < window <= 1 << 24:
+        raise ConfigError(f"plugins.llama.sliding_window: must be a positive number of positions of at most "
+                          f"{1 << 24} (null: no window), got {window}")
     scaling = options.rope_scaling
     if scaling is not None:
         _check_rope_scaling(scaling)
@@ -136,7 +136,7 @@ def build_decoder(cfg: DictConfig) -> LlamaDecoderBlock:
         kv_heads=kv_heads(cfg), head_dim=head_dim(cfg), rms_norm_eps=m.layer_norm_epsilon,
         rope_theta=float(m.attention.rotary_positional_embeddings_base), rope_scaling=scaling,
         qkv_bias=options.qkv_bias, output_bias=options.output_bias, dropout_prob=m.dropout_prob,
-        tensor_parallel=cfg.execution.tensor_parallel)
+        tensor_parallel=cfg.execution.tensor_parallel, sliding_window=options.sliding_window)
 
 
 def build_head(cfg: DictConfig) -> LlamaLMHead:

@@ -79,7 +79,7 @@ class LlamaDecoderBlock(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, heads: int, kv_heads: int, head_dim: int,
                  rms_norm_eps: float = 1e-6, rope_theta: float = 10000.0, rope_scaling: dict | None = None,
                  qkv_bias: bool = False, output_bias: bool = False, dropout_prob: float = 0.0,
-                 tensor_parallel: int = 1) -> None:
+                 tensor_parallel: int = 1, sliding_window: int | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(hidden_size, rms_norm_eps)
         self.self_attn = CausalSelfAttention(hidden_size, heads, head_dim,
@@ -89,9 +89,11 @@ class LlamaDecoderBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden_size, rms_norm_eps)
         self.mlp = LlamaMLP(hidden_size, intermediate_size // tensor_parallel)
         self.dropout_prob = dropout_prob
+        self.sliding_window = sliding_window  # Mistral's: each query sees its last sliding_window positions
 
     def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None) -> torch.Tensor:
-        attn = reduce_from_tensor_parallel(self.self_attn(copy_to_tensor_parallel(self.input_layernorm(x)), cache))
+        attn = self.self_attn(copy_to_tensor_parallel(self.input_layernorm(x)), cache, window=self.sliding_window)
+        attn = reduce_from_tensor_parallel(attn)
         if self.self_attn.o_proj.bias is not None:
             attn = attn + self.self_attn.o_proj.bias
         h = x + F.dropout(attn, self.dropout_prob, self.training)
