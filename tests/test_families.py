@@ -300,3 +300,59 @@ def build_shapes(cfg, hooks) -> dict:
               for unit in unit_mappings(parts.modules, cfg.model.layers)}
     return {hf: shapes[unit][local] for unit, mapping in unit_mappings(parts.modules, cfg.model.layers).items()
             for local, hf in mapping.items()}
+
+
+# ---- sliding windows past the sequence: training, packed rows, generation ----
+
+WINDOWED = {"mistral": {"sliding_window": 5},
+            "qwen2": {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}}
+
+
+@pytest.mark.parametrize("kind", list(WINDOWED))
+def test_mistral_and_qwen2_windows_past_the_sequence_match_transformers(hooks, tmp_path, kind):
+    """A 5-token window on 16-token rows: Mistral's on every layer, Qwen2's from max_window_layers (1) on, as
+    transformers applies them; logits, loss and every gradient."""
+    hf, src = save_hf(tmp_path / kind, kind, seed=30, **WINDOWED[kind])
+    cfg = config(hooks, src)
+    assert cfg.plugins.llama.sliding_window == 5
+    assert cfg.plugins.llama.layer_types == (None if kind == "mistral" else ["full_attention", "sliding_attention"])
+    match_transformers(hooks, hf, src)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "gemma3_text"])
+def test_packed_rows_past_the_window_train_as_the_examples_one_per_row(hooks, tmp_path, kind):
+    """Rows packing examples of 2 to 16 tokens (most longer than the 5-token window) keep each example apart
+    and windowed: the loss, the gradient norm and every gradient of one step equal those of the examples one
+    per row, which equal transformers' (above)."""
+    from test_packed_attention import assert_same_step, first_step, one_per_row, packed_batch
+
+    extra = {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1} if kind == "qwen3" else {}
+    _, src = save_hf(tmp_path / kind, kind, seed=31, **extra)
+
+    def rows(n):
+        return config(hooks, src, f"execution.micro_batch_size={n}", f"training.global_batch_size={2 * n}")
+
+    reference = first_step(rows(5), hooks, one_per_row(101))
+    assert_same_step(first_step(rows(2), hooks, packed_batch(101)), reference, 1e-5)
+
+
+def test_greedy_generation_past_the_window_equals_transformers(capsys, hf_dirs):
+    """Gemma 3 from its directory: a 4-token prompt and 14 new tokens, well past the 5-token window of its
+    sliding layer (whose cache keeps only the window), decoded greedily as transformers' generate does."""
+    from cli_helpers import run_cli
+
+    from ipuft.data.tokenizer import load_tokenizer
+
+    hf, src = hf_dirs["gemma3_text"]
+    prompt = "w5 w17 w9 w40"
+    code, out, err = run_cli(capsys, "generate", "--checkpoint", str(src), "--max-new-tokens", "14", prompt)
+    assert code == 0, err
+    ids = torch.tensor([[5, 17, 9, 40]])
+    with torch.no_grad():
+        theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=14, do_sample=False,
+                             eos_token_id=2, pad_token_id=0)
+    new = theirs[0, 4:].tolist()
+    if 2 in new:
+        new = new[: new.index(2) + 1]
+    assert len(new) > 5  # past the window
+    assert out == prompt + load_tokenizer(str(src)).decode(new, skip_special_tokens=False) + "\n"
