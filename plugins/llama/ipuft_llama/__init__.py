@@ -59,6 +59,9 @@ class LlamaOptions:
     # Mistral's (and Qwen2's use_sliding_window) sliding-window attention: each query sees the keys of its
     # last sliding_window positions, itself included; null: every earlier position.
     sliding_window: Optional[int] = None
+    # Qwen2's max_window_layers: the layers below it attend over every earlier position, the others within
+    # sliding_window; null: every layer within it (Mistral).
+    max_window_layers: Optional[int] = None
 
 
 def _check(cfg: DictConfig) -> None:
@@ -89,6 +92,10 @@ def _check(cfg: DictConfig) -> None:
     if window is not None and not 0 < window <= 1 << 24:
         raise ConfigError(f"plugins.llama.sliding_window: must be a positive number of positions of at most "
                           f"{1 << 24} (null: no window), got {window}")
+    first = options.max_window_layers
+    if first is not None and first < 0:
+        raise ConfigError(f"plugins.llama.max_window_layers: must be a layer count >= 0 (null: every layer has the "
+                          f"window), got {first}")
     scaling = options.rope_scaling
     if scaling is not None:
         _check_rope_scaling(scaling)
@@ -136,7 +143,8 @@ def build_decoder(cfg: DictConfig) -> LlamaDecoderBlock:
         kv_heads=kv_heads(cfg), head_dim=head_dim(cfg), rms_norm_eps=m.layer_norm_epsilon,
         rope_theta=float(m.attention.rotary_positional_embeddings_base), rope_scaling=scaling,
         qkv_bias=options.qkv_bias, output_bias=options.output_bias, dropout_prob=m.dropout_prob,
-        tensor_parallel=cfg.execution.tensor_parallel, sliding_window=options.sliding_window)
+        tensor_parallel=cfg.execution.tensor_parallel, sliding_window=options.sliding_window,
+        max_window_layers=options.max_window_layers)
 
 
 def build_head(cfg: DictConfig) -> LlamaLMHead:

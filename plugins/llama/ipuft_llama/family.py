@@ -4,8 +4,8 @@ They share the components (:mod:`ipuft_llama.modules`) and differ in their confi
 ``sliding_window`` and an explicit ``head_dim``; Qwen2 always has q/k/v biases and a ``use_sliding_window``
 switch; Llama has ``attention_bias``, ``mlp_bias`` and Llama 3.1's ``rope_scaling``. Each reads its
 config.json into ipuft's keys (the shared shapes under ``model``, the rest under ``plugins.llama``) and writes
-it back for an export; what ipuft does not run (tied embeddings, MLP biases, an active sliding window,
-another activation) is refused in one line. This module imports no torch.
+it back for an export; what ipuft does not run (MLP biases, another activation, ``layer_types`` other than
+the window's layers) is refused in one line. This module imports no torch.
 """
 
 from __future__ import annotations
@@ -102,6 +102,7 @@ def read_config(config: Mapping, model_type: str) -> dict[str, Any]:
         qkv_bias = out_bias = config_flag(config, "attention_bias", False)
     if window is not None:
         window = config_int({"sliding_window": window}, "sliding_window")
+    first = _window_layers(config, model_type, window)
     if config.get("attention_dropout") not in (None, 0, 0.0):
         raise HFConfigError(f"attention_dropout={str(config['attention_dropout'])[:40]}: ipuft's Llama attention "
                             f"has no dropout (model.dropout_prob drops the residual branches instead); set it to 0")
@@ -121,8 +122,28 @@ def read_config(config: Mapping, model_type: str) -> dict[str, Any]:
         f"plugins.{SECTION}.qkv_bias": qkv_bias,
         f"plugins.{SECTION}.output_bias": out_bias,
         f"plugins.{SECTION}.sliding_window": window,
+        f"plugins.{SECTION}.max_window_layers": first,
         f"plugins.{SECTION}.rope_scaling": scaling,
     }
+
+
+def _window_layers(config: Mapping, model_type: str, window: int | None) -> int | None:
+    """``plugins.llama.max_window_layers``: Qwen2's layers below ``max_window_layers`` (default 28, as
+    Qwen2Config's) attend in full, the others within the window (null: every layer, or no window). A
+    ``layer_types`` list must say the same (transformers reads it over ``max_window_layers``)."""
+    if window is None or model_type != "qwen2":
+        first = None
+    else:
+        first = config_int(config, "max_window_layers", 28, minimum=0)
+    layers = config_int(config, "num_hidden_layers")
+    types = config.get("layer_types")
+    if types is not None:
+        expected = ["sliding_attention" if window is not None and n >= (first or 0) else "full_attention"
+                    for n in range(layers)]
+        if list(types) != expected:
+            raise HFConfigError(f"layer_types {shown(types)}: ipuft reads {model_type}'s windowed layers from "
+                                f"sliding_window and max_window_layers, which give {shown(expected)}")
+    return first
 
 
 def head_dim(cfg: DictConfig) -> int:
@@ -160,8 +181,10 @@ def write_config(cfg: DictConfig, model_type: str) -> dict[str, Any]:
         "use_cache": True,
     }
     if model_type == "qwen2":
+        first = options.max_window_layers
         out.update(use_sliding_window=options.sliding_window is not None,
-                   sliding_window=options.sliding_window, max_window_layers=m.layers)
+                   sliding_window=options.sliding_window,
+                   max_window_layers=m.layers if options.sliding_window is None else first or 0)
     elif model_type == "mistral":
         out["sliding_window"] = options.sliding_window
     else:
@@ -206,6 +229,7 @@ SOURCE_KEYS = {
     "model.tie_embeddings": "tie_word_embeddings",
     f"plugins.{SECTION}.kv_heads": "num_key_value_heads", f"plugins.{SECTION}.head_dim": "head_dim",
     f"plugins.{SECTION}.rope_scaling": "rope_scaling", f"plugins.{SECTION}.sliding_window": "sliding_window",
+    f"plugins.{SECTION}.max_window_layers": "max_window_layers",
 }
 
 
@@ -214,7 +238,7 @@ MODEL_KEYS = (
     "model.layers", "model.hidden_size", "model.intermediate_size", "model.attention.heads",
     "model.attention.rotary_dim", "model.attention.rotary_positional_embeddings_base", "model.embedding.vocab_size",
     "model.layer_norm_epsilon", *(f"plugins.{SECTION}.{key}" for key in (
-        "kv_heads", "head_dim", "qkv_bias", "output_bias", "sliding_window", "rope_scaling")),
+        "kv_heads", "head_dim", "qkv_bias", "output_bias", "sliding_window", "max_window_layers", "rope_scaling")),
 )  # fmt: skip
 
 

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ipuft.attention import CausalSelfAttention, HalvesRotary
+from ipuft.attention import CausalSelfAttention, HalvesRotary, current_layer
 from ipuft.components import IGNORE_INDEX, Init, VariableSpec, specs_from_module, tie
 from ipuft.ops import Linear
 from ipuft.parallel import (
@@ -79,7 +79,8 @@ class LlamaDecoderBlock(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, heads: int, kv_heads: int, head_dim: int,
                  rms_norm_eps: float = 1e-6, rope_theta: float = 10000.0, rope_scaling: dict | None = None,
                  qkv_bias: bool = False, output_bias: bool = False, dropout_prob: float = 0.0,
-                 tensor_parallel: int = 1, sliding_window: int | None = None) -> None:
+                 tensor_parallel: int = 1, sliding_window: int | None = None,
+                 max_window_layers: int | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(hidden_size, rms_norm_eps)
         self.self_attn = CausalSelfAttention(hidden_size, heads, head_dim,
@@ -89,10 +90,22 @@ class LlamaDecoderBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden_size, rms_norm_eps)
         self.mlp = LlamaMLP(hidden_size, intermediate_size // tensor_parallel)
         self.dropout_prob = dropout_prob
-        self.sliding_window = sliding_window  # Mistral's: each query sees its last sliding_window positions
+        # Each query sees its last sliding_window positions (Mistral), on the layers from max_window_layers on
+        # (Qwen2; None: every layer).
+        self.sliding_window, self.max_window_layers = sliding_window, max_window_layers
+
+    def window(self) -> int | None:
+        """The window of the layer running now (:func:`ipuft.attention.current_layer`)."""
+        if self.sliding_window is None or not self.max_window_layers:
+            return self.sliding_window
+        layer = current_layer()
+        if layer is None:
+            raise RuntimeError("a Llama block with max_window_layers runs as one decoder layer: call it under "
+                               "ipuft.attention.decoder_layer, as the engine does")
+        return self.sliding_window if layer >= self.max_window_layers else None
 
     def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None) -> torch.Tensor:
-        attn = self.self_attn(copy_to_tensor_parallel(self.input_layernorm(x)), cache, window=self.sliding_window)
+        attn = self.self_attn(copy_to_tensor_parallel(self.input_layernorm(x)), cache, window=self.window())
         attn = reduce_from_tensor_parallel(attn)
         if self.self_attn.o_proj.bias is not None:
             attn = attn + self.self_attn.o_proj.bias
