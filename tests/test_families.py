@@ -356,3 +356,26 @@ def test_greedy_generation_past_the_window_equals_transformers(capsys, hf_dirs):
         new = new[: new.index(2) + 1]
     assert len(new) > 5  # past the window
     assert out == prompt + load_tokenizer(str(src)).decode(new, skip_special_tokens=False) + "\n"
+
+
+def test_tensor_and_data_parallel_training_equal_one_process(hooks, tmp_path):
+    """Gemma 3 (per-head q/k norms whose gradients are summed over TP, its window and local rotary, tied and
+    vocabulary-sharded) and Qwen3 with sliding layers, each five steps on two Gloo ranks at TP=2 and at DP=2
+    with RTS, from a checkpoint, against one process: losses, norms, every weight within 1e-5, and every
+    rank's counters and store equal its plan."""
+    from test_llama import equal_to_one_process
+
+    dirs = {"gemma3": save_hf(tmp_path / "gemma3", "gemma3_text", seed=40)[1],
+            "qwen3": save_hf(tmp_path / "qwen3", "qwen3", seed=41, use_sliding_window=True, sliding_window=5,
+                             max_window_layers=1)[1]}
+    common = ["model.sequence_length=16", "execution.micro_batch_size=1", "training.steps=5",
+              "training.optimizer.gradient_clipping=0.5", "training.optimizer.learning_rate.maximum=2e-3",
+              "plugins.adamw.weight_decay=0.1", "plugins.adamw.eps=1e-4"]
+    configs = {}
+    for name, src in dirs.items():
+        configs[f"tp2_{name}"] = [f"model.hf_checkpoint={src}", "execution.tensor_parallel=2",
+                                  "training.global_batch_size=2", *common]
+        configs[f"dp2_{name}"] = [f"model.hf_checkpoint={src}", "execution.data_parallel=2", "execution.rts=true",
+                                  "training.global_batch_size=4", *common]
+    for results, _ in equal_to_one_process(hooks, configs, 5, tmp_path).values():
+        assert results[0].grad_norm > 0.5  # clipping is active
