@@ -108,7 +108,7 @@ CASES = [
     ("hf-index-escapes", lambda t, r: ["train", "data.path=null", f"model.hf_checkpoint={_hf_index(t, r, {'x': '../model.safetensors'})}"],
      "weight_map['x'] must name a file in the checkpoint's directory, got '../model.safetensors'"),
     ("hf-other-model", lambda t, r: ["train", f"model.hf_checkpoint={_hf_other(t)}"],
-     "has model_type 'bert'; the installed plugins read 'gemma3_text', 'gptj', 'llama', 'mistral', 'olmo2', 'qwen2', 'qwen3'"),
+     "has model_type 'bert'; the installed plugins read 'gemma2', 'gemma3_text', 'gptj', 'llama', 'mistral', 'olmo2', 'qwen2', 'qwen3'"),
     ("hf-llama-missing-keys", lambda t, r: ["train", f"model.hf_checkpoint={_hf_other(t, model_type='llama')}"],
      "llama/config.json: lacks hidden_size"),
     ("hf-llama-heads-not-dividing", lambda t, r: ["train", f"model.hf_checkpoint={_hf_other(t, **LLAMA_BAD_HEADS)}"],
