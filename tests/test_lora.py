@@ -101,7 +101,7 @@ def peft_adam_steps(model, cfg, engine):
 
 
 # The Llama-architecture families LoRA runs on, each through the projections its decoder declares.
-FAMILIES = ["llama", "qwen2", "qwen3", "olmo2", "gemma3_text"]
+FAMILIES = ["llama", "qwen2", "qwen3", "olmo2", "gemma2", "gemma3_text"]
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
