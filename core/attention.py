@@ -10,14 +10,26 @@ What differs between families is a parameter:
 - biases on q, k, v and on the output projection, and that projection's name (``out_proj``, ``o_proj``), so
   that every family keeps its weights' names;
 - grouped-query attention: ``kv_heads`` key/value heads, each read by ``heads / kv_heads`` query heads;
-- the kernel: ``sdpa`` (``F.scaled_dot_product_attention``) or ``eager`` (matmul, softmax, matmul).
+- the kernel: ``sdpa`` (``F.scaled_dot_product_attention``) or ``eager`` (matmul, softmax, matmul);
+- the softmax ``scale`` (default ``head_dim ** -0.5``; Gemma's ``query_pre_attn_scalar ** -0.5``), Gemma 2's
+  attention-logit soft-cap (``cap · tanh(scores / cap)`` before the mask, computed by the eager kernel), and
+  RMSNorms of the queries and keys before rotary (``q_norm``, ``k_norm``: per head for Qwen3 and Gemma 3, over
+  the whole projected width for OLMo 2, ``qk_norm_width``), each the family's module.
+
+Per call, ``forward(h, cache, window=W, rotary=R)`` attends within a sliding window (query ``i`` sees keys
+``i - W < j ≤ i``: transformers' ``sliding_window_overlay`` on its causal mask, the same for Mistral, Qwen2,
+Gemma 2 and Gemma 3) and rotates by another rotary than the module's own (Gemma 3's local layers' base). A
+block whose layers differ reads which layer it is from :func:`current_layer`, which the engine sets around
+every decoder call (:func:`decoder_layer`).
 
 **Tensor parallelism.** The module is built with the whole model's head counts and ``tensor_parallel``, and
 holds this rank's ``heads / TP`` query heads and their key/value heads: q, k and v column-sharded, the output
 projection row-sharded (its output partial, summed by the block's all-reduce, which then adds the output bias
 once). When TP does not divide ``kv_heads``, the key/value projections are replicated instead: every rank
 computes all key/value heads and reads those its query heads use; their gradients are partial on each rank
-and summed over TP (:func:`ipuft.parallel.copy_to_tensor_parallel` on the weights).
+and summed over TP (:func:`ipuft.parallel.copy_to_tensor_parallel` on the weights). A q/k norm per head is
+the same on every rank; one over the projected width would need its statistics summed over TP, and is refused
+there (``ValueError``).
 
 **16-bit on the CPU.** A training attention (no cache) on 16-bit activations computes its rotary and attention
 in float32 where ATen's 16-bit CPU kernel is the slower (:func:`ipuft.ops.attention_in_float32`), and casts
@@ -27,14 +39,15 @@ its output back before the output projection. A cache keeps its dtype.
 when its batch has positions), an attention without a cache reads each token's position within its example
 from ``positions[B, T]``: the rotary turns each token by its own position (``Rotary.at``), and a query sees
 only the keys of its own example, up to itself (:func:`example_mask`), so that several examples packed in one
-row attend as if each had a row of its own. Mistral's sliding window needs nothing more: ipuft refuses a
-sequence longer than the window (:mod:`ipuft_llama`), so no example is either.
+row attend as if each had a row of its own. A window is then the band ``i - W < j`` on top: the examples are
+consecutive tokens, so a distance in the row is a distance in the example.
 
 **Generation.** ``forward(h, cache)`` takes an optional per-layer key/value cache
 (:class:`ipuft.generate.LayerKVCache`): the new tokens' positions start at ``cache.length``, their keys (after
 rotary, ``kv_heads`` wide) and values are appended to it, and the queries attend over every cached and new
 key. A batch of rows of different lengths is left-padded: the cache then carries each row's padding, which
-sets the row's positions (its first real token is position 0) and hides its pad keys from every query.
+sets the row's positions (its first real token is position 0) and hides its pad keys from every query. With
+a window the cache keeps only the last ``W`` keys and values, all a next query can see.
 """
 
 from __future__ import annotations
@@ -58,6 +71,31 @@ if TYPE_CHECKING:
 
 KERNELS = ("sdpa", "eager")
 _POSITIONS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("ipuft_positions", default=None)
+_LAYER: contextvars.ContextVar[int | None] = contextvars.ContextVar("ipuft_layer", default=None)
+
+
+@contextmanager
+def decoder_layer(layer: int | None) -> Iterator[None]:
+    """Within the block, :func:`current_layer` is ``layer`` (0-based; ``None``: no decoder layer).
+
+    This is the one setter of the layer context, and it changes arithmetic: a block whose layers differ (a
+    sliding window on some, another rotary base on others: Gemma 2 and 3, Qwen2's ``max_window_layers``) is one
+    module shared by every layer, and reads here which layer it runs as. The engine sets it around each decoder
+    layer's module call: its forward, its recompute and its kept graph in training
+    (:meth:`ipuft.engine.compute.UnitCompute.call`), eval, scoring and every generation pass
+    (:class:`ipuft.engine.inference.LayerMajor`), and the plan's measurement of each layer kind
+    (:mod:`ipuft.engine.measure`); the embeddings and the head run outside any (``None``)."""
+    token = _LAYER.set(layer)
+    try:
+        yield
+    finally:
+        _LAYER.reset(token)
+
+
+def current_layer() -> int | None:
+    """The decoder layer (0-based) whose module call is running now, ``None`` outside one
+    (:func:`decoder_layer`)."""
+    return _LAYER.get()
 
 
 @contextmanager
@@ -87,6 +125,14 @@ def example_mask(positions: torch.Tensor) -> torch.Tensor:
     i = torch.arange(positions.shape[-1], dtype=torch.int32, device=positions.device)
     first = (i - positions.to(torch.int32))[..., None]  # [B, T, 1]: each query's example's first token
     return (i >= first).logical_and_(i <= i[:, None])[:, None]
+
+
+def window_mask(positions: int, window: int, device: torch.device) -> torch.Tensor:
+    """``[T, T]`` bool: query ``i`` sees key ``j`` iff ``i - window < j ≤ i`` (a sliding window on the causal
+    mask, as transformers' ``sliding_window_causal_mask_function``)."""
+    i = torch.arange(positions, device=device)
+    distance = i[:, None] - i  # query minus key
+    return (distance >= 0).logical_and_(distance < window)
 
 
 def inverse_frequencies(rotary_dim: int, base: float, scaling: dict | None = None,
@@ -272,14 +318,28 @@ class CausalSelfAttention(nn.Module):
     (and so its weights' names). ``skip_output_in_recompute``: the output is read by nothing but the layer's
     output (GPT-J's parallel block), so while the engine recomputes the layer for its gradient the output
     projection's forward matmul is skipped (:func:`ipuft.ops.output_projection`).
+
+    ``scale``: the softmax scale (``None``: ``head_dim ** -0.5``). ``logit_softcap``: scores become
+    ``cap · tanh(scores / cap)`` before the mask (Gemma 2); it needs the scores, so the kernel is then eager.
+    ``q_norm``, ``k_norm``: the family's norms of the queries and keys before rotary, registered as
+    ``q_norm`` / ``k_norm`` (transformers' names); over each head's ``head_dim``, or with ``qk_norm_width``
+    over the whole projected width (``heads · head_dim`` and ``kv_heads · head_dim``, OLMo 2), which
+    tensor parallelism would cut: refused there (``ValueError``).
     """
 
     def __init__(self, hidden_size: int, heads: int, head_dim: int, rotary: Rotary, *, kv_heads: int | None = None,
                  tensor_parallel: int = 1, qkv_bias: bool = False, output_bias: bool = False,
-                 output_name: str = "o_proj", kernel: str = "sdpa", skip_output_in_recompute: bool = False) -> None:
+                 output_name: str = "o_proj", kernel: str = "sdpa", skip_output_in_recompute: bool = False,
+                 scale: float | None = None, logit_softcap: float | None = None, q_norm: nn.Module | None = None,
+                 k_norm: nn.Module | None = None, qk_norm_width: bool = False) -> None:
         super().__init__()
         if kernel not in KERNELS:
             raise ValueError(f"attention kernel {kernel!r}: one of {', '.join(KERNELS)}")
+        if qk_norm_width and tensor_parallel > 1 and (q_norm is not None or k_norm is not None):
+            raise ValueError(f"a q/k norm over the whole projected width needs its statistics over every head, "
+                             f"which tensor_parallel={tensor_parallel} splits; run it with tensor_parallel=1")
+        if logit_softcap is not None and not logit_softcap > 0:
+            raise ValueError(f"attention logit soft-cap must be > 0, got {logit_softcap}")
         kv_heads = heads if kv_heads is None else kv_heads
         self.heads = heads // tensor_parallel  # this rank's query heads
         self.group = heads // kv_heads  # query heads per key/value head
@@ -291,42 +351,55 @@ class CausalSelfAttention(nn.Module):
         self.v_proj = Linear(hidden_size, self.kv_heads * head_dim, bias=qkv_bias)
         self.output_name = output_name
         self.add_module(output_name, Linear(self.heads * head_dim, hidden_size, bias=output_bias))
+        self.q_norm, self.k_norm, self.qk_norm_width = q_norm, k_norm, qk_norm_width
+        self.scale, self.logit_softcap = scale, logit_softcap
+        # The soft-cap is applied to the scores themselves: only the eager kernel has them.
+        kernel = "eager" if logit_softcap is not None else kernel
         self.rotary, self.kernel, self.skip_output_in_recompute = rotary, kernel, skip_output_in_recompute
-        self._tables: dict[tuple, Any] = {}
+        self._tables: dict[tuple, tuple[Rotary, Any]] = {}
 
     @property
     def output(self) -> nn.Linear:
         """The output projection (``out_proj``, ``o_proj``: the name the family's weights have)."""
         return getattr(self, self.output_name)
 
-    def _table(self, size: int, device: torch.device) -> Any:
-        key = (size, device)
+    def _table(self, rotary: Rotary, size: int, device: torch.device) -> Any:
+        # By the rotary's identity (a rotary with a scaling dict is not hashable); the entry keeps it alive.
+        key = (id(rotary), size, device)
         if key not in self._tables:
-            self._tables[key] = self.rotary.table(size, device)
-        return self._tables[key]
+            self._tables[key] = (rotary, rotary.table(size, device))
+        return self._tables[key][1]
 
-    def _rotor(self, start: int, length: int, device: torch.device) -> Any:
+    def _rotor(self, rotary: Rotary, start: int, length: int, device: torch.device) -> Any:
         """The rotary rows of positions ``start … start + length - 1``.
 
         Without a cache (``start`` 0) there is one small table per sequence length and device. A cached
         step slices a table whose length is the next power of two, so that decoding makes few tables.
         """
         size = length if start == 0 else 1 << (start + length - 1).bit_length()
-        return self.rotary.span(self._table(size, device), start, length)
+        return rotary.span(self._table(rotary, size, device), start, length)
 
-    def _positions(self, new: int, cache: LayerKVCache | None,
-                   device: torch.device) -> tuple[Any, torch.Tensor | None]:
-        """The rotary rows of the next ``new`` tokens, and the mask of the keys they may see (``None``: causal)."""
+    def _positions(self, new: int, cache: LayerKVCache | None, device: torch.device, rotary: Rotary,
+                   window: int | None) -> tuple[Any, torch.Tensor | None]:
+        """The rotary rows of the next ``new`` tokens, and the mask of the keys they may see (``None``: causal
+        over every key given, the last ``new`` of them the queries')."""
         packed = packed_positions() if cache is None else None
         if packed is not None:  # packed examples (examples_apart): each token's own position, each example apart
             if packed.shape[-1] != new:
                 raise ValueError(f"examples_apart: positions of {packed.shape[-1]} tokens for {new}")
-            return self.rotary.at(self._table(new, device), packed), example_mask(packed)
-        if cache is None or cache.pad is None:
-            return self._rotor(0 if cache is None else cache.length, new, device), None
+            mask = example_mask(packed)
+            if window is not None and new > window:
+                mask = mask.logical_and_(window_mask(new, window, device))
+            return rotary.at(self._table(rotary, new, device), packed), mask
+        if cache is None:
+            mask = window_mask(new, window, device) if window is not None and new > window else None
+            return self._rotor(rotary, 0, new, device), mask
+        mask = cache.attention_mask(new, device, window) if cache.masks(new, window) else None
+        if cache.pad is None:
+            return self._rotor(rotary, cache.length, new, device), mask
         # Left-padded rows: per-row positions from a table that covers every position, and pad keys hidden.
-        table = self._table(1 << (cache.length + new - 1).bit_length(), device)
-        return self.rotary.at(table, cache.positions(new, device)), cache.attention_mask(new, device)
+        table = self._table(rotary, 1 << (cache.length + new - 1).bit_length(), device)
+        return rotary.at(table, cache.positions(new, device)), mask
 
     def _kv_projection(self, proj: nn.Linear, h: torch.Tensor) -> torch.Tensor:
         if not (self.kv_replicated and self.tensor_parallel > 1):
@@ -349,20 +422,36 @@ class CausalSelfAttention(nn.Module):
         return (k[:, :, None].expand(b, kv, self.group, t, d).reshape(b, kv * self.group, t, d),
                 v[:, :, None].expand(b, kv, self.group, t, d).reshape(b, kv * self.group, t, d))
 
-    def forward(self, h: torch.Tensor, cache: LayerKVCache | None = None) -> torch.Tensor:
+    def _normed(self, norm: nn.Module | None, x: torch.Tensor, heads: int) -> torch.Tensor:
+        """A projection's output ``[B, T, heads · head_dim]`` as ``[B, T, heads, head_dim]``, through ``norm``
+        (over the width, or per head) when there is one."""
+        if norm is not None and self.qk_norm_width:
+            x = norm(x)
+        x = x.unflatten(-1, (heads, self.head_dim))
+        return x if norm is None or self.qk_norm_width else norm(x)
+
+    def forward(self, h: torch.Tensor, cache: LayerKVCache | None = None, *, window: int | None = None,
+                rotary: Rotary | None = None) -> torch.Tensor:
+        """``h[B, T, hidden]``'s attention, continuing ``cache``'s positions when given. ``window``: each
+        query sees the keys of its last ``window`` positions, itself included (``None``: every earlier one);
+        ``rotary``: this call's rotary instead of the module's (its tables cached per rotary)."""
+        if window is not None and not window > 0:
+            raise ValueError(f"attention window must be a positive number of positions, got {window}")
+        rotary = self.rotary if rotary is None else rotary
         new = h.shape[1]
-        rows, mask = self._positions(new, cache, h.device)
-        q = self.q_proj(h).unflatten(-1, (self.heads, self.head_dim))  # [B, T, heads, head_dim]
-        k = self._kv_projection(self.k_proj, h).unflatten(-1, (self.kv_heads, self.head_dim))
+        rows, mask = self._positions(new, cache, h.device, rotary, window)
+        q = self._normed(self.q_norm, self.q_proj(h), self.heads)  # [B, T, heads, head_dim]
+        k = self._normed(self.k_norm, self._kv_projection(self.k_proj, h), self.kv_heads)
         v = self._kv_projection(self.v_proj, h).unflatten(-1, (self.kv_heads, self.head_dim))
         if cache is None and self.kernel == "sdpa" and attention_in_float32(h, self.head_dim, new):
             # Where ATen's 16-bit CPU flash attention is the slower (ipuft.ops.attention_in_float32): the rotary
             # and the attention stay in float32 up to the output projection. A cache keeps its dtype.
             q, k, v = q.float(), k.float(), v.float()
-        q, k = self.rotary.rotate(q, rows), self.rotary.rotate(k, rows)  # [B, heads, T, head_dim]
+        q, k = rotary.rotate(q, rows), rotary.rotate(k, rows)  # [B, heads, T, head_dim]
         v = v.transpose(1, 2)
         if cache is not None:
-            k, v = cache.append(k, v)  # every key and value so far, kv_heads wide: [B, kv, T_past + T, head_dim]
+            # The keys and values the new queries may see, kv_heads wide: [B, kv, T_seen + T, head_dim].
+            k, v = cache.append(k, v, window)
         k, v = self._local_kv(k, v)
         out = self._attend(q, k, v, mask).to(h.dtype).transpose(1, 2).flatten(-2)
         # The bias, if any, is the block's to add once, after the tensor-parallel sum.
@@ -375,13 +464,16 @@ class CausalSelfAttention(nn.Module):
         if self.kernel == "eager":
             if mask is None:
                 mask = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device).tril(t_k - t_q)
-            scores = (q @ k.transpose(-1, -2)) / math.sqrt(self.head_dim)
+            scores = q @ k.transpose(-1, -2)
+            scores = scores / math.sqrt(self.head_dim) if self.scale is None else scores * self.scale
+            if self.logit_softcap is not None:
+                scores = torch.tanh(scores / self.logit_softcap) * self.logit_softcap
             return scores.masked_fill(~mask, torch.finfo(scores.dtype).min).softmax(-1) @ v
         if mask is not None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         if t_q == t_k:  # no past: the plain causal mask
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         if t_q == 1:  # one new token sees everything
-            return F.scaled_dot_product_attention(q, k, v)
+            return F.scaled_dot_product_attention(q, k, v, scale=self.scale)
         causal = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device).tril(t_k - t_q)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal, scale=self.scale)

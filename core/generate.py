@@ -25,21 +25,32 @@ if TYPE_CHECKING:
 
 
 class LayerKVCache:
-    """One layer's keys and values so far, ``[B, heads, T_past, head_dim]`` (``None`` while empty).
+    """One layer's keys and values so far, ``[B, heads, T_kept, head_dim]`` (``None`` while empty).
 
     ``pad[B]``: how many pad tokens each row starts with (left padding), or ``None`` when no row is padded.
     A row's first real token is its position 0, and no query attends to a pad key.
+
+    A layer that attends within a window of ``W`` positions (``append(..., window=W)``) keeps only its last
+    ``W`` keys and values: the next query sees itself and the ``W - 1`` before it. ``start`` is then the index
+    (pads included) of the first key kept, and ``length`` still counts every position so far.
     """
 
     def __init__(self, pad: torch.Tensor | None = None) -> None:
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.pad = pad
+        self.start = 0  # the index of the first key kept: past a window, the older ones are dropped
+        self.window: int | None = None  # the window of the layer's last append (None: it keeps every key)
+
+    @property
+    def kept(self) -> int:
+        """How many positions' keys and values are held."""
+        return 0 if self.keys is None else self.keys.shape[-2]
 
     @property
     def length(self) -> int:
-        """How many positions are cached, pads included: the index of the next token."""
-        return 0 if self.keys is None else self.keys.shape[-2]
+        """How many positions are cached or were, pads included: the index of the next token."""
+        return self.start + self.kept
 
     @property
     def nbytes(self) -> int:
@@ -52,26 +63,46 @@ class LayerKVCache:
             return index.unsqueeze(0)
         return (index.unsqueeze(0) - self.pad.to(device).unsqueeze(1)).clamp_(min=0)
 
-    def attention_mask(self, new: int, device: torch.device) -> torch.Tensor:
-        """``[B, 1, new, length + new]``: which cached and new keys each of the next ``new`` queries may see:
-        causal, and never a pad key. A pad query sees itself, so that no softmax row is empty."""
+    def seen(self, window: int | None = None) -> int:
+        """How many of the kept keys the next queries may see: every one, or within ``window`` the last
+        ``window - 1`` (the next query's window holds it too)."""
+        return self.kept if window is None else min(self.kept, window - 1)
+
+    def masks(self, new: int, window: int | None = None) -> bool:
+        """Whether the next ``new`` queries need :meth:`attention_mask`: padded rows, or a window that the
+        causal mask over the keys they see does not already keep."""
+        return self.pad is not None or (window is not None and self.seen(window) + new > window)
+
+    def attention_mask(self, new: int, device: torch.device, window: int | None = None) -> torch.Tensor:
+        """``[B, 1, new, seen + new]``: which of the keys :meth:`append` returns (the ``seen`` kept ones, then
+        the new) each of the next ``new`` queries may see: causal, within ``window`` when given, and never a
+        pad key. A pad query sees itself, so that no softmax row is empty."""
         total = self.length + new
         query = torch.arange(self.length, total, device=device).unsqueeze(1)
-        key = torch.arange(total, device=device).unsqueeze(0)
-        causal = key <= query
+        key = torch.arange(self.length - self.seen(window), total, device=device).unsqueeze(0)
+        visible = key <= query
+        if window is not None:
+            visible &= key > query - window
         if self.pad is None:
-            return causal[None, None]
-        real = key.unsqueeze(0) >= self.pad.to(device).view(-1, 1, 1)  # [B, 1, total]
-        return (causal & (real | (key == query))).unsqueeze(1)
+            return visible[None, None]
+        real = key.unsqueeze(0) >= self.pad.to(device).view(-1, 1, 1)  # [B, 1, keys]
+        return (visible & (real | (key == query))).unsqueeze(1)
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append the new positions' keys and values; return every key and value so far."""
-        if self.keys is None:
-            self.keys, self.values = keys, values
-        else:
-            self.keys = torch.cat([self.keys, keys], dim=-2)
-            self.values = torch.cat([self.values, values], dim=-2)
-        return self.keys, self.values
+    def append(self, keys: torch.Tensor, values: torch.Tensor,
+               window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new positions' keys and values; return those the new queries may see (every key so far,
+        or within ``window`` the last ``window - 1`` kept and the new: :meth:`seen`). Within a window only the
+        last ``window`` positions stay kept."""
+        seen, total = self.seen(window), self.length + keys.shape[-2]
+        if self.keys is not None:
+            # A view of the kept keys the queries see; the concatenation is a new tensor of its own.
+            keys = torch.cat([self.keys[..., self.kept - seen :, :], keys], dim=-2)
+            values = torch.cat([self.values[..., self.kept - seen :, :], values], dim=-2)
+        self.keys, self.values, self.window = keys, values, window
+        if window is not None and keys.shape[-2] > window:  # a prompt longer than the window: its last W only
+            self.keys, self.values = keys[..., -window:, :].clone(), values[..., -window:, :].clone()
+        self.start = total - self.kept
+        return keys, values
 
     def to(self, device: torch.device, pin: bool = False) -> None:
         """Move the cached keys and values to ``device`` (host memory pinned with ``pin``)."""
@@ -84,7 +115,6 @@ class LayerKVCache:
 
         if self.keys is not None:
             self.keys, self.values = move(self.keys), move(self.values)
-
 
 class KVCache:
     """One :class:`LayerKVCache` per decoder layer, sharing the rows' padding."""

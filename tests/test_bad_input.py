@@ -42,7 +42,6 @@ LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num
 
 
 LLAMA_BAD_HEADS = {**LLAMA, "num_attention_heads": 5}
-MISTRAL_WINDOW = {**LLAMA, "model_type": "mistral", "sliding_window": 32}
 
 
 CASES = [
@@ -109,14 +108,11 @@ CASES = [
     ("hf-index-escapes", lambda t, r: ["train", "data.path=null", f"model.hf_checkpoint={_hf_index(t, r, {'x': '../model.safetensors'})}"],
      "weight_map['x'] must name a file in the checkpoint's directory, got '../model.safetensors'"),
     ("hf-other-model", lambda t, r: ["train", f"model.hf_checkpoint={_hf_other(t)}"],
-     "has model_type 'bert'; the installed plugins read 'gptj', 'llama', 'mistral', 'phi3', 'qwen2'"),
+     "has model_type 'bert'; the installed plugins read 'gemma2', 'gemma3_text', 'gptj', 'llama', 'mistral', 'olmo2', 'phi3', 'qwen2', 'qwen3'"),
     ("hf-llama-missing-keys", lambda t, r: ["train", f"model.hf_checkpoint={_hf_other(t, model_type='llama')}"],
      "llama/config.json: lacks hidden_size"),
     ("hf-llama-heads-not-dividing", lambda t, r: ["train", f"model.hf_checkpoint={_hf_other(t, **LLAMA_BAD_HEADS)}"],
      "num_attention_heads=5 does not divide hidden_size=64 and no head_dim is given"),
-    ("hf-mistral-window", lambda t, r: ["train", "data.path=null", "model.sequence_length=64",
-                                        f"model.hf_checkpoint={_hf_other(t, **MISTRAL_WINDOW)}"],
-     "model.sequence_length=64 exceeds plugins.llama.sliding_window=32"),
     ("hf-shape-mismatch", lambda t, r: ["train", "model.layers=4", f"model.hf_checkpoint={r / 'hf'}"],
      "model.layers=4 but the checkpoint has n_layer=2"),
     ("data-missing-file", lambda t, r: ["train", f"data.path={t}/missing.jsonl"], "does not exist"),

@@ -111,7 +111,7 @@ def test_bad_hf_directories(hooks, tmp_path):
         load_config(None, [f"model.hf_checkpoint={tmp_path}/empty"], sections)
     (tmp_path / "bert").mkdir()
     (tmp_path / "bert" / "config.json").write_text(json.dumps({"model_type": "bert"}))
-    with pytest.raises(CheckpointError, match="model_type 'bert'; the installed plugins read 'gptj', 'llama'"):
+    with pytest.raises(CheckpointError, match="model_type 'bert'; the installed plugins read 'gemma2', 'gemma3_text', 'gptj', 'llama'"):
         load_config(None, [f"model.hf_checkpoint={tmp_path}/bert"], sections)
     cfg0 = load_config("tiny", [], sections)
     _, src = save_hf(tmp_path, cfg0)

@@ -37,7 +37,6 @@ PLAN_LLAMA = ["plan", "--config", "llama3-8b", "model.layers=2", "model.hidden_s
               "model.attention.heads=4", "model.attention.rotary_dim=16", "model.embedding.vocab_size=128",
               "model.bos_token_id=1", "model.eos_token_ids=[2]", "model.sequence_length=16", "plugins.llama.kv_heads=2",
               "training.global_batch_size=1"]
-MISTRAL_LONG = {**LLAMA, "model_type": "mistral", "max_position_embeddings": 32768}
 
 GPTJ = {"model_type": "gptj", "n_embd": 64, "n_layer": 2, "n_head": 4, "rotary_dim": 8, "vocab_size": 128,
         "n_positions": 128}
@@ -120,10 +119,9 @@ CASES = [
                                                 "--hf", str(t / "out")],
      "model.family=gptj: the source's config.json (hf_config.json) does not describe the model: "
      "max_position_embeddings must be a positive integer, got the string 'lots'"),
-    # A Mistral config.json without sliding_window is windowed at 4096, as transformers reads it.
-    ("window-mistral-default", lambda t, r: ["train", "data.path=null", "model.sequence_length=8192",
-                                             f"model.hf_checkpoint={_hf_other(t, **MISTRAL_LONG)}"],
-     "model.sequence_length=8192 exceeds plugins.llama.sliding_window=4096"),
+    ("window-zero", lambda t, r: [*PLAN_LLAMA, "plugins.llama.sliding_window=0"],
+     "plugins.llama.sliding_window: must be a positive number of positions of at most 16777216 (null: no window), "
+     "got 0"),
 ]
 
 

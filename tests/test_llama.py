@@ -455,7 +455,7 @@ def test_a_config_json_it_cannot_run_is_one_line_and_writes_nothing(hooks, hf_di
     src = hf_dirs["llama"][1]
     base = json.loads((src / "config.json").read_text())
     cases = {
-        "unknown": ({"model_type": "bert"}, "has model_type 'bert'; the installed plugins read 'gptj', 'llama'"),
+        "unknown": ({"model_type": "bert"}, "has model_type 'bert'; the installed plugins read 'gemma2', 'gemma3_text', 'gptj', 'llama'"),
         "missing": ({"hidden_size": None}, "lacks hidden_size"),
         "heads": ({"num_attention_heads": 5, "head_dim": None}, "num_attention_heads=5 does not divide hidden_size=48"),
         "kv": ({"num_key_value_heads": 4}, "num_key_value_heads=4 does not divide num_attention_heads=6"),

@@ -27,7 +27,7 @@ def test_shipped_plugins_are_six_distributions_and_the_builtin_logging_backends(
     assert described["ipuft-decoder"]["model_families"] == ["gptj"]
     assert described["ipuft-llama"]["components"] == ["embeddings:llama", "decoder:llama", "head:llama"]
     assert described["ipuft-llama"]["config_sections"] == ["plugins.llama"]
-    assert described["ipuft-llama"]["model_families"] == ["llama", "mistral", "qwen2", "phi3"]
+    assert described["ipuft-llama"]["model_families"] == ["llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma2", "gemma3_text", "phi3"]
     assert described["ipuft-lm-head"]["components"] == ["head:gptj"]
     assert described["ipuft-lora"]["config_sections"] == ["plugins.lora"]
     assert described["ipuft-optim-adam"]["optimizers"] == ["adamw"]

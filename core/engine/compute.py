@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ipuft.attention import examples_apart
+from ipuft.attention import decoder_layer, examples_apart
 from ipuft.components import bound, recompute
 from ipuft.data.batch import Batch
 from ipuft.engine.activations import ActivationBuffers, working_set
@@ -27,7 +27,7 @@ from ipuft.engine.store import Tensors, storage_bytes
 from ipuft.engine.stored import StoredModel
 from ipuft.head_loss import head_chunks
 from ipuft.ops import WeightGradients, taking_weight_gradients
-from ipuft.program import Entry, OpActivations, Phase
+from ipuft.program import Entry, OpActivations, Phase, Unit
 
 
 @dataclass
@@ -86,12 +86,14 @@ class UnitCompute:
         self._counted: dict[str, int] = {}  # each unit's gradients' bytes counted on the device, until released
         self.graph_bytes = self.graph_peak = 0  # kept graphs' saved bytes now, and the step's peak
 
-    def call(self, unit: str, mb: int, st: StepState) -> contextlib.ExitStack:
-        """What micro-batch ``mb``'s module call of ``unit`` runs under, the same in its forward and in its
-        recompute: its dropout masks (:meth:`rng`) and its rows' examples (:func:`examples_apart`)."""
+    def call(self, unit: Unit, mb: int, st: StepState) -> contextlib.ExitStack:
+        """What micro-batch ``mb``'s module call of ``unit`` runs under, the same in its forward, its recompute
+        and its kept graph: its dropout masks (:meth:`rng`), its rows' examples (:func:`examples_apart`), and
+        which decoder layer it is (:func:`ipuft.attention.decoder_layer`; ``None`` for the other units)."""
         stack = contextlib.ExitStack()
         stack.enter_context(self.rng(unit, mb, st.update))
         stack.enter_context(examples_apart(st.positions[mb] if st.positions else None))
+        stack.enter_context(decoder_layer(unit.layer))
         return stack
 
     def rng(self, unit: str, mb: int, update: int):

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from ipuft.attention import examples_apart
+from ipuft.attention import decoder_layer, examples_apart
 from ipuft.components import IGNORE_INDEX, bound
 from ipuft.engine.store import host_copy
 from ipuft.errors import ConfigError, DataError
@@ -145,7 +145,8 @@ class LayerMajor:
                         out = module(input_ids.to(self.device))
                     else:
                         x = self._fetch(hidden)
-                        with self._layer_cache(None if cache is None else cache[phase.layer]) as layer:
+                        with self._layer_cache(None if cache is None else cache[phase.layer]) as layer, \
+                                decoder_layer(phase.layer):
                             out = module(x) if layer is None else module(x, cache=layer)
                         self._done_with(x)
                 hidden = self._park(out)

@@ -12,12 +12,19 @@ a component plugin does (a recompute that skips work, a gradient autograd makes 
 a formula of one model family. Where the rows pack several examples (:func:`packs_examples`), the unit runs
 with positions (:func:`ipuft.attention.examples_apart`), so that the attention's mask and its masked kernel are
 measured too.
+
+A decoder may differ from layer to layer (it reads :func:`ipuft.attention.current_layer`): a sliding window on
+some layers, full attention on others. One fake token through each layer with a key/value cache says how it
+attends (:func:`kv_cache_layers`: the bytes it caches per position, and its window); a decoder unit is measured
+once per kind (as its first layer of that window, under :func:`ipuft.attention.decoder_layer`), and its cost
+is the costliest kind's, each figure the largest of the kinds' (a full layer's causal kernel against a
+window's mask): what every layer is planned at.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from omegaconf import DictConfig
@@ -34,7 +41,7 @@ from torch.utils.flop_counter import (
     sdpa_flop_count,
 )
 
-from ipuft.attention import examples_apart
+from ipuft.attention import decoder_layer, examples_apart
 from ipuft.components import recompute
 from ipuft.engine.hostmem import heap_block_limit
 from ipuft.engine.model import ModelParts
@@ -192,11 +199,24 @@ def _saved_bytes(module, params, args) -> int:
     return total
 
 
-def unit_cost(parts: ModelParts, role: str, cfg: DictConfig, device: torch.device | str = "cpu") -> UnitCost:
-    """Measure one micro-batch through a unit of ``role`` computing on ``device`` (see :class:`UnitCost`)."""
+def unit_cost(parts: ModelParts, role: str, cfg: DictConfig, device: torch.device | str = "cpu",
+              kv_layers: list[tuple[int, int | None]] | None = None) -> UnitCost:
+    """Measure one micro-batch through a unit of ``role`` computing on ``device`` (see :class:`UnitCost`); a
+    decoder's is its costliest layer kind's (see the module's docstring), from ``kv_layers``
+    (:func:`kv_cache_layers`, probed here when not given)."""
+    if role != "decoder":
+        return _layer_cost(parts, role, cfg, torch.device(device), None)
+    kinds: dict[int | None, int] = {}
+    for layer, (_, window) in enumerate(kv_layers or kv_cache_layers(parts, cfg)):
+        kinds.setdefault(window, layer)
+    costs = [_layer_cost(parts, role, cfg, torch.device(device), layer) for layer in kinds.values()]
+    return UnitCost(*(max(getattr(c, f.name) for c in costs) for f in fields(UnitCost)))
+
+
+def _layer_cost(parts: ModelParts, role: str, cfg: DictConfig, device: torch.device, layer: int | None) -> UnitCost:
     mode = FakeTensorMode(allow_non_fake_inputs=True)  # a module's cached real tensors (a rotary table) are read
-    module, params, args = fake_unit(parts, role, cfg, torch.device(device), mode)
-    with examples_apart(fake_positions(cfg, torch.device(device), mode)):
+    module, params, args = fake_unit(parts, role, cfg, device, mode)
+    with examples_apart(fake_positions(cfg, device, mode)), decoder_layer(layer):
         return _unit_cost(module, params, args, mode, cfg)
 
 
@@ -239,18 +259,30 @@ def _unit_cost(module, params, args, mode: FakeTensorMode, cfg: DictConfig) -> U
                     accumulated_gradient)
 
 
-def kv_cache_bytes_per_position(parts: ModelParts, cfg: DictConfig) -> int:
-    """The bytes one decoder layer's key/value cache holds per position of one row, as the decoder itself
-    fills it (``2 × hidden`` values for GPT-J, ``2 × kv_heads × head_dim`` for grouped-query attention): one
-    fake token run through the layer with a cache (TP=1, the run's precision)."""
+def kv_cache_layers(parts: ModelParts, cfg: DictConfig) -> list[tuple[int, int | None]]:
+    """Each decoder layer's key/value cache, as the decoder itself fills it: the bytes it holds per position of
+    one row (``2 × hidden`` values for GPT-J, ``2 × kv_heads × head_dim`` for grouped-query attention), and the
+    window it keeps (``None``: every position; with a window ``W`` it keeps the last ``W``). One fake token
+    through each layer with a cache (TP=1, the run's precision), under that layer's
+    :func:`ipuft.attention.decoder_layer`."""
     from ipuft.generate import LayerKVCache
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     dtypes = {v.name: v.dtype for v in parts.variables["decoder"]}
     module = copy.deepcopy(parts.modules["decoder"]).eval()
-    cache = LayerKVCache()
+    layers = []
     with mode, torch.no_grad():
         params = {v.name: torch.empty(v.shape, dtype=dtypes[v.name]) for v in module.variable_specs()}
         x = torch.empty(1, 1, cfg.model.hidden_size, dtype=compute_dtype(cfg))
-        functional_call(module, params, (x, cache))
-    return cache.nbytes
+        for layer in range(cfg.model.layers):
+            cache = LayerKVCache()
+            with decoder_layer(layer):
+                functional_call(module, params, (x, cache))
+            layers.append((cache.nbytes, cache.window))
+    return layers
+
+
+def kv_cache_bytes_per_position(parts: ModelParts, cfg: DictConfig) -> int:
+    """The most bytes one decoder layer's key/value cache holds per position of one row
+    (:func:`kv_cache_layers`)."""
+    return max(per_position for per_position, _ in kv_cache_layers(parts, cfg))

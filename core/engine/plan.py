@@ -14,7 +14,7 @@ import torch
 from omegaconf import DictConfig
 
 from ipuft.engine.flops import step_flops
-from ipuft.engine.measure import kv_cache_bytes_per_position, packs_examples, unit_cost
+from ipuft.engine.measure import kv_cache_layers, packs_examples, unit_cost
 from ipuft.engine.memory import (
     CPU_RUNTIME_BYTES,
     activation_peak_bytes,
@@ -71,7 +71,8 @@ def estimate(cfg: DictConfig, parts: ModelParts, hooks: PluginHooks, inference_b
     the view of ``generate`` with ``inference_batch_size`` prompts of ``sequence_length - 64`` tokens, each
     continued by 64 (see :func:`inference_estimate`)."""
     optimizer = hooks.registrations.build_optimizer(cfg)
-    costs = {role: unit_cost(parts, role, cfg, compute_device(cfg)) for role in parts.modules}
+    kv_layers = kv_cache_layers(parts, cfg)  # how each layer attends: its layer kind, and its cache
+    costs = {role: unit_cost(parts, role, cfg, compute_device(cfg), kv_layers) for role in parts.modules}
     sizes = group_bytes(cfg, parts, optimizer)
     moved = traffic(cfg, parts, sizes)
     variables = sum(stored_bytes(s) for s in sizes.values())
@@ -134,19 +135,20 @@ def estimate(cfg: DictConfig, parts: ModelParts, hooks: PluginHooks, inference_b
         "flops_per_step": step_flops(cfg, parts, costs).as_dict(),
         "inference": inference_estimate(cfg, parts, inference_batch_size,
                                         max(1, cfg.model.sequence_length - GENERATE_NEW_TOKENS),
-                                        min(GENERATE_NEW_TOKENS, cfg.model.sequence_length - 1) or 1),
+                                        min(GENERATE_NEW_TOKENS, cfg.model.sequence_length - 1) or 1, kv_layers),
     }
 
 
 def inference_estimate(cfg: DictConfig, parts: ModelParts, batch_size: int, prompt_tokens: int,
-                       new_tokens: int) -> dict:
+                       new_tokens: int, kv_layers: list[tuple[int, int | None]] | None = None) -> dict:
     """``generate``'s memory (one process, TP=1): ``batch_size`` prompts of ``prompt_tokens`` tokens continued
     by ``new_tokens``, through :class:`ipuft.engine.inference.LayerMajor`. The device peak is exact: it follows
     the runner's ledger (the passes' largest moment is the prefill or the last decoding step).
 
     Per unit, the device holds the unit's weights (offloaded) or every weight (not), the batch's hidden
     states, and the key/value cache: one layer's while it runs with ``activation_offload``, every layer's
-    otherwise. The head runs on the last position only.
+    otherwise; a layer with a window keeps its last ``W`` positions (``kv_layers``: each layer's bytes per
+    position and window, :func:`ipuft.engine.measure.kv_cache_layers`). The head runs on the last position only.
     """
     itemsize = torch.empty((), dtype=compute_dtype(cfg)).element_size()
     m, layers, b = cfg.model, cfg.model.layers, batch_size
@@ -160,22 +162,22 @@ def inference_estimate(cfg: DictConfig, parts: ModelParts, batch_size: int, prom
     def hidden(t: int) -> int:
         return b * t * m.hidden_size * itemsize
 
-    per_position = kv_cache_bytes_per_position(parts, cfg)
+    kv_layers = kv_layers or kv_cache_layers(parts, cfg)
 
-    def cache(t: int) -> int:  # one layer's keys and values for t positions
-        return b * t * per_position
+    def caches(t: int) -> list[int]:  # each layer's keys and values after t positions (a window keeps its last W)
+        return [b * (t if window is None else min(t, window)) * per_position for per_position, window in kv_layers]
 
     logits = b * m.embedding.vocab_size * itemsize
 
     def peak(t: int, past: int) -> int:
         """The largest moment of one pass of ``t`` new tokens over ``past`` cached positions."""
         if act_offload:
-            moments = [load["embeddings"], load["decoder"] + hidden(t) + cache(past + t),
+            moments = [load["embeddings"], load["decoder"] + hidden(t) + max(caches(past + t)),
                        hidden(t) + hidden(1), hidden(1) + load["head"] + logits]
         else:
-            caches = layers * cache(past + t)
-            moments = [load["embeddings"] + hidden(t), caches + hidden(t) + load["decoder"],
-                       caches + hidden(t) + hidden(1), caches + hidden(1) + load["head"] + logits]
+            cached = sum(caches(past + t))  # the last layer's moment: every layer's cache grown
+            moments = [load["embeddings"] + hidden(t), cached + hidden(t) + load["decoder"],
+                       cached + hidden(t) + hidden(1), cached + hidden(1) + load["head"] + logits]
         return resident + max(moments)
 
     passes = [peak(prompt_tokens, 0)] + ([peak(1, prompt_tokens + new_tokens - 2)] if new_tokens > 1 else [])
@@ -184,9 +186,9 @@ def inference_estimate(cfg: DictConfig, parts: ModelParts, batch_size: int, prom
         "batch_size": batch_size,
         "prompt_tokens": prompt_tokens,
         "new_tokens": new_tokens,
-        "kv_cache_bytes": layers * cache(positions),
+        "kv_cache_bytes": sum(caches(positions)),
         "device_peak_bytes": max(passes),
-        "host_bytes": (weights if offload else 0) + (layers * cache(positions) if act_offload else 0),
+        "host_bytes": (weights if offload else 0) + (sum(caches(positions)) if act_offload else 0),
     }
 
 

@@ -62,8 +62,9 @@ class LlamaOptions:
     output_bias: bool = False
     # null, or Llama 3.1's frequency scaling.
     rope_scaling: Optional[RopeScaling] = None
-    # Mistral's sliding-window attention: ipuft attends over the whole causal past, the same as long as
-    # model.sequence_length is at most the window (a longer sequence is refused).
+    # Sliding-window attention (Mistral, Qwen2/3's use_sliding_window, Gemma's local layers): on the layers
+    # layer_types names (every layer when it is null), each query sees the keys of its last sliding_window
+    # positions, itself included; null: every earlier position.
     sliding_window: Optional[int] = None
     # Each layer's attention, full_attention or sliding_attention (sliding_window); null: every layer the
     # window's if there is one (Mistral), else full.
@@ -88,6 +89,8 @@ class LlamaOptions:
     qk_norm: Optional[str] = None
     # The embeddings are multiplied by sqrt(model.hidden_size), rounded to the model's dtype (Gemma).
     embedding_scale: bool = False
+    # config.json's pad_token_id: that token's embedding row gets no gradient (transformers' padding_idx).
+    padding_idx: Optional[int] = None
     # The attention's softmax scale is query_pre_attn_scalar ** -0.5 (Gemma); null: head_dim ** -0.5.
     query_pre_attn_scalar: Optional[float] = None
     # Soft-caps: scores <- cap * tanh(scores / cap) on the attention scores and on the logits (Gemma 2).
@@ -122,10 +125,10 @@ def _check(cfg: DictConfig) -> None:
     if heads % tp or m.intermediate_size % tp:
         raise ConfigError(f"execution.tensor_parallel={tp} must divide model.attention.heads={heads} and "
                           f"model.intermediate_size={m.intermediate_size}")
-    window = cfg.plugins[SECTION].sliding_window
-    if window is not None and m.sequence_length > window:
-        raise ConfigError(f"model.sequence_length={m.sequence_length} exceeds plugins.llama.sliding_window={window}: "
-                          f"ipuft attends over the whole causal past, so a sequence must fit in the window")
+    window = options.sliding_window
+    if window is not None and not 0 < window <= 1 << 24:
+        raise ConfigError(f"plugins.llama.sliding_window: must be a positive number of positions of at most "
+                          f"{1 << 24} (null: no window), got {window}")
     scaling = options.rope_scaling
     if scaling is not None:
         _check_rope_scaling(scaling, m.attention.rotary_dim)
@@ -186,14 +189,17 @@ def _check_rope_scaling(scaling: DictConfig, rotary_dim: int) -> None:
 
 def build_embeddings(cfg: DictConfig) -> TokenEmbeddings:
     """Core's token embeddings with Llama's names (``embed_tokens``, ``model.embed_tokens.weight``), scaled by
-    sqrt(hidden) where ``plugins.llama.embedding_scale`` says (Gemma)."""
-    from ipuft.embeddings import TokenEmbeddings
-    from ipuft_llama.modules import ScaledEmbeddings
+    sqrt(hidden) where ``plugins.llama.embedding_scale`` says (Gemma), the ``padding_idx`` row without a
+    gradient."""
+    from ipuft_llama.modules import LlamaEmbeddings
 
-    m = cfg.model
-    kind = ScaledEmbeddings if cfg.plugins[SECTION].embedding_scale else TokenEmbeddings
-    return kind(m.embedding.vocab_size, m.hidden_size, m.dropout_prob, cfg.execution.tensor_parallel,
-                table_name="embed_tokens", hf_name="model.embed_tokens.weight")
+    m, options = cfg.model, cfg.plugins[SECTION]
+    if options.padding_idx is not None and not 0 <= options.padding_idx < m.embedding.vocab_size:
+        raise ConfigError(f"plugins.llama.padding_idx={options.padding_idx}: a token id below "
+                          f"model.embedding.vocab_size={m.embedding.vocab_size}, or null")
+    return LlamaEmbeddings(m.embedding.vocab_size, m.hidden_size, m.dropout_prob, cfg.execution.tensor_parallel,
+                           table_name="embed_tokens", hf_name="model.embed_tokens.weight",
+                           scale=options.embedding_scale, padding_idx=options.padding_idx)
 
 
 def build_decoder(cfg: DictConfig) -> LlamaDecoderBlock:
@@ -231,9 +237,22 @@ def build_head(cfg: DictConfig) -> LlamaLMHead:
     from ipuft_llama.modules import LlamaLMHead
 
     m, options = cfg.model, cfg.plugins[SECTION]
+    if options.final_logit_softcap is not None and not _head_softcaps():
+        raise ConfigError(f"plugins.llama.final_logit_softcap={options.final_logit_softcap} (Gemma 2's "
+                          f"final_logit_softcapping): this ipuft's head op (ipuft.parallel.vocab_parallel_head) has "
+                          f"no soft-cap; it cannot run this model")
     return LlamaLMHead(m.hidden_size, m.embedding.vocab_size, m.layer_norm_epsilon, cfg.execution.tensor_parallel,
                        tied=m.tie_embeddings, norm_offset=options.norm_offset,
                        norm_gain_float32=options.norm_gain_float32, softcap=options.final_logit_softcap)
+
+
+def _head_softcaps() -> bool:
+    """Whether core's head op takes a final-logit soft-cap (``softcap=``)."""
+    import inspect
+
+    from ipuft.parallel import vocab_parallel_head
+
+    return "softcap" in inspect.signature(vocab_parallel_head).parameters
 
 
 def decoder_shard_specs(variables: list[VariableSpec], tensor_parallel: int, cfg: DictConfig) -> dict[str, ShardSpec]:

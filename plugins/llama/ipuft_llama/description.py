@@ -230,5 +230,5 @@ GEMMA3 = Description("gemma3_text", "Gemma 3", "Gemma3ForCausalLM", **_GEMMA, qk
 
 # Every description here, by model_type.
 BY_TYPE = {d.model_type: d for d in (LLAMA, MISTRAL, QWEN2, QWEN3, OLMO2, GEMMA2, GEMMA3)}
-# The families this plugin registers (the others are described and wait for their tests).
-DESCRIPTIONS = (LLAMA, MISTRAL, QWEN2)
+# The families this plugin registers.
+DESCRIPTIONS = tuple(BY_TYPE.values())

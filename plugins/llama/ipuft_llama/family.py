@@ -190,7 +190,17 @@ def _block_keys(config: Mapping, d: Description, mlp_bias: bool, types: list[str
         if d.final_softcap else None,
         f"{section}.layer_types": types,
         f"{section}.local_rope_theta": local_theta,
+        f"{section}.padding_idx": _padding_idx(config),
     }
+
+
+def _padding_idx(config: Mapping) -> int | None:
+    """config.json's ``pad_token_id``: transformers' embeddings give that row no gradient."""
+    pad = config_int(config, "pad_token_id", None, minimum=0)
+    vocab = config_int(config, "vocab_size")
+    if pad is not None and pad >= vocab:
+        raise HFConfigError(f"pad_token_id={pad} must be below vocab_size={vocab}")
+    return pad
 
 
 def head_dim(cfg: DictConfig) -> int:
@@ -242,14 +252,16 @@ def write_config(cfg: DictConfig, d: Description | str) -> dict[str, Any]:
         "initializer_range": 0.02,
         "use_cache": True,
         **d.layer_types.write(options.sliding_window, types, m.layers),
+        "pad_token_id": options.padding_idx,
         **d.written,
     }
     if d.attention_bias == "key":
         out["attention_bias"] = options.qkv_bias
     if d.mlp_bias:
         out["mlp_bias"] = options.mlp_bias
-    if d.query_pre_attn_scalar:
-        out["query_pre_attn_scalar"] = options.query_pre_attn_scalar
+    if d.query_pre_attn_scalar:  # an int in transformers' Gemma configs (they refuse 256.0)
+        scalar = options.query_pre_attn_scalar
+        out["query_pre_attn_scalar"] = int(scalar) if scalar is not None and scalar == int(scalar) else scalar
     if d.attn_softcap:
         out["attn_logit_softcapping"] = options.attn_logit_softcap
     if d.final_softcap:
@@ -318,13 +330,14 @@ SOURCE_KEYS = {
     f"plugins.{SECTION}.attn_logit_softcap": "attn_logit_softcapping",
     f"plugins.{SECTION}.final_logit_softcap": "final_logit_softcapping",
     f"plugins.{SECTION}.local_rope_theta": "rope_local_base_freq",
+    f"plugins.{SECTION}.padding_idx": "pad_token_id",
 }
 
 # The plugins.llama options that make a model what it is (beside the shapes under model).
 OPTION_KEYS = ("kv_heads", "head_dim", "qkv_bias", "output_bias", "sliding_window", "rope_scaling", "mlp_bias",
                "activation", "norms", "norm_offset", "norm_gain_float32", "qk_norm", "embedding_scale",
                "query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "layer_types",
-               "local_rope_theta")
+               "local_rope_theta", "padding_idx")
 
 # Every key read_config sets: a checkpoint of the family fixes them (ipuft.config.identity).
 MODEL_KEYS = (

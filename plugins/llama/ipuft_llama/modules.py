@@ -36,14 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ipuft.attention import CausalSelfAttention, HalvesRotary
-
-try:
-    from ipuft.attention import current_layer
-except ImportError:  # until core's layer context (branch attn) is merged
-    def current_layer() -> int | None:
-        return None
-from ipuft.components import IGNORE_INDEX, Init, VariableSpec, specs_from_module, tie
+from ipuft.attention import CausalSelfAttention, HalvesRotary, current_layer
+from ipuft.components import IGNORE_INDEX, Init, VariableSpec, has_values, specs_from_module, tie
 from ipuft.embeddings import TokenEmbeddings
 from ipuft.ops import Linear
 from ipuft.parallel import (
@@ -168,14 +162,18 @@ class LlamaDecoderBlock(nn.Module):
             head_dim, head_dim, block.local_rope_theta, None)
         self.dropout_prob = dropout_prob
         self.fused_projections = fused_projections
+        # Every layer alike (Llama: no window; Mistral: the window on each): no need to know which layer runs.
         self.uniform = len(set(block.windows)) <= 1 and self.local_rotary is None
 
-    def _layer_call(self) -> dict:
+    def _layer_call(self, x: torch.Tensor) -> dict:
         """The attention's per-layer arguments: this layer's window and, on a sliding layer with a rotary of its
-        own, that rotary."""
+        own, that rotary. Measured without values and outside a layer (the plan's costs), it runs as a full
+        layer, the costliest kind."""
         if self.uniform:
-            return {}
+            return {"window": self.block.windows[0] if self.block.windows else None}
         layer = current_layer()
+        if layer is None and not has_values(x):
+            return {"window": None}
         if layer is None:
             raise RuntimeError("a Llama-architecture block whose layers differ (sliding and full attention) was "
                                "called outside a decoder layer's call (ipuft.attention.current_layer() is None)")
@@ -190,7 +188,7 @@ class LlamaDecoderBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None) -> torch.Tensor:
         attn = reduce_from_tensor_parallel(self.self_attn(copy_to_tensor_parallel(self._norm(0, x)), cache,
-                                                          **self._layer_call()))
+                                                          **self._layer_call(x)))
         if self.self_attn.o_proj.bias is not None:
             attn = attn + self.self_attn.o_proj.bias
         h = x + F.dropout(self._norm(1, attn), self.dropout_prob, self.training)
@@ -225,15 +223,23 @@ class LlamaDecoderBlock(nn.Module):
         return fused_rows(layer)
 
 
-class ScaledEmbeddings(TokenEmbeddings):
-    """Core's token embeddings times sqrt(hidden), that factor rounded to the table's dtype first, as
-    transformers' Gemma computes it."""
+class LlamaEmbeddings(TokenEmbeddings):
+    """Core's token embeddings, times sqrt(hidden) with ``scale`` (Gemma: that factor rounded to the table's
+    dtype first, as transformers computes it), and with ``padding_idx`` (config.json's ``pad_token_id``) that
+    row's gradient always zero, as ``nn.Embedding(padding_idx=...)`` has it in transformers."""
+
+    def __init__(self, *args, scale: bool = False, padding_idx: int | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.scale, self.padding_idx = scale, padding_idx
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         table = getattr(self, self.table_name)
         hidden = vocab_parallel_embedding(table, input_ids, self.tensor_parallel)
-        scale = torch.tensor(math.sqrt(table.weight.shape[1]), dtype=torch.float32).to(hidden.dtype)
-        return F.dropout(hidden * scale, self.dropout_prob, self.training)
+        if self.padding_idx is not None:  # the pad row's lookups pass no gradient to it
+            hidden = torch.where((input_ids == self.padding_idx)[..., None], hidden.detach(), hidden)
+        if self.scale:
+            hidden = hidden * torch.tensor(math.sqrt(table.weight.shape[1]), dtype=torch.float32).to(hidden.dtype)
+        return F.dropout(hidden, self.dropout_prob, self.training)
 
 
 class LlamaLMHead(nn.Module):
