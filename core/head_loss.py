@@ -106,30 +106,18 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         step = chunk or x.shape[0]
         for start in range(0, x.shape[0], step):
             xc, yc, kc = x[start : start + step], labels[start : start + step], keep[start : start + step]
-            logits = F.linear(xc, weight, bias)
+            logits = _padded(xc, lambda rows: F.linear(rows, weight, bias))
             if first + rows > vocab_size:  # a padded vocabulary block (TP): padded columns never win
                 padded = torch.arange(first, first + rows, device=x.device) >= vocab_size
                 logits = logits.masked_fill(padded, torch.finfo(logits.dtype).min)
-            logits = logits.float()
-            logits -= tp.reduce(logits.max(dim=-1, keepdim=True).values, dist.ReduceOp.MAX)
-            local = yc - first
-            mine = (local >= 0) & (local < rows)
-            at = local.clamp(0, rows - 1).unsqueeze(-1)
-            target = tp.reduce(logits.gather(-1, at).squeeze(-1) * mine)
-            probs = logits.exp_()
-            sum_exp = tp.reduce(probs.sum(dim=-1))
-            total += ((sum_exp.log() - target) * kc).sum()
-            if not (need_x or need_w or need_b):
+            loss, probs = _chunk_loss(logits.float(), yc, kc, first, tp, need_x or need_w or need_b)
+            total += loss
+            if probs is None:
                 continue
-            # d(seed · loss)/d(logits): seed · (softmax - onehot) for kept tokens, over their count, rounded to
-            # the logits' dtype before the projection's backward, as autograd's is.
-            probs /= sum_exp.unsqueeze(-1)
-            probs.scatter_add_(-1, at, -mine.to(probs.dtype).unsqueeze(-1))
-            probs *= (kc * (seed / count)).unsqueeze(-1)
-            g = probs.to(x.dtype)
+            g = _logits_gradient(probs, yc, kc, first, kc * (seed / count), tp).to(x.dtype)
             del probs, logits
             if need_x:
-                torch.mm(g, weight, out=grad_x[start : start + step])
+                grad_x[start : start + step] = _padded(g, lambda rows: torch.mm(rows, weight))
             sums.add(g, xc)
         ctx.sums, ctx.seed = sums, seed
         ctx.save_for_backward(grad_x)
@@ -141,6 +129,50 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         factor = grad / ctx.seed  # 1 where the caller seeds the backward as it said it would
         grad_w, grad_b = ctx.sums.result(factor)
         return (grad_x * factor if grad_x is not None else None), grad_w, grad_b, *([None] * 7)
+
+
+def _chunk_loss(logits: torch.Tensor, labels: torch.Tensor, keep: torch.Tensor, first: int,
+                tp: _TensorParallel, grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A chunk's summed loss over its kept tokens, and a float32 buffer ready for the logits' gradient: at TP=1
+    the softmax as ``exp(log_softmax(logits))``; under TP the shifted exponentials ``exp(logits - max)``, the
+    pieces summed over the group. Each is the arithmetic of the unchunked loss (``F.cross_entropy``,
+    :func:`ipuft.parallel.vocab_parallel_cross_entropy`), so that a chunk's rows round as the whole micro-batch's
+    do. (Not a shifted ``exp`` summed by ``torch.sum``, as before: on a CPU the log-softmax adds a row's
+    exponentials one by one into a few float32 lanes, which with a peaked distribution over 49152 rows loses the
+    small terms and comes out about 8e-6 low per token, so the two differed by that; transformers' loss is
+    F.cross_entropy's.) The second value (None without ``grad``) carries its row
+    sums as ``.sums`` under TP."""
+    rows = logits.shape[-1]
+    local = labels - first
+    mine = (local >= 0) & (local < rows)
+    at = local.clamp(0, rows - 1).unsqueeze(-1)
+    if tp.size == 1:  # F.cross_entropy's own arithmetic: its log-softmax, row by row, and the target's entry
+        work = torch.log_softmax(logits, dim=-1)
+        loss = -(work.gather(-1, at).squeeze(-1) * keep).sum()
+        return loss, work.exp_() if grad else None
+    work = logits - tp.reduce(logits.max(dim=-1, keepdim=True).values, dist.ReduceOp.MAX)
+    target = tp.reduce(work.gather(-1, at).squeeze(-1) * mine)
+    work.exp_()
+    sums = tp.reduce(work.sum(dim=-1))
+    work.sums = sums
+    return ((sums.log() - target) * keep).sum(), work if grad else None
+
+
+def _logits_gradient(work: torch.Tensor, labels: torch.Tensor, keep: torch.Tensor, first: int,
+                     weight: torch.Tensor, tp: _TensorParallel) -> torch.Tensor:
+    """d(seed · loss)/d(logits) in ``work`` (from :func:`_chunk_loss`), ``weight[N]`` = seed · keep / count: the
+    softmax times the weight, less the weight at the target, in the order autograd's backward of the unchunked
+    loss rounds them (the log-sum-exp's term first, then the target's scattered in)."""
+    rows = work.shape[-1]
+    local = labels - first
+    mine = (local >= 0) & (local < rows)
+    at = local.clamp(0, rows - 1).unsqueeze(-1)
+    if tp.size == 1:
+        work *= weight.unsqueeze(-1)
+    else:
+        work *= (weight / work.sums).unsqueeze(-1)
+    work.scatter_add_(-1, at, -(weight * mine).unsqueeze(-1))
+    return work
 
 
 class _Sums:
@@ -184,6 +216,22 @@ class _Sums:
             else:
                 out.append(total.mul_(factor).to(leaf.dtype))
         return out[0], out[1]
+
+
+GEMM_ROWS = 4  # the fewest rows a chunk's matmuls over the vocabulary are made with (see _padded)
+
+
+def _padded(rows: torch.Tensor, matmul) -> torch.Tensor:
+    """``matmul(rows)``, where a float32 chunk of fewer than :data:`GEMM_ROWS` rows is padded with zero rows to
+    that many (and the result cut back): with one to three rows a CPU BLAS takes its matrix-vector path, whose
+    sums come out otherwise rounded than the matrix-matrix path the unchunked head's many rows take (at 49152
+    vocabulary rows a token's gradient 1e-5 off, against 1e-6)."""
+    n = rows.shape[0]
+    if n >= GEMM_ROWS or rows.dtype != torch.float32:
+        return matmul(rows)
+    padded = rows.new_zeros(GEMM_ROWS, *rows.shape[1:])
+    padded[:n] = rows
+    return matmul(padded)[:n]
 
 
 def _zeros32(t: torch.Tensor) -> torch.Tensor:

@@ -110,10 +110,7 @@ def test_three_adamw_steps_equal_peft_with_torch_adamw(hooks, llama_dir, tmp_pat
     norms; an OLMo 2 with post-norms), clipping active, weight decay on the adapters: losses, norms and every
     adapter weight within 1e-5 of peft's; the base bit-identical, with no gradient or optimizer state stored."""
     src = llama_dir if kind == "llama" else save_hf(tmp_path / kind, kind, seed=3)[1]
-    # The head computes its loss as autograd does (head_chunk_tokens=0): the chunked head's gradient differs from
-    # autograd's by float32 rounding (tests/test_chunked_head.py holds it to 1e-6), which Adam's normalisation turns
-    # into steps of lr·O(1) for elements whose gradient is near nothing: 2.6e-5 on one Qwen2 adapter element.
-    cfg = config(hooks, src, *RECIPE, *lora(*ALL), "execution.head_chunk_tokens=0")
+    cfg = config(hooks, src, *RECIPE, *lora(*ALL))  # the default chunked head
     engine = build_engine(cfg, hooks)
     before = engine.model.full_weights()
     model = peft_model(hf_model(kind, seed=3), LLAMA_MODULES, engine)

@@ -2,8 +2,11 @@
 
 The decoder's backward recomputes each layer's forward from its buffered input ``x[n][mb]`` (with
 ``execution.recompute=false`` the forward keeps its graph for the backward instead, :class:`KeptGraphs`).
-Each micro-batch's backward is seeded with ``S / GA`` (``S`` the loss scale), so that the unit's gradient is
-the micro-batches' average carrying the scale; :class:`~ipuft.engine.gradients.GradientSum` sums them.
+Each micro-batch's backward is seeded with ``S · n_mb · DP / n`` (``S`` the loss scale, ``n_mb`` its trained
+tokens, ``n`` the step's over every micro-batch and DP rank: :attr:`StepState.weights`), so that the unit's
+gradient, mean-reduced over DP, is that of the step's loss, the mean over every trained token of the step, as
+transformers' Trainer (``num_items_in_batch``) and TRL weight it; :class:`~ipuft.engine.gradients.GradientSum`
+sums them.
 Every module call runs under its micro-batch's positions (:func:`ipuft.attention.examples_apart`, ``None``
 where each row of the micro-batch is one example), so that a layer's recompute attends as its forward did.
 Under data parallelism each unit's gradient is mean-reduced over the DP group once, after its micro-batch
@@ -33,8 +36,9 @@ from ipuft.program import Entry, OpActivations, Phase, Unit
 @dataclass
 class StepState:
     """What one optimizer step's phases share: its batch (on the compute device), learning rate, loss scale and
-    update number, the micro-batches' losses, the squared global gradient norm as it is summed, and each
-    micro-batch's positions (:func:`ipuft.engine.phased.micro_batch_positions`)."""
+    update number, the micro-batches' losses, the squared global gradient norm as it is summed, each
+    micro-batch's positions (:func:`ipuft.engine.phased.micro_batch_positions`), and each micro-batch's weight
+    in the step's loss (``n_mb · DP / n``, :func:`ipuft.engine.phased.token_weights`)."""
 
     batch: Batch
     lr: float
@@ -43,8 +47,13 @@ class StepState:
     norm_sq: torch.Tensor
     positions: list[torch.Tensor | None] = field(default_factory=list)
     losses: list[torch.Tensor] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)
     grad_norm: float = float("nan")
     skip: bool = False
+
+    def weight(self, mb: int) -> float:
+        """Micro-batch ``mb``'s weight in the step's loss (``1 / GA`` where no weights were given)."""
+        return self.weights[mb] if self.weights else 1.0 / self.batch.micro_batches
 
 
 class KeptGraphs:
@@ -294,7 +303,7 @@ class UnitCompute:
                 args = (*args, st.batch.labels[mb])
                 seed = None
                 # A head computes its loss a chunk of tokens at a time (ipuft.head_loss), told the seed below.
-                stack.enter_context(head_chunks(self.head_chunk_tokens, st.loss_scale / st.batch.micro_batches))
+                stack.enter_context(head_chunks(self.head_chunk_tokens, st.loss_scale * st.weight(mb)))
             else:
                 seed = stack.enter_context(self.buffers.read(*upstream, mb, consume=True))
                 stack.enter_context(recompute())  # only the gradient of this forward is used
@@ -305,7 +314,7 @@ class UnitCompute:
                 out = module(*args)
             if seed is None:
                 st.losses.append(out.detach())
-                out = out * (st.loss_scale / st.batch.micro_batches)
+                out = out * (st.loss_scale * st.weight(mb))
             torch.autograd.backward(out, seed, inputs=inputs + params)
         if inputs:
             self.buffers.write(*io.written("dx"), mb, inputs[0].grad)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from ipuft.components import IGNORE_INDEX
 from ipuft.data.batch import Batch
 from ipuft.engine.activations import ActivationBuffers, Spill
 from ipuft.engine.compute import StepState, UnitCompute
@@ -64,6 +65,24 @@ class StepResult:
     phase_peak_bytes: dict[str, int] = field(default_factory=dict)  # each phase's peak above what it found
     spill_written_bytes: int = 0  # activation_offload=disk: bytes of activations written to disk this step
     spill_read_bytes: int = 0  # and read back
+
+
+def token_weights(labels: torch.Tensor, layout: Layout | None = None) -> list[float]:
+    """Each micro-batch's weight in the step's loss, ``n_mb · DP / n``: ``n_mb`` its trained tokens (labels not
+    ``IGNORE_INDEX``), ``n`` the step's over every micro-batch and DP rank (one all-reduce of a count). The step's
+    loss is then the mean over all its trained tokens (transformers' Trainer, TRL), and a micro-batch of few
+    trained tokens weighs as little as it holds. Equal counts give ``1 / GA`` exactly. No trained token in the
+    whole step: ``1 / GA`` each (the loss is not a number, and the step is skipped as any such step is)."""
+    counts = (labels != IGNORE_INDEX).flatten(1).sum(1)
+    total = counts.sum()
+    dp = layout.data_parallel if layout is not None else 1
+    if dp > 1:
+        with section("collectives"):
+            dist.all_reduce(total, group=layout.dp_group)
+    n = int(total)
+    if n == 0:
+        return [1.0 / labels.shape[0]] * labels.shape[0]
+    return [int(c) * dp / n for c in counts.tolist()]
 
 
 def micro_batch_positions(batch: Batch) -> list[torch.Tensor | None]:
@@ -132,7 +151,8 @@ class PhasedEngine:
         moved = (batch.input_ids, batch.labels, batch.positions)
         self.store.traffic.h2d["data"] += sum(t.numel() * t.element_size() for t in moved if t is not None)
         state = StepState(batch, lr, self.scale.scale, self.updates,
-                          torch.zeros((), dtype=torch.float32, device=self.device), positions=positions)
+                          torch.zeros((), dtype=torch.float32, device=self.device), positions=positions,
+                          weights=token_weights(batch.labels, self.layout))
         phases = self.program.phases
         profile = active_profile()
         for i, phase in enumerate(phases):
@@ -147,7 +167,9 @@ class PhasedEngine:
         if state.skip:
             self.updates -= 1  # Adam's bias correction counts updates that happened
         self.scale.update(overflow=state.skip)
-        loss = torch.stack(state.losses).mean()
+        # The step's loss: the mean over every trained token of the step (each micro-batch's mean by its weight).
+        weights = torch.tensor(state.weights, dtype=torch.float32, device=self.device)
+        loss = (torch.stack(state.losses).float() * weights).sum()
         if self.layout.data_parallel > 1:
             with section("collectives"):
                 dist.all_reduce(loss, group=self.layout.dp_group)
