@@ -8,6 +8,7 @@ import math
 import shutil
 
 import dist_workers
+import numpy as np
 import pytest
 import torch
 from distributed import spawn
@@ -77,7 +78,8 @@ def ref_dequantize(codes: torch.Tensor, scales: torch.Tensor, values: torch.Tens
 
 class Reference:
     """AdamW's arithmetic, op for op as ``adamw``'s step writes it, around 8-bit block-wise moments; float32
-    moments for norms and biases, no weight decay on them."""
+    moments for norms and biases, no weight decay on them. Square roots correctly rounded (numpy's: ATen's CPU
+    ``sqrt`` is within an ulp, ``adamw`` corrects it)."""
 
     def __init__(self, cfg):
         self.o = cfg.plugins.adamw8bit
@@ -98,13 +100,13 @@ class Reference:
         else:
             m, v = s["m"], s["v"]
         g, flat = g.reshape(-1), w.view(-1)
-        m.lerp_(g, 1 - o.beta1)
-        v.mul_(o.beta2).addcmul_(g, g, value=1 - o.beta2)
+        m.mul_(o.beta1).add_(g * (1 - o.beta1))
+        v.mul_(o.beta2).add_((g * g) * (1 - o.beta2))
         bias1, bias2 = 1 - o.beta1**t, 1 - o.beta2**t
-        denom = v.clamp_min(2.0**-126).sqrt_().div_(math.sqrt(bias2)).add_(o.eps)
+        denom = torch.from_numpy(np.sqrt(v.clamp_min(2.0**-126).numpy())).div_(math.sqrt(bias2)).add_(o.eps)
         if self.eightbit(name):
             flat.mul_(1 - lr * o.weight_decay)
-        flat.addcdiv_(m, denom, value=-lr / bias1)
+        flat.add_((m / denom) * (-lr / bias1))
         if self.eightbit(name):
             for k, x in (("m", m), ("v", v)):
                 s[k], s[f"{k}_absmax"] = ref_quantize(x, self.maps[k])
@@ -155,7 +157,19 @@ def train_recording(cfg, hooks, steps):
         contexts[ctx.step] = ctx
         step_unit(names, weights, finished, states, ctx)
 
+    fused_step = engine.optimizer.fused_step
+
+    def recording_fused(names, weights, grads_, states, ctx, roundings):  # the kernel multiplies by the factor
+        finished = [g * ctx.grad_factor for g in grads_]
+        done = fused_step(names, weights, grads_, states, ctx, roundings)
+        if done:
+            for name, g in zip(names, finished, strict=True):
+                grads.setdefault(ctx.step, {}).setdefault(name, []).append(g)
+            contexts[ctx.step] = ctx
+        return done
+
     engine.optimizer.step_unit = recording
+    engine.optimizer.fused_step = recording_fused
     data = data_source(cfg)
     for s in range(steps):
         engine.step(replica_batch(cfg, data, s, engine.layout), learning_rate(s, steps, cfg.training.optimizer.learning_rate))

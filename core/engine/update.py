@@ -155,7 +155,13 @@ class UnitUpdate:
         stored tensors, or copies streamed to the device, :mod:`ipuft.engine.streaming`). The optimizer sees
         float32: a 16-bit weight's view is its master copy or a float32 copy, mapped back into the weight by
         the run's recipe (see :mod:`ipuft.engine.precision`). Gradients are consumed: a float32 one is finished
-        in place."""
+        in place.
+
+        Where the optimizer has a one-pass update (``fused_step``, :mod:`ipuft.engine.fused`) and the recipe is
+        float32 or stochastic rounding, that does it all (the factor, the rule, the rounding) and nothing here
+        runs; it gives these ops' results bit for bit."""
+        if self._fused(phase, group, weights, grads, states, ctx):
+            return
         wide = self.recipe is not Recipe.exact
         transient = group_transient_bytes(self.recipe, [stop - start for _, start, stop in group])
         self.store.ledger.acquire(transient)
@@ -173,6 +179,23 @@ class UnitUpdate:
             for (name, start, _), weight, view in zip(group, weights, views):
                 self._round_into(phase, name, weight, view, start, ctx.step)
         self.store.ledger.release(transient)
+
+    def _fused(self, phase: Phase, group: list[tuple[str, int, int]], weights: list[torch.Tensor],
+               grads: list[torch.Tensor], states: list[dict[str, torch.Tensor]], ctx: StepContext) -> bool:
+        """The group's update by the optimizer's one-pass ``fused_step``, where it has one that serves: the
+        stored pieces, the gradients before the factor, and each piece's stochastic rounding (its key, and its
+        elements' counters in the full variable) when 16-bit."""
+        fused_step = getattr(self.optimizer, "fused_step", None)
+        if (fused_step is None or self.recipe not in (Recipe.exact, Recipe.stochastic) or not weights
+                or weights[0].device.type != "cpu"):
+            return False
+        roundings = [None] * len(group)
+        if self.recipe is Recipe.stochastic:
+            roundings = [(rounding_key(self.seed, phase.unit, name, ctx.step),
+                          self.model.placed[phase.role][name].counters(start, stop - start, weight.device))
+                         for (name, start, stop), weight in zip(group, weights, strict=True)]
+        names = [f"{phase.unit}.{name}" for name, _, _ in group]
+        return fused_step(names, weights, grads, states, ctx, roundings)
 
     def _round_into(self, phase: Phase, name: str, weight: torch.Tensor, view: torch.Tensor, start: int,
                     step: int) -> None:

@@ -1,0 +1,170 @@
+"""The optimizer update in one pass over memory, on the CPU: a small C kernel (``update_kernel.c``), built with
+the system's C compiler on first use and cached, called through :mod:`ctypes`.
+
+The update of a piece is otherwise a chain of torch ops, each a pass over its tensors: the loss-scale and
+clipping factor, the two moments, the denominator, decay, the weight, and for 16-bit weights a float32 copy
+and stochastic rounding's dozen int32 passes. The kernel reads each element's weight, gradient and moments
+once, computes all of that in registers (vectorised by the compiler, split over the CPU's intra-op threads)
+and writes the weight and the moments once: the speed of memory. It does, element for element, exactly the
+float32 operations of ``adamw``'s torch-op update (:meth:`ipuft_optim_adam.adamw.AdamW.step`) and the rounding
+of :func:`ipuft.engine.precision.stochastic_round_` with the same random bits, each an IEEE operation rounded
+once (no contraction into fused multiply-adds, no fast-math), so its results equal the ops' bit for bit
+(tests/test_fused_update.py) and a machine without a compiler gets the same run, more slowly.
+
+Recipes: float32 weights; bfloat16 and float16 weights with stochastic rounding (the loss-scaled float16
+recipe included: the loss scale is part of the gradient's factor); float32 moments, or ``adamw8bit``'s
+block-wise 8-bit codes. Anything else (another device, a master copy, rounding to nearest) keeps the ops.
+
+``IPUFT_UPDATE_KERNEL=0`` turns the kernel off; ``CC`` names the compiler (default ``cc``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("update_kernel.c")
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fPIC", "-shared", "-pthread"]
+MODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the weight's dtype; 16-bit: rounded stochastically
+MAX_BLOCK = 4096  # the kernel's largest 8-bit block
+MIN_THREAD_ELEMENTS = 1 << 15  # fewer elements a thread than this: fewer threads (starting one costs ~20 µs)
+
+_HYPER = ("factor", "beta1", "one_minus_beta1", "beta2", "one_minus_beta2", "sqrt_bias2", "eps", "floor", "decay",
+          "step")
+
+
+class Hyper(ctypes.Structure):
+    """One variable's scalars of one update, as float32 (what torch makes of a Python float scalar on a float32
+    tensor): the gradient's factor, β1, 1-β1, β2, 1-β2, √bias2, eps, the floor under ``v``, the decay factor
+    ``1 - lr·wd`` and the step ``-lr / bias1``."""
+
+    _fields_ = [(name, ctypes.c_float) for name in _HYPER]
+
+
+_state: dict[str, object] = {}
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("IPUFT_KERNEL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ipuft", "kernels")
+    return Path(root)
+
+
+def _machine() -> str:
+    """What a ``-march=native`` build depends on: the host and its CPU's model."""
+    model = ""
+    try:
+        model = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        pass
+    return f"{platform.node()}/{platform.machine()}/{model}"
+
+
+def _build() -> ctypes.CDLL:
+    """The kernel's shared library: the cached build, or a fresh one (written atomically, so that ranks
+    starting together never load a half-written file)."""
+    compiler = os.environ.get("CC", "cc")
+    if shutil.which(compiler) is None:
+        raise OSError(f"no C compiler ({compiler!r} is not on PATH)")
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + repr((compiler, FLAGS, _machine())).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"update-{digest}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True)
+            if done.returncode:
+                raise OSError(f"{compiler} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+            os.replace(built, target)
+    lib = ctypes.CDLL(str(target))
+    p, i64, i32, u32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint32
+    lib.ipuft_adamw.argtypes = [i64, p, i32, p, i32, p, p, ctypes.POINTER(Hyper), u32, i64, p, i32, i64]
+    lib.ipuft_adamw8bit.argtypes = [i64, p, i32, p, i32, p, p, p, p, p, p, p, p, p, p, i64, ctypes.POINTER(Hyper),
+                                    u32, i64, p, i32, i64]
+    lib.ipuft_adamw.restype = lib.ipuft_adamw8bit.restype = i32
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The kernel, or ``None`` where it is turned off or cannot be built (said once, on one line)."""
+    if "lib" not in _state:
+        lib = None
+        if os.environ.get("IPUFT_UPDATE_KERNEL", "1") != "0":
+            try:
+                lib = _build()
+            except OSError as e:
+                print(f"ipuft: the one-pass update kernel is not available ({e}); the optimizer updates with "
+                      f"torch ops instead (the same results, more slowly)", file=sys.stderr)
+        _state["lib"] = lib
+    return _state["lib"]  # type: ignore[return-value]
+
+
+def serves(weight: torch.Tensor, grad: torch.Tensor, rounding: object) -> bool:
+    """Whether the kernel can update this piece: on the CPU, contiguous, a float32 weight
+    (``rounding`` None) or a 16-bit one rounded stochastically (``rounding`` given), a float32 or 16-bit
+    gradient."""
+    return (weight.device.type == "cpu" and grad.device.type == "cpu" and weight.is_contiguous()
+            and grad.is_contiguous() and grad.dtype in MODES and weight.dtype in MODES
+            and (weight.dtype == torch.float32) == (rounding is None) and library() is not None)
+
+
+def _rounding(rounding: tuple[int, int | torch.Tensor] | None, n: int) -> tuple[int, int, int | None]:
+    """``(key, first, indices pointer)`` of a piece's stochastic rounding: its key and either the variable-wide
+    index of its first element (consecutive) or an int64 tensor of every element's."""
+    if rounding is None:
+        return 0, 0, None
+    key, counters = rounding
+    if isinstance(counters, int):
+        return key, counters, None
+    assert counters.dtype == torch.int64 and counters.numel() == n and counters.is_contiguous()
+    return key, 0, counters.data_ptr()
+
+
+def _threads(n: int) -> int:
+    return max(1, min(torch.get_num_threads(), n // MIN_THREAD_ELEMENTS))
+
+
+def adamw_(weight: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, hyper: Hyper,
+           rounding: tuple[int, int | torch.Tensor] | None = None) -> None:
+    """One AdamW update of a piece in place: ``grad`` (float32 or 16-bit, taken as float32, not yet multiplied by
+    ``hyper.factor``) and
+    float32 ``m``, ``v``; a 16-bit ``weight`` is rounded stochastically with ``rounding`` ``(key, counters)``."""
+    n = weight.numel()
+    key, first, idx = _rounding(rounding, n)
+    assert grad.numel() == n and grad.is_contiguous()
+    for t in (m, v):
+        assert t.numel() == n and t.is_contiguous() and t.dtype == torch.float32
+    library().ipuft_adamw(n, weight.data_ptr(), MODES[weight.dtype], grad.data_ptr(), MODES[grad.dtype],
+                          m.data_ptr(), v.data_ptr(),
+                          ctypes.byref(hyper), key, first, idx, _threads(n), 1024)
+
+
+def adamw8bit_(weight: torch.Tensor, grad: torch.Tensor, codes: dict[str, torch.Tensor],
+               absmax: dict[str, torch.Tensor], tables: dict[str, tuple[torch.Tensor, ...]], block: int,
+               hyper: Hyper, rounding: tuple[int, int | torch.Tensor] | None = None) -> None:
+    """:func:`adamw_` with block-wise 8-bit moments: uint8 ``codes`` and float32 ``absmax`` (one per block; the
+    piece starts on a block boundary) of ``m`` and ``v``, each map's ``tables`` ``(values, base, bound)`` (see
+    :class:`ipuft_optim_adamw8bit.quantize.Codebook`): dequantized, updated and quantized again per block."""
+    n = weight.numel()
+    key, first, idx = _rounding(rounding, n)
+    assert 1 <= block <= MAX_BLOCK and grad.numel() == n and grad.is_contiguous()
+    for k in ("m", "v"):
+        assert codes[k].numel() == n and codes[k].dtype == torch.uint8 and codes[k].is_contiguous()
+        assert absmax[k].numel() == -(-n // block) and absmax[k].dtype == torch.float32 and absmax[k].is_contiguous()
+    (mv, mb, mo), (vv, vb, vo) = tables["m"], tables["v"]
+    done = library().ipuft_adamw8bit(
+        n, weight.data_ptr(), MODES[weight.dtype], grad.data_ptr(), MODES[grad.dtype], codes["m"].data_ptr(),
+        codes["v"].data_ptr(),
+        absmax["m"].data_ptr(), absmax["v"].data_ptr(), mv.data_ptr(), vv.data_ptr(), mb.data_ptr(), mo.data_ptr(),
+        vb.data_ptr(), vo.data_ptr(), block, ctypes.byref(hyper), key, first, idx, _threads(n), 1024)
+    assert done == 0

@@ -1,0 +1,204 @@
+/* ipuft's optimizer update in one pass over memory (see ipuft/engine/fused.py). */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef struct {
+    float factor, beta1, one_minus_beta1, beta2, one_minus_beta2, sqrt_bias2, eps, floor, decay, step;
+} hyper_t;
+
+enum { W_FLOAT32 = 0, W_BFLOAT16_SR = 1, W_FLOAT16_SR = 2 };
+
+typedef struct {
+    int64_t n;
+    void *weight;
+    int mode;
+    const void *grad;
+    int grad_mode;                    /* the gradient's dtype: W_FLOAT32, or the 16-bit one of that mode */
+    void *m, *v;                      /* float32, or uint8 codes */
+    float *m_absmax, *v_absmax;       /* 8-bit: one per block */
+    const float *m_values, *v_values; /* 8-bit: the 256 values of each map */
+    const uint8_t *m_base, *v_base;   /* 8-bit: per float32 bucket, the bounds below it */
+    const float *m_bound, *v_bound;   /* 8-bit: the bound inside each bucket (+inf if none) */
+    int64_t block;
+    const hyper_t *h;
+    uint32_t key;
+    int64_t first;                    /* the variable-wide index of element 0, when idx is NULL */
+    const int64_t *idx;
+    int64_t lo, hi;                   /* this thread's elements */
+} job_t;
+
+static inline uint32_t mix32(uint32_t x) {
+    x ^= x >> 16; x *= 0x85EBCA6Bu; x ^= x >> 13; x *= 0xC2B2AE35u; return x ^ (x >> 16);
+}
+
+static inline uint32_t bits_of(const job_t *j, int64_t i, uint32_t high0) {
+    uint64_t index = j->idx ? (uint64_t)j->idx[i] : (uint64_t)(j->first + i);
+    uint32_t high = (index >> 32) ? mix32((uint32_t)(index >> 32) ^ j->key ^ 0x9E3779B9u) : high0;
+    return mix32(mix32((uint32_t)index ^ j->key) ^ high);
+}
+
+static inline uint32_t as_bits(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
+
+static inline uint16_t nearest_bf16(uint32_t u) {
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline uint16_t sr_bf16(float x, uint32_t bits) {
+    uint32_t u = as_bits(x);
+    if ((u & 0x7FFFFFFFu) >= 0x7F7F0000u) return nearest_bf16(u);  /* the largest, infinities, NaN */
+    return (uint16_t)((u + (bits >> 16)) >> 16);
+}
+
+static inline uint16_t sr_fp16(float x, uint32_t bits) {
+    uint32_t u = as_bits(x), mag = u & 0x7FFFFFFFu, sign = (u >> 16) & 0x8000u;
+    if (mag >= 0x477FE000u) {  /* 65504 and beyond: to nearest */
+        if (mag > 0x7F800000u) return (uint16_t)(sign | 0x7E00u | ((mag >> 13) & 0x3FFu));
+        return (uint16_t)(sign | (mag >= 0x477FF000u ? 0x7C00u : 0x7BFFu));
+    }
+    if (mag >= 0x38800000u || mag == 0) {  /* normal: the integer sum, the dropped bits cleared */
+        uint32_t r = ((u + (bits >> 19)) & ~0x1FFFu) & 0x7FFFFFFFu;
+        if (!r) return (uint16_t)sign;
+        return (uint16_t)(sign | (((r >> 23) - 112u) << 10) | ((r >> 13) & 0x3FFu));
+    }
+    /* float16's subnormals: the float formulation, in the same float32 operations */
+    float a = fabsf(x);
+    uint32_t k = (uint32_t)(a * 16777216.0f);
+    float low = (float)k * 5.9604644775390625e-08f;
+    float p = (a - low) * 16777216.0f;
+    float uniform = (float)(bits >> 8) * 5.9604644775390625e-08f;
+    if (uniform >= 1.0f - p) k += 1;
+    return (uint16_t)(sign | k);
+}
+
+/* One element's AdamW: the moments updated in place in *m and *v; returns the new float32 weight. */
+static inline float adam(const hyper_t *h, float w, float grad, float *m, float *v) {
+    float g = grad * h->factor;
+    float mm = *m * h->beta1 + g * h->one_minus_beta1;
+    float vv = *v * h->beta2 + (g * g) * h->one_minus_beta2;
+    float d = sqrtf(vv < h->floor ? h->floor : vv) / h->sqrt_bias2 + h->eps;
+    *m = mm; *v = vv;
+    return w * h->decay + (mm / d) * h->step;
+}
+
+/* Element i of a float32, bfloat16 or float16 (by mode) tensor, as float32 (exact). */
+static inline float load(const void *p, int mode, int64_t i) {
+    if (mode == W_FLOAT32) return ((const float *)p)[i];
+    uint32_t u = (uint32_t)((const uint16_t *)p)[i], r;
+    if (mode == W_BFLOAT16_SR) { u <<= 16; float f; memcpy(&f, &u, 4); return f; }
+    uint32_t sign = (u & 0x8000u) << 16, e = (u >> 10) & 0x1Fu, man = u & 0x3FFu;
+    if (e == 0x1F) r = sign | 0x7F800000u | (man << 13);
+    else if (e) r = sign | ((e + 112u) << 23) | (man << 13);
+    else if (!man) r = sign;
+    else { float f = (float)man * 5.9604644775390625e-08f; r = sign | as_bits(f); }
+    float f; memcpy(&f, &r, 4); return f;
+}
+
+static inline void store_weight(const job_t *j, int64_t i, float w, uint32_t high0) {
+    if (j->mode == W_FLOAT32) ((float *)j->weight)[i] = w;
+    else if (j->mode == W_BFLOAT16_SR) ((uint16_t *)j->weight)[i] = sr_bf16(w, bits_of(j, i, high0));
+    else ((uint16_t *)j->weight)[i] = sr_fp16(w, bits_of(j, i, high0));
+}
+
+static void *adamw_range(void *arg) {
+    const job_t *j = arg;
+    const hyper_t h = *j->h;
+    uint32_t high0 = mix32(j->key ^ 0x9E3779B9u);
+    float *m = j->m, *v = j->v;
+    if (j->mode == W_FLOAT32 && j->grad_mode == W_FLOAT32) {  /* written plainly so that it vectorises */
+        float *w = j->weight;
+        const float *grad = j->grad;
+        for (int64_t i = j->lo; i < j->hi; i++) w[i] = adam(&h, w[i], grad[i], m + i, v + i);
+        return NULL;
+    }
+    for (int64_t i = j->lo; i < j->hi; i++) {
+        float w = adam(&h, load(j->weight, j->mode, i), load(j->grad, j->grad_mode, i), m + i, v + i);
+        store_weight(j, i, w, high0);
+    }
+    return NULL;
+}
+
+static inline uint8_t encode(float x, const uint8_t *base, const float *bound) {
+    uint32_t bucket = (as_bits(x) >> 15) & 0x1FFFFu;
+    return (uint8_t)(base[bucket] + (x > bound[bucket]));
+}
+
+#define MAX_BLOCK 4096
+
+static void *adamw8bit_range(void *arg) {
+    const job_t *j = arg;
+    const hyper_t h = *j->h;
+    uint32_t high0 = mix32(j->key ^ 0x9E3779B9u);
+    uint8_t *mc = j->m, *vc = j->v;
+    float m[MAX_BLOCK], v[MAX_BLOCK];
+    for (int64_t start = j->lo; start < j->hi; start += j->block) {
+        int64_t b = start / j->block, count = j->hi - start < j->block ? j->hi - start : j->block;
+        float ms = j->m_absmax[b], vs = j->v_absmax[b], mmax = 0.0f, vmax = 0.0f;
+        for (int64_t k = 0; k < count; k++) {
+            int64_t i = start + k;
+            m[k] = j->m_values[mc[i]] * ms;
+            v[k] = j->v_values[vc[i]] * vs;
+            float w = adam(&h, load(j->weight, j->mode, i), load(j->grad, j->grad_mode, i), m + k, v + k);
+            store_weight(j, i, w, high0);
+            float am = fabsf(m[k]);
+            mmax = (am > mmax || am != am) ? am : mmax;  /* NaN propagates, as amax does */
+            vmax = (v[k] > vmax || v[k] != v[k]) ? v[k] : vmax;
+        }
+        j->m_absmax[b] = mmax; j->v_absmax[b] = vmax;
+        float md = mmax > 0 ? mmax : 1.0f, vd = vmax > 0 ? vmax : 1.0f;
+        for (int64_t k = 0; k < count; k++) {
+            mc[start + k] = encode(m[k] / md, j->m_base, j->m_bound);
+            vc[start + k] = encode(v[k] / vd, j->v_base, j->v_bound);
+        }
+    }
+    return NULL;
+}
+
+/* Run fn over job's n elements in `threads` ranges, each a multiple of `unit` elements long but the last. */
+static int run(job_t *job, int threads, int64_t unit, void *(*fn)(void *)) {
+    enum { MAX_THREADS = 256 };
+    job_t jobs[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int64_t units = (job->n + unit - 1) / unit;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > units) threads = (int)units;
+    if (threads < 1) threads = 1;
+    int started = 0;
+    for (int t = 0; t < threads; t++) {
+        jobs[t] = *job;
+        jobs[t].lo = units * t / threads * unit;
+        jobs[t].hi = units * (t + 1) / threads * unit;
+        if (jobs[t].hi > job->n) jobs[t].hi = job->n;
+    }
+    for (int t = 1; t < threads; t++) {
+        if (pthread_create(&ids[t], NULL, fn, &jobs[t])) break;
+        started = t;
+    }
+    for (int t = started + 1; t < threads; t++) fn(&jobs[t]);  /* threads that could not start */
+    fn(&jobs[0]);
+    for (int t = 1; t <= started; t++) pthread_join(ids[t], NULL);
+    return 0;
+}
+
+int ipuft_adamw(int64_t n, void *weight, int mode, const void *grad, int grad_mode, float *m, float *v,
+                const hyper_t *h, uint32_t key, int64_t first, const int64_t *idx, int threads, int64_t grain) {
+    job_t job = {.n = n, .weight = weight, .mode = mode, .grad = grad, .grad_mode = grad_mode, .m = m, .v = v,
+                 .h = h, .key = key, .first = first, .idx = idx, .lo = 0, .hi = n};
+    return run(&job, threads, grain, adamw_range);
+}
+
+int ipuft_adamw8bit(int64_t n, void *weight, int mode, const void *grad, int grad_mode, uint8_t *m, uint8_t *v,
+                    float *m_absmax, float *v_absmax, const float *m_values, const float *v_values,
+                    const uint8_t *m_base, const float *m_bound, const uint8_t *v_base, const float *v_bound,
+                    int64_t block, const hyper_t *h, uint32_t key, int64_t first, const int64_t *idx,
+                    int threads, int64_t grain) {
+    if (block > MAX_BLOCK || block < 1) return -1;
+    job_t job = {.n = n, .weight = weight, .mode = mode, .grad = grad, .grad_mode = grad_mode, .m = m, .v = v,
+                 .m_absmax = m_absmax,
+                 .v_absmax = v_absmax, .m_values = m_values, .v_values = v_values, .m_base = m_base,
+                 .v_base = v_base, .m_bound = m_bound, .v_bound = v_bound, .block = block, .h = h, .key = key,
+                 .first = first, .idx = idx, .lo = 0, .hi = n};
+    return run(&job, threads, grain < block ? block : grain / block * block, adamw8bit_range);
+}

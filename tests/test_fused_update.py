@@ -1,0 +1,239 @@
+"""The one-pass update kernel (``ipuft.engine.fused``): element for element the torch ops' update bit for bit,
+for each recipe (float32; bfloat16 and float16 with stochastic rounding; ``adamw8bit``'s codes), whatever the
+pieces; within a few ulps of the update before it (the foreach chain with ``lerp``/``addcmul``/``addcdiv``);
+run by the engine; and a machine without a compiler gets the ops, told so in one line."""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import pytest
+import torch
+from test_engine import EQUIVALENCE, make_engine, run_engine
+
+from ipuft.engine import fused
+from ipuft.engine.precision import stochastic_round_
+from ipuft.optim import StepContext
+from ipuft_optim_adam.adamw import AdamW
+from ipuft_optim_adamw8bit.adamw8bit import AdamW8bit
+
+N = 5000  # over a thread's minimum would take longer; the threads' split is tested by THREADED
+THREADED = 3 * fused.MIN_THREAD_ELEMENTS + 777
+KEY = 0x1234ABCD
+
+
+def case(dtype: torch.dtype, n: int = N, seed: int = 0, grad16: bool = False) -> dict[str, torch.Tensor]:
+    """A piece's weight, gradient and moments as they look mid-run: moments of earlier steps, a quarter of ``v``
+    exactly zero (no gradient yet), float16 weights partly subnormal and partly next to its largest value."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, generator=g) * 0.02
+    if dtype == torch.float16:
+        w[:200] *= 1e-3  # subnormal in float16
+        w[200:260] = torch.linspace(65000.0, 65519.0, 60)  # next to the largest finite value
+    grad = torch.randn(n, generator=g) * 1e-2
+    m = torch.randn(n, generator=g) * 1e-3
+    v = torch.rand(n, generator=g) * 1e-5
+    v[n // 4 : n // 2] = 0.0
+    return {"w": w.to(dtype), "g": grad.to(dtype) if grad16 else grad, "m": m, "v": v}
+
+
+def ops_update(opt: AdamW, name: str, t: dict[str, torch.Tensor], ctx: StepContext, first: int | torch.Tensor):
+    """The update in torch ops, as the engine runs it without the kernel: the factor, ``step_unit`` on a float32
+    view, stochastic rounding into a 16-bit weight."""
+    grad = t["g"].float() * ctx.grad_factor
+    view = t["w"] if t["w"].dtype == torch.float32 else t["w"].float()
+    opt.step_unit([name], [view], [grad], [{"m": t["m"], "v": t["v"]}], ctx)
+    if view is not t["w"]:
+        indices = (lambda a, c: first + a) if isinstance(first, int) else (lambda a, c: first[a : a + c])
+        stochastic_round_(t["w"], view, KEY, indices)
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view({4: torch.int32, 2: torch.int16, 1: torch.uint8}[x.element_size()])
+
+
+def assert_same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    for k in a:
+        assert torch.equal(bits(a[k]), bits(b[k])), k
+
+
+needs_kernel = pytest.mark.skipif(fused.library() is None, reason="no C compiler: the kernel is not built")
+
+
+def test_the_kernel_builds_where_there_is_a_compiler():
+    if shutil.which("cc"):
+        assert fused.library() is not None
+
+
+@needs_kernel
+@pytest.mark.parametrize(("dtype", "grad16"), [(torch.float32, False), (torch.bfloat16, False),
+                                               (torch.bfloat16, True), (torch.float16, True)],
+                         ids=["float32", "bf16-sr", "bf16-sr-bf16-grad", "fp16-sr-fp16-grad"])
+@pytest.mark.parametrize(("name", "eps", "step"), [("h.0.mlp.weight", 1e-6, 1), ("h.0.ln.bias", 1e-6, 9),
+                                                   ("h.0.attn.weight", 1e-30, 3)],
+                         ids=["decay-floor", "no-decay", "no-floor"])
+def test_the_kernel_is_the_ops_bit_for_bit(dtype, grad16, name, eps, step):
+    """Weight, moments: the same bits, with the factor, the floor under ``v`` (or none: ``eps`` too small for
+    it), decay or the no-decay rule, a float32 or 16-bit gradient (the engine keeps 16-bit weights' gradients
+    in their dtype); in two pieces at any offset, and over several threads."""
+    opt = AdamW(0.9, 0.999, eps, weight_decay=0.1)
+    assert (opt.sqrt_floor(1 - 0.999**step) is None) == (eps < 1e-20)
+    ctx = StepContext(lr=3e-3, step=step, global_norm=4.0, grad_factor=0.37 / 64)
+    for n in (N, THREADED):
+        start = case(dtype, n, grad16=grad16)
+        ops = {k: t.clone() for k, t in start.items()}
+        ops_update(opt, name, ops, ctx, 1000)
+        kernel = {k: t.clone() for k, t in start.items()}
+        cut = n // 3
+        for a, b in ((0, cut), (cut, n)):
+            piece = {k: t[a:b] for k, t in kernel.items()}
+            rounding = None if dtype == torch.float32 else (KEY, 1000 + a)
+            fused.adamw_(piece["w"], piece["g"], piece["m"], piece["v"], opt.scalars(name, ctx, ctx.grad_factor),
+                         rounding)
+        assert_same_bits(kernel, ops)
+        assert torch.equal(kernel["g"], start["g"])  # the kernel leaves the gradient as it was
+        assert not torch.equal(kernel["w"], start["w"])
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_kernel_rounds_by_any_counters(dtype):
+    """Counters given as every element's index (a TP shard's), some past 2^32 (their high half mixed in)."""
+    opt = AdamW(0.9, 0.999, 1e-6, weight_decay=0.1)
+    ctx = StepContext(lr=3e-3, step=2, global_norm=1.0, grad_factor=1.0)
+    start = case(dtype)
+    indices = torch.randperm(N, generator=torch.Generator().manual_seed(3)) + ((1 << 32) - N // 2)
+    ops = {k: t.clone() for k, t in start.items()}
+    ops_update(opt, "w", ops, ctx, indices)
+    kernel = {k: t.clone() for k, t in start.items()}
+    fused.adamw_(kernel["w"], kernel["g"], kernel["m"], kernel["v"], opt.scalars("w", ctx), (KEY, indices))
+    assert_same_bits(kernel, ops)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", [64, 256])
+def test_the_8bit_kernel_is_the_ops_bit_for_bit(dtype, block):
+    """Codes, absmax, weights: the same as dequantize → ``adamw``'s ops → quantize, over three steps, a short
+    last block included, in pieces cut on block boundaries; norms' float32 moments go through ``adamw_``."""
+    opt = AdamW8bit(0.9, 0.999, 1e-6, 0.1, block)
+    n = 40 * block + block // 3
+    start = case(dtype, n)
+    w = start["w"]
+    states = {}
+    for way in ("ops", "kernel"):
+        state = {k: torch.zeros(n, dtype=torch.uint8) for k in ("m", "v")}
+        state |= {k: torch.zeros(-(-n // block)) for k in ("m_absmax", "v_absmax")}
+        states[way] = (w.clone(), state)
+    for step in (1, 2, 3):
+        ctx = StepContext(lr=3e-3, step=step, global_norm=1.0, grad_factor=0.5)
+        grad = (torch.randn(n, generator=torch.Generator().manual_seed(step)) * 1e-2).to(dtype)  # as the engine's
+        weight, state = states["ops"]
+        view = weight if dtype == torch.float32 else weight.float()
+        opt.step_unit(["h.0.mlp.weight"], [view], [grad.float() * 0.5], [state], ctx)
+        if view is not weight:
+            stochastic_round_(weight, view, KEY, lambda a, c: a)
+        weight, state = states["kernel"]
+        cuts = [0, 7 * block, 8 * block, n]
+        pieces = [(a, b) for a, b in zip(cuts, cuts[1:])]
+        assert opt.fused_step(
+            ["h.0.mlp.weight"] * 3, [weight[a:b] for a, b in pieces], [grad[a:b] for a, b in pieces],
+            [{"m": state["m"][a:b], "v": state["v"][a:b], "m_absmax": state["m_absmax"][a // block : -(-b // block)],
+              "v_absmax": state["v_absmax"][a // block : -(-b // block)]} for a, b in pieces], ctx,
+            [None if dtype == torch.float32 else (KEY, a) for a, _ in pieces])
+    assert_same_bits(dict(zip("w", [states["kernel"][0]])) | states["kernel"][1],
+                     dict(zip("w", [states["ops"][0]])) | states["ops"][1])
+    assert int(states["kernel"][1]["m"].ne(0).sum()) > n // 2  # the codes really moved
+
+
+def before(opt: AdamW, t: dict[str, torch.Tensor], ctx: StepContext) -> None:
+    """The update before the kernel (``adamw``'s foreach chain as it was), on float32 ``t`` in place."""
+    grad = t["g"] * ctx.grad_factor
+    m, v, w = t["m"], t["v"], t["w"]
+    bias1, bias2 = 1.0 - opt.beta1**ctx.step, 1.0 - opt.beta2**ctx.step
+    m.lerp_(grad, 1.0 - opt.beta1)
+    v.mul_(opt.beta2).addcmul_(grad, grad, value=1.0 - opt.beta2)
+    denom = v.clamp_min(opt.sqrt_floor(bias2) or 0.0).sqrt().div_(math.sqrt(bias2)).add_(opt.eps)
+    w.mul_(1.0 - ctx.lr * opt.weight_decay)
+    w.addcdiv_(m, denom, value=-ctx.lr / bias1)
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many float32 values apart ``a`` and ``b`` are (same signs here)."""
+    return (bits(a).long() - bits(b).long()).abs()
+
+
+@needs_kernel
+def test_within_a_few_ulps_a_step_of_the_update_before():
+    """Against the update before it, over ten steps: the new order rounds ``β1·m + (1-β1)·g`` as two products and a
+    sum (``lerp`` fused them: half an ulp of each product more), ``(g·g)·(1-β2)`` likewise, and a correctly
+    rounded ``√v`` (ATen's CPU one is off by an ulp in a sixth of the elements). So each moment moves by an ulp
+    or two of its terms (``|β1·m| + |(1-β1)·g|``: where they cancel, that is many ulps of ``m`` itself), the
+    denominator by an ulp, and the weight by 2 ulps of itself (before and after) plus 4 ulps of the step its
+    moments' terms would make, ``lr/bias1 · terms / d``, each step, the earlier steps' differences carried
+    (measured: half of that bound at most). In bfloat16 with stochastic rounding, both take the same decision on
+    each element whose float32 values agree."""
+    opt = AdamW(0.9, 0.999, 1e-6, weight_decay=0.1)
+    old = case(torch.float32, THREADED)
+    new = {k: t.clone() for k, t in old.items()}
+    lr, allowed = 1e-3, torch.zeros(THREADED)
+    moments = {"m": torch.zeros(THREADED), "v": torch.zeros(THREADED)}  # their bounds, carried by β1, β2
+    for step in range(1, 11):
+        ctx = StepContext(lr=lr, step=step, global_norm=2.0, grad_factor=0.5)
+        grad = torch.randn(THREADED, generator=torch.Generator().manual_seed(step)) * 1e-2
+        old["g"], new["g"] = grad, grad.clone()
+        terms = {"m": old["m"].abs() * 0.9 + (grad * 0.5).abs() * 0.1,
+                 "v": old["v"] * 0.999 + (grad * 0.5).square() * 1e-3}
+        w_before = old["w"].clone()
+        before(opt, old, ctx)
+        fused.adamw_(new["w"], new["g"], new["m"], new["v"], opt.scalars("w", ctx, ctx.grad_factor))
+        for k, beta in (("m", 0.9), ("v", 0.999)):
+            moments[k] = moments[k] * beta + 2.0**-22 * terms[k]
+            assert bool(((new[k] - old[k]).abs() <= moments[k]).all()), k
+        bias1, bias2 = 1 - 0.9**step, 1 - 0.999**step
+        moved = lr / bias1 * terms["m"] / (old["v"].sqrt() / math.sqrt(bias2) + 1e-6)
+        allowed += 2.0**-22 * (w_before.abs() + old["w"].abs()) + step * 2.0**-21 * moved
+        assert bool(((new["w"] - old["w"]).abs() <= allowed).all()), step
+    assert int(ulps(new["w"], old["w"]).gt(0).sum()) > THREADED // 10  # they do differ: the bound is what is tested
+    # stochastic rounding of two float32 results: the same 16-bit value wherever they agree
+    w16 = {k: torch.empty(THREADED, dtype=torch.bfloat16) for k in ("old", "new")}
+    stochastic_round_(w16["old"], old["w"], KEY, lambda a, c: a)
+    stochastic_round_(w16["new"], new["w"], KEY, lambda a, c: a)
+    same = old["w"] == new["w"]
+    assert torch.equal(w16["old"][same], w16["new"][same])
+    assert int((w16["old"] != w16["new"]).sum()) <= int((~same).sum()) // 100 + 1  # a 2^-16 chance each
+
+
+@needs_kernel
+@pytest.mark.parametrize("recipe", [(), ("model.precision=bfloat16", "training.stochastic_rounding=true")],
+                         ids=["float32", "bf16-sr"])
+def test_the_engine_updates_with_the_kernel(hooks, make_config, monkeypatch, recipe):
+    """Every update call of a run goes through the kernel, and the run equals the ops' one bit for bit."""
+    calls = []
+    adamw_ = fused.adamw_
+    monkeypatch.setattr(fused, "adamw_", lambda *a, **k: calls.append(1) or adamw_(*a, **k))
+    runs = {}
+    for kernel in (True, False):
+        calls.clear()
+        monkeypatch.setitem(fused._state, "lib", fused.library() if kernel else None)
+        cfg = make_config(*EQUIVALENCE, *recipe)
+        engine = make_engine(cfg, hooks)
+        runs[kernel] = ([r.loss for r in run_engine(engine, cfg)], engine.model.full_weights(),
+                        engine.model.full_weights("optim"))
+        assert bool(calls) == kernel
+    assert runs[True][0] == runs[False][0]
+    for got, want in zip(runs[True][1:], runs[False][1:], strict=True):
+        for unit, tensors in want.items():
+            for name, t in tensors.items():
+                assert torch.equal(got[unit][name], t), f"{unit}.{name}"
+
+
+def test_without_a_compiler_the_ops_update_and_one_line_says_so(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("CC", "no-such-compiler")
+    monkeypatch.setenv("IPUFT_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(fused, "_state", {})
+    assert fused.library() is None and fused.library() is None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no C compiler ('no-such-compiler'" in err[0] and "torch ops" in err[0]
+    assert not fused.serves(torch.zeros(4), torch.zeros(4), None)
