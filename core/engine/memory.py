@@ -21,7 +21,7 @@ from ipuft.engine.model import ModelParts
 from ipuft.engine.precision import Recipe, compute_dtype, recipe
 from ipuft.engine.stored import updates_on_host
 from ipuft.engine.streaming import double_buffered, piece_elements, streamed_groups
-from ipuft.engine.update import call_chunk, group_transient_bytes, piece_multiple, update_groups
+from ipuft.engine.update import call_chunk, group_transient_bytes, one_pass, piece_multiple, update_groups
 from ipuft.engine.variables import model_groups, placements
 from ipuft.optim import Optimizer
 from ipuft.parallel import Layout
@@ -144,7 +144,8 @@ def update_transient_bytes(cfg: DictConfig, parts: ModelParts, optimizer: Optimi
     placed = placements(parts, rank_layout(cfg), bool(cfg.execution.rts), optimizer)[role]
     sizes = [(name, math.prod(p.stored_shape)) for name, p in placed.items() if p.spec.trainable]
     how = recipe(cfg)
-    return max((group_transient_bytes(how, [stop - start for _, start, stop in group])
+    single = one_pass(optimizer, how, compute_device(cfg))
+    return max((group_transient_bytes(how, [stop - start for _, start, stop in group], single)
                 for group in update_groups(sizes, call_chunk(optimizer, compute_device(cfg)),
                                            piece_multiple(optimizer))), default=0)
 
@@ -173,7 +174,8 @@ def streamed_update_bytes(cfg: DictConfig, optimizer: Optimizer, groups: dict[st
     device = compute_device(cfg)
     chunk = call_chunk(optimizer, device, piece_elements(cfg.execution.update_piece_bytes, sum(numel.values()), total))
     how = recipe(cfg)
-    calls = [(sum(piece(n, a, b) for n, a, b in g), group_transient_bytes(how, [b - a for _, a, b in g]))
+    single = one_pass(optimizer, how, device)
+    calls = [(sum(piece(n, a, b) for n, a, b in g), group_transient_bytes(how, [b - a for _, a, b in g], single))
              for g in update_groups(list(numel.items()), chunk, block)]
     ahead = double_buffered(device)
     return max((piece + transient + (calls[k + 1][0] if ahead and k + 1 < len(calls) else 0)

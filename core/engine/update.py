@@ -77,11 +77,21 @@ def call_chunk(optimizer, device: torch.device | str, limit: int | None = None) 
     return min(update_chunk(device), limit) if limit else update_chunk(device)
 
 
-def group_transient_bytes(how: Recipe, pieces: list[int]) -> int:
+def one_pass(optimizer, how: Recipe, device: torch.device | str) -> bool:
+    """Whether the optimizer's calls on ``device`` run its one-pass ``fused_step`` (:mod:`ipuft.engine.fused`),
+    which makes no float32 views, gradients or rounding workspace."""
+    from ipuft.engine import fused
+
+    return (getattr(optimizer, "fused_step", None) is not None and how in (Recipe.exact, Recipe.stochastic)
+            and torch.device(device).type == "cpu" and fused.library() is not None)
+
+
+def group_transient_bytes(how: Recipe, pieces: list[int], single_pass: bool = False) -> int:
     """The device bytes one optimizer call over pieces of these sizes adds, besides what the optimizer itself
     makes: for 16-bit weights the float32 gradients, the float32 views (unless a master copy is the view)
-    and the stochastic rounding's workspace; nothing for float32 weights, updated in place."""
-    if how is Recipe.exact or not pieces:
+    and the stochastic rounding's workspace; nothing for float32 weights, updated in place, nor for a call
+    ``single_pass`` (:func:`one_pass`)."""
+    if how is Recipe.exact or not pieces or single_pass:
         return 0
     numel = sum(pieces)
     views = numel * (4 if how is Recipe.master else 8)
