@@ -72,7 +72,7 @@ def test_rotary_turns_only_the_rotary_pairs():
     block, _ = _block_and_weights()
     q = torch.randn(1, 5, 4, 8)
     rotated = q.clone()
-    apply_interleaved_rotary(rotated, block.attn._rotor(0, 5, q.device))
+    apply_interleaved_rotary(rotated, block.attn._rotor(block.attn.rotary, 0, 5, q.device))
     assert torch.equal(rotated[..., 4:], q[..., 4:])  # past rotary_dim: untouched
     assert torch.equal(rotated[:, 0], q[:, 0])  # position 0 turns by angle 0
     # Position p, pair i turns by p·10000^(-2i/rotary_dim): (a, b) → (a·cos - b·sin, a·sin + b·cos).
@@ -87,7 +87,7 @@ def test_rotary_with_autograd_leaves_its_input_and_has_the_rotations_exact_gradi
     """The autograd path (a rotated product, the gradient turned back by the conjugate) against the rotation
     written in real arithmetic (GPT-J's rotate-every-two with cos and sin) differentiated by autograd."""
     block, _ = _block_and_weights()
-    rotor = block.attn._rotor(0, 5, torch.device("cpu"))
+    rotor = block.attn._rotor(block.attn.rotary, 0, 5, torch.device("cpu"))
     x = torch.randn(2, 5, 4, 8, requires_grad=True)
     before = x.detach().clone()
     ours = apply_interleaved_rotary(x, rotor)
