@@ -98,7 +98,12 @@ def match_transformers(hooks, hf, src):
 def test_eval_loss_matches_transformers(capsys, hf_dirs, tmp_path, tied):
     """Eval loss from the checkpoint's directory; a tied one's head computes with the embeddings' table."""
     hf, src = save_hf(tmp_path / "tied", "llama", seed=5, tie_word_embeddings=True) if tied else hf_dirs["llama"]
-    rows = torch.randint(0, 101, (5, 17), generator=torch.Generator().manual_seed(0))
+    assert_eval_loss_matches(capsys, hf, src, tmp_path, vocab=101)
+
+
+def assert_eval_loss_matches(capsys, hf, src, tmp_path, vocab: int) -> None:
+    """``ipuft eval`` of ``src`` on five random token rows equals ``hf``'s cross-entropy within 1e-5."""
+    rows = torch.randint(0, vocab, (5, 17), generator=torch.Generator().manual_seed(0))
     data = tmp_path / "tokens.jsonl"
     data.write_text("".join(json.dumps({"input_ids": r.tolist()}) + "\n" for r in rows))
     code, out, err = cli(capsys, "eval", f"model.hf_checkpoint={src}", "model.sequence_length=16", f"data.path={data}",

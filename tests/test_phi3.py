@@ -8,12 +8,11 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 from cli_helpers import run_cli as cli
 from llama_reference import tokenizer_json
 from safetensors.torch import load_file, save_file
 from test_engine import max_rel
-from test_llama import adam_config, hf_adam_steps
+from test_llama import adam_config, assert_eval_loss_matches, hf_adam_steps
 from test_parity_hf import ipuft_forward
 
 from ipuft.attention import HalvesRotary
@@ -219,16 +218,7 @@ def test_a_fused_tensor_of_the_wrong_shape_is_one_line(hooks, hf_dirs, tmp_path,
 
 def test_eval_loss_matches_transformers(capsys, hf_dirs, tmp_path):
     hf, src = hf_dirs["phi4-mini"]
-    rows = torch.randint(0, 100, (5, 17), generator=torch.Generator().manual_seed(0))
-    data = tmp_path / "tokens.jsonl"
-    data.write_text("".join(json.dumps({"input_ids": r.tolist()}) + "\n" for r in rows))
-    code, out, err = cli(capsys, "eval", f"model.hf_checkpoint={src}", "model.sequence_length=16", f"data.path={data}",
-                         "data.format=tokens", "execution.micro_batch_size=2", "model.precision=float32", "--json")
-    assert code == 0, err
-    with torch.no_grad():
-        logits = hf(rows[:, :-1]).logits
-    expected = F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten()).item()
-    assert abs(json.loads(out)["loss"] - expected) <= 1e-5
+    assert_eval_loss_matches(capsys, hf, src, tmp_path, vocab=100)
 
 
 @pytest.mark.parametrize("kind", ["phi3-mini-128k", "phi4-mini"])
