@@ -98,7 +98,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         need_b = bias is not None and ctx.needs_input_grad[2]
         rows = weight.shape[0]
         keep = labels != ignore_index
-        count = keep.sum()
+        count = keep.sum().clamp_min(1)  # no trained token: the loss 0, its gradient zero (not 0 / 0)
         first = tp.rank * rows
         grad_x = torch.empty_like(x) if need_x else None
         sums = _Sums(weight, bias, need_w, need_b, taken)
@@ -130,7 +130,9 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (grad_x,) = ctx.saved_tensors
-        factor = grad / ctx.seed  # 1 where the caller seeds the backward as it said it would
+        # 1 where the caller seeds the backward as it said it would. A seed of 0 (a micro-batch that weighs
+        # nothing in the step) made zero gradients, which an upstream 0 keeps: the factor is then 1.
+        factor = grad / ctx.seed if ctx.seed else torch.where(grad == 0, 1.0, torch.nan).to(grad.dtype)
         grad_w, grad_b = ctx.sums.result(factor)
         return (grad_x * factor if grad_x is not None else None), grad_w, grad_b, *([None] * 7)
 

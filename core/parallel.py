@@ -303,7 +303,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ign
     target = reduce_from_tensor_parallel(target)
     keep = labels != ignore_index
     losses = (sum_exp.log() - target) * keep
-    return losses.sum() / keep.sum()
+    return losses.sum() / keep.sum().clamp_min(1)  # no trained token: 0, with a zero gradient
 
 
 def vocab_parallel_embedding(table: torch.nn.Embedding, ids: torch.Tensor, tensor_parallel: int) -> torch.Tensor:
@@ -323,7 +323,8 @@ def vocab_parallel_head(project: Callable[[torch.Tensor], torch.Tensor], hidden:
     """A language-model head's result from ``project`` (this TP rank's vocabulary block of the projection, of
     ``tensor_parallel``) of the normalised ``hidden``: the logits ``[..., vocab_size]`` (gathered over TP,
     padded columns cut), or with ``labels`` the mean cross-entropy in float32 (:func:`vocab_parallel_cross_entropy`
-    under TP, so the full logits are never gathered for it; ``F.cross_entropy`` at TP=1).
+    under TP, so the full logits are never gathered for it; ``F.cross_entropy`` at TP=1), 0 where no label is
+    trained.
 
     Inside :func:`ipuft.head_loss.head_chunks` (the engine's, ``execution.head_chunk_tokens``), a loss whose
     ``project`` is a plain linear projection is computed a chunk of tokens at a time with its gradient
@@ -337,7 +338,11 @@ def vocab_parallel_head(project: Callable[[torch.Tensor], torch.Tensor], hidden:
         logits = project(hidden)
         if labels is None:
             return logits
-        return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=ignore_index)
+        # F.cross_entropy's mean is its sum over the count (the same two roundings); over no trained token
+        # (a micro-batch of prompts alone) 0 with a zero gradient, where the mean would be 0 / 0.
+        labels = labels.flatten()
+        total = F.cross_entropy(logits.flatten(0, -2).float(), labels, ignore_index=ignore_index, reduction="sum")
+        return total / (labels != ignore_index).sum().clamp_min(1)
     logits = vocab_parallel_logits(project(copy_to_tensor_parallel(hidden)), vocab_size)
     if labels is None:
         return gather_from_tensor_parallel(logits)[..., :vocab_size]

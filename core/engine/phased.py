@@ -71,8 +71,10 @@ def token_weights(labels: torch.Tensor, layout: Layout | None = None) -> list[fl
     """Each micro-batch's weight in the step's loss, ``n_mb · DP / n``: ``n_mb`` its trained tokens (labels not
     ``IGNORE_INDEX``), ``n`` the step's over every micro-batch and DP rank (one all-reduce of a count). The step's
     loss is then the mean over all its trained tokens (transformers' Trainer, TRL), and a micro-batch of few
-    trained tokens weighs as little as it holds. Equal counts give ``1 / GA`` exactly. No trained token in the
-    whole step: ``1 / GA`` each (the loss is not a number, and the step is skipped as any such step is)."""
+    trained tokens weighs as little as it holds, and one with none weighs nothing (its loss, the mean over no
+    tokens, is 0 with a zero gradient: :func:`ipuft.parallel.vocab_parallel_head`). Equal counts give ``1 / GA``
+    exactly. No trained token in the whole step: NaN each, so that the loss and the gradients are not numbers
+    and the step is skipped as any such step is."""
     counts = (labels != IGNORE_INDEX).flatten(1).sum(1)
     total = counts.sum()
     dp = layout.data_parallel if layout is not None else 1
@@ -81,7 +83,7 @@ def token_weights(labels: torch.Tensor, layout: Layout | None = None) -> list[fl
             dist.all_reduce(total, group=layout.dp_group)
     n = int(total)
     if n == 0:
-        return [1.0 / labels.shape[0]] * labels.shape[0]
+        return [math.nan] * labels.shape[0]
     return [int(c) * dp / n for c in counts.tolist()]
 
 
