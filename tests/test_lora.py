@@ -72,9 +72,10 @@ def adapters(engine) -> dict:
             for local, peft in decoder.peft_mapping(n).items()}
 
 
-def peft_adam_steps(model, cfg, engine):
+def peft_adam_steps(model, cfg, engine, step_engine=True):
     """``cfg``'s steps of ``engine`` and of peft's ``model`` with torch.optim.AdamW, clipped as ipuft clips
-    (``g · C / max(N, C)``, N over the trainable gradients); per step both losses and norms."""
+    (``g · C / max(N, C)``, N over the trainable gradients); per step both losses and norms. ``step_engine=False``:
+    peft's steps alone, on the batches ``engine``'s layout reads (its losses and norms then ``None``)."""
     steps, clip, data = cfg.training.steps, cfg.training.optimizer.gradient_clipping, data_source(cfg)
     trainable = [p for p in model.parameters() if p.requires_grad]
     o = cfg.plugins.adamw
@@ -83,7 +84,7 @@ def peft_adam_steps(model, cfg, engine):
     for step in range(steps):
         batch = replica_batch(cfg, data, step, engine.layout)
         lr = learning_rate(step, steps, cfg.training.optimizer.learning_rate)
-        result = engine.step(batch, lr)
+        result = engine.step(batch, lr) if step_engine else None
         adam.zero_grad()
         losses = []
         for mb in range(batch.micro_batches):
@@ -96,7 +97,7 @@ def peft_adam_steps(model, cfg, engine):
             p.grad.mul_(clip / max(norm, clip))
         adam.param_groups[0]["lr"] = lr
         adam.step()
-        out.append(((result.loss, sum(losses) / len(losses)), (result.grad_norm, norm)))
+        out.append(((result and result.loss, sum(losses) / len(losses)), (result and result.grad_norm, norm)))
     return out
 
 
@@ -107,23 +108,36 @@ FAMILIES = ["llama", "qwen2", "qwen3", "olmo2", "gemma2", "gemma3_text"]
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_three_adamw_steps_equal_peft_with_torch_adamw(hooks, llama_dir, tmp_path, kind):
     """Every target of a Llama (and of a Qwen2, whose q, k and v have biases; a Qwen3 and a Gemma 3 with q/k
-    norms; an OLMo 2 with post-norms), clipping active, weight decay on the adapters: losses, norms and every
-    adapter weight within 1e-5 of peft's; the base bit-identical, with no gradient or optimizer state stored."""
+    norms; an OLMo 2 with post-norms), clipping active, weight decay on the adapters: losses and norms within
+    1e-5 of peft's; every adapter as near peft's in float64 as peft's own in float32 is; the base bit-identical,
+    with no gradient or optimizer state stored."""
     src = llama_dir if kind == "llama" else save_hf(tmp_path / kind, kind, seed=3)[1]
     cfg = config(hooks, src, *RECIPE, *lora(*ALL))  # the default chunked head
     engine = build_engine(cfg, hooks)
     before = engine.model.full_weights()
+    exact = peft_model(hf_model(kind, seed=3).double(), LLAMA_MODULES, engine)
+    peft_adam_steps(exact, cfg, engine, step_engine=False)
     model = peft_model(hf_model(kind, seed=3), LLAMA_MODULES, engine)
     results = peft_adam_steps(model, cfg, engine)
     assert results[0][1][1] > 2 * cfg.training.optimizer.gradient_clipping  # clipping is active
     for (loss, peft_loss), (norm, peft_norm) in results:
         assert abs(loss - peft_loss) <= 1e-5 * abs(peft_loss)
         assert abs(norm - peft_norm) <= 1e-5 * peft_norm
-    theirs = {name.replace(".default.", "."): p.detach() for name, p in model.named_parameters() if p.requires_grad}
-    ours = adapters(engine)
+
+    def trained(m):
+        return {name.replace(".default.", "."): p.detach().double() for name, p in m.named_parameters()
+                if p.requires_grad}
+
+    theirs, truth, ours = trained(model), trained(exact), adapters(engine)
     assert ours.keys() == theirs.keys() and len(ours) == 2 * 7 * 2
-    for name, p in theirs.items():
-        assert max_rel(ours[name], p) <= 1e-5, name
+    # Adam's m / (sqrt(v) + eps) divides out a gradient's size, so float32's last bits (the order of a sum, a
+    # fused AdamW against torch's lerp) come back as whole relative differences where m nearly cancels: peft in
+    # float32 is itself 6e-6 to 9e-5 from float64 here, and ipuft 2e-6 to 2.2e-5 from it. The bound is float64's
+    # answer: ipuft's farthest adapter no farther from it than 1.5 times peft-in-float32's (measured 0.81-1.30).
+    peft_error = max(max_rel(theirs[n], truth[n]) for n in truth)
+    for name, p in truth.items():
+        assert max_rel(ours[name].double(), p) <= 1.5 * peft_error, name
+        assert max_rel(ours[name].double(), theirs[name]) <= 1e-4, name  # and each near peft's in float32
     after = engine.model.full_weights()
     for unit, tensors in before.items():
         for name, t in tensors.items():
@@ -330,8 +344,13 @@ def test_the_plan_counts_the_adapters_and_the_frozen_base(hooks):
     for name, held in phases.items():
         if name.startswith("decoder.") and name.endswith(":optimizer_step"):
             assert held["loaded"] + held["update"] == measured.phase_peak_bytes[name]
-            # Nothing loaded whole: the update streams the adapters, their gradients, m and v (float32) in pieces.
-            assert held["loaded"] == 0 and held["update"] >= 4 * per_layer * 4, (name, held)
+            # Nothing loaded whole: the update streams the adapters, their gradients (16-bit, as the weights),
+            # m and v (float32) in pieces, each piece at least once on the device.
+            entry = engine.store.entries[name.split(":")[0]]
+            grad = sum(t.numel() * t.element_size() for t in entry["grad"].values())
+            state = sum(t.numel() * t.element_size() for t in entry["optim"].values())
+            assert grad == 2 * per_layer and state == 8 * per_layer
+            assert held["loaded"] == 0 and held["update"] >= 2 * grad + state, (name, held)
         assert measured.phase_peak_bytes[name] >= held["loaded"], name
     assert measured.device_peak_bytes <= planned["device_peak_bytes"]
 

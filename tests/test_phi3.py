@@ -227,10 +227,10 @@ def test_three_adam_steps_equal_transformers_with_torch_adamw(hooks, hf_dirs, ki
     weight (the fused ones stacked) within 1e-5."""
     from transformers import Phi3ForCausalLM
 
-    # A fresh copy (the fixture's model is shared), its pad row trained as ipuft trains it: the synthetic
-    # batches hold the pad id, whose row transformers' embedding (padding_idx) would give no gradient.
+    # A fresh copy (the fixture's model is shared). The synthetic batches hold the pad id, whose row both
+    # transformers' embedding (padding_idx) and ipuft's (plugins.llama.padding_idx) give no gradient.
     hf = Phi3ForCausalLM.from_pretrained(hf_dirs[kind][1]).float().train(False)
-    hf.model.embed_tokens.padding_idx = None
+    assert hf.model.embed_tokens.padding_idx is not None
     cfg = adam_config(hooks, hf_dirs[kind][1])
     engine = build_engine(cfg, hooks)
     for (loss, hf_loss), (norm, hf_norm) in hf_adam_steps(hf, cfg, engine):

@@ -24,9 +24,9 @@ The family is a :class:`~ipuft_llama.description.Description` (:data:`PHI3`: Lla
 biases) read by :mod:`ipuft_llama.family`, plus what this module reads beside it: the rope, the partial
 rotary and the fused names. Refused: ``resid_pdrop`` and ``attention_dropout`` other than 0 (ipuft takes no
 dropout from a checkpoint: ``model.dropout_prob`` is the run's choice); ``embd_pdrop`` is read by nothing,
-as in transformers' Phi-3. ``pad_token_id`` is written back as read and used in no arithmetic:
-transformers' embedding gives the pad row no gradient (``padding_idx``), ipuft trains it from its uses, the
-same wherever the pad id is padding only. ``sliding_window`` is the Llama block's
+as in transformers' Phi-3. ``pad_token_id`` is read as every family reads it (``plugins.llama.padding_idx``:
+the pad row gets no gradient, as transformers' embedding's ``padding_idx`` has it) and written back.
+``sliding_window`` is the Llama block's
 (``plugins.llama.sliding_window``). This module imports no torch.
 """
 
@@ -162,7 +162,7 @@ def write_config(cfg: DictConfig) -> dict[str, Any]:
                                "attention_factor": scaling.attention_factor,
                                "short_factor": list(scaling.short_factor), "long_factor": list(scaling.long_factor)}
     out.update(partial_rotary_factor=partial, original_max_position_embeddings=original, resid_pdrop=0.0,
-               embd_pdrop=0.0, pad_token_id=None)
+               embd_pdrop=0.0)
     return out
 
 
