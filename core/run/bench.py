@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch.distributed as dist
 from omegaconf import DictConfig
 
 from ipuft.data.batch import Batch
@@ -80,12 +81,16 @@ def profile_steps(engine: PhasedEngine, batch: Batch, lr: float, steps: int,
 
     ``reference()`` (``(flops, seconds)`` of some work, :func:`ipuft.engine.flops.matmul_rate`) runs before each
     step and after the last, outside the profile; the report's ``"matmul_rate"`` is then their FLOP/s over all
-    that time, with each run's own (``"samples"``)."""
+    that time, with each run's own (``"samples"``). Over several ranks, they meet before each step, so that a
+    step's time is its own and not the wait for a rank still in its reference run (whose length is a time, not
+    an amount of work)."""
     profile = StepProfile(engine.device)
     total, samples = 0.0, []
     if reference is not None:
         samples.append(reference())
     for _ in range(steps):
+        if dist.is_initialized():
+            dist.barrier()
         with profiling(profile):
             start = profile.now()
             engine.step(batch, lr)
