@@ -5,6 +5,7 @@ run by the engine; and a machine without a compiler gets the ops, told so in one
 
 from __future__ import annotations
 
+import itertools
 import math
 import shutil
 
@@ -136,7 +137,7 @@ def test_the_8bit_kernel_is_the_ops_bit_for_bit(dtype, block):
             stochastic_round_(weight, view, KEY, lambda a, c: a)
         weight, state = states["kernel"]
         cuts = [0, 7 * block, 8 * block, n]
-        pieces = [(a, b) for a, b in zip(cuts, cuts[1:])]
+        pieces = list(itertools.pairwise(cuts))
         assert opt.fused_step(
             ["h.0.mlp.weight"] * 3, [weight[a:b] for a, b in pieces], [grad[a:b] for a, b in pieces],
             [{"m": state["m"][a:b], "v": state["v"][a:b], "m_absmax": state["m_absmax"][a // block : -(-b // block)],

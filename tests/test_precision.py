@@ -365,5 +365,4 @@ def assert_16bit_close(cfg, results, got, expected, float32, dtype, share=0.25):
             assert bool((apart <= step_at(actual, want) + 2 * lr_sum).all()), f"{unit}.{name}"
             gap += float(apart.sum())
             recipe_gap += float((float32[unit][name].float() - want.float()).abs().sum())
-            print("DBG", unit, name, float(apart.sum()), float((float32[unit][name].float() - want.float()).abs().sum()))
     assert gap <= share * recipe_gap, (gap, recipe_gap)

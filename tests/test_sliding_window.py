@@ -33,8 +33,8 @@ from ipuft.attention import (
 from ipuft.components import IGNORE_INDEX
 from ipuft.config import load_config
 from ipuft.data.batch import Batch
-from ipuft.engine.inference import LayerMajor
 from ipuft.engine import measure
+from ipuft.engine.inference import LayerMajor
 from ipuft.engine.measure import UnitCost, kv_cache_layers, unit_cost
 from ipuft.engine.plan import inference_estimate
 from ipuft.generate import LayerKVCache, generate
@@ -169,7 +169,7 @@ def test_packed_windowed_rows_equal_transformers_given_positions_and_a_4d_mask(h
         mask = additive(windowed)
     else:  # transformers takes one 4-D mask per layer kind
         mask = {"full_attention": additive(apart), "sliding_attention": additive(windowed)}
-    logits, loss, grads = hf_step(hf, ids, labels, positions, mask)
+    _logits, loss, grads = hf_step(hf, ids, labels, positions, mask)
     ours_loss, ours_grads = engine_step(cfg, hooks, ids, labels, positions)
     assert abs(ours_loss - loss) <= 1e-6 * abs(loss)
     assert_same_gradients(ours_grads, grads)
@@ -231,7 +231,7 @@ def test_the_plan_counts_a_windowed_cache_and_measures_each_layer_kind(hooks, mo
     windowed layer's cache at its last W positions); the plan reads each layer's window; the decoder's
     measured cost is the costlier kind's figure by figure (the window's saved mask against the full layer's
     causal kernel)."""
-    hf, src = models["qwen2"]
+    _hf, src = models["qwen2"]
     cfg = config(hooks, src, "execution.offload=true", f"execution.activation_offload={str(activation_offload).lower()}")
     runner = LayerMajor(inference_engine(cfg, hooks))
     prompts = [[(7 * r + i) % 50 + 3 for i in range(8)] for r in range(3)]

@@ -20,6 +20,7 @@ block-wise 8-bit codes. Anything else (another device, a master copy, rounding t
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -62,10 +63,8 @@ def _cache_dir() -> Path:
 def _machine() -> str:
     """What a ``-march=native`` build depends on: the host and its CPU's model."""
     model = ""
-    try:
+    with contextlib.suppress(OSError):
         model = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    except OSError:
-        pass
     return f"{platform.node()}/{platform.machine()}/{model}"
 
 
@@ -82,7 +81,8 @@ def _build() -> ctypes.CDLL:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True)
+            done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True,
+                                  check=False)
             if done.returncode:
                 raise OSError(f"{compiler} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
             os.replace(built, target)
