@@ -97,7 +97,7 @@ def test_bad_config_is_one_clear_line(hooks, overrides, fragment):
 
 
 def test_unknown_preset_lists_presets(hooks):
-    with pytest.raises(ConfigError, match=r"unknown preset 'huge'; presets: finetune, gptj-6b, llama3-8b, mistral-7b, small-cpu, tiny"):
+    with pytest.raises(ConfigError, match=r"unknown preset 'huge'; presets: finetune, gptj-6b, llama3-8b, mistral-7b, phi4, qwen3-8b, small-cpu, tiny"):
         load_config("huge", [], hooks.registrations.config_sections)
 
 

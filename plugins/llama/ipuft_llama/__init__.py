@@ -4,7 +4,7 @@
 :class:`~ipuft_llama.description.Description` (see :mod:`ipuft_llama.family`).
 
 ``model.hf_checkpoint=DIR`` with one of their config.json selects these components and sets every option from
-it; the ``llama3-8b`` and ``mistral-7b`` presets set them for a run from scratch or a plan.
+it; the ``llama3-8b``, ``mistral-7b``, ``qwen3-8b`` and ``phi4`` presets set them for a run from scratch or a plan.
 
 This module holds the hooks only and imports no torch, so that discovering the plugin (``ipuft --help``)
 stays fast; the modules are in :mod:`ipuft_llama.modules`, imported when a run builds them.
