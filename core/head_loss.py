@@ -63,19 +63,22 @@ def chunkable(project) -> bool:
 
 def chunked_head_loss(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
                       vocab_size: int, ignore_index: int, tp_rank: int = 0, tp_group=None,
-                      tensor_parallel: int = 1) -> torch.Tensor:
+                      tensor_parallel: int = 1, softcap: float | None = None) -> torch.Tensor:
     """The mean cross-entropy over the tokens of ``x[N, H]`` whose ``labels[N]`` are not ``ignore_index``, of
     the logits ``x · weightᵀ + bias`` (TP rank ``tp_rank``'s ``weight[rows, H]`` of a vocabulary of
     ``vocab_size``, its pieces reduced over ``tp_group``), :func:`head_chunk_tokens` tokens at a time (see the
     module docstring). Its value and gradients are those of :func:`ipuft.parallel.vocab_parallel_head`'s
     unchunked loss, to float32 rounding; the gradient of ``x`` is this rank's part (under TP the caller
-    all-reduces it, as :func:`ipuft.parallel.copy_to_tensor_parallel` does)."""
+    all-reduces it, as :func:`ipuft.parallel.copy_to_tensor_parallel` does). ``softcap``: of the logits
+    soft-capped as :func:`ipuft.parallel.softcapped` caps them (Gemma 2), its gradient through the cap taken by
+    the ops autograd's backward of those three takes."""
     chunk, seed = _CHUNK.get()
     if not torch.is_grad_enabled():  # the loss alone (an evaluation): no gradient is made
         x, weight, bias = x.detach(), weight.detach(), bias.detach() if bias is not None else None
     tp = _TensorParallel(tp_rank, tp_group, tensor_parallel)
     taken = taking(weight, bias)
-    return _ChunkedHeadLoss.apply(x, weight, bias, labels, vocab_size, ignore_index, chunk, seed, tp, taken)
+    return _ChunkedHeadLoss.apply(x, weight, bias, labels, vocab_size, ignore_index, chunk, seed, tp, taken,
+                                  softcap)
 
 
 class _TensorParallel:
@@ -93,7 +96,7 @@ class _TensorParallel:
 
 class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, labels, vocab_size, ignore_index, chunk, seed, tp, taken):
+    def forward(ctx, x, weight, bias, labels, vocab_size, ignore_index, chunk, seed, tp, taken, softcap):
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
         rows = weight.shape[0]
@@ -107,6 +110,9 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         for start in range(0, x.shape[0], step):
             xc, yc, kc = x[start : start + step], labels[start : start + step], keep[start : start + step]
             logits = _padded(xc, lambda rows: F.linear(rows, weight, bias))
+            if softcap is not None:  # cap · tanh(logits / cap): tanh's result kept for the gradient through it
+                tanh = logits.div_(softcap).tanh_()
+                logits = tanh * softcap
             if first + rows > vocab_size:  # a padded vocabulary block (TP): padded columns never win
                 padded = torch.arange(first, first + rows, device=x.device) >= vocab_size
                 logits = logits.masked_fill(padded, torch.finfo(logits.dtype).min)
@@ -117,6 +123,9 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 continue
             g = _logits_gradient(probs, yc, kc, first, kc * (seed / count), tp).to(x.dtype)
             del probs, logits
+            if softcap is not None:  # autograd's backward of the cap: MulBackward, TanhBackward, DivBackward
+                g = torch.ops.aten.tanh_backward(g * softcap, tanh).div_(softcap)
+                del tanh
             if need_x:
                 if g.shape[0] >= GEMM_ROWS or g.dtype != torch.float32:
                     torch.mm(g, weight, out=grad_x[start : start + step])
@@ -134,7 +143,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         # nothing in the step) made zero gradients, which an upstream 0 keeps: the factor is then 1.
         factor = grad / ctx.seed if ctx.seed else torch.where(grad == 0, 1.0, torch.nan).to(grad.dtype)
         grad_w, grad_b = ctx.sums.result(factor)
-        return (grad_x * factor if grad_x is not None else None), grad_w, grad_b, *([None] * 7)
+        return (grad_x * factor if grad_x is not None else None), grad_w, grad_b, *([None] * 8)
 
 
 def _chunk_loss(logits: torch.Tensor, labels: torch.Tensor, keep: torch.Tensor, first: int,

@@ -317,14 +317,23 @@ def vocab_parallel_embedding(table: torch.nn.Embedding, ids: torch.Tensor, tenso
     return reduce_from_tensor_parallel(table(local.masked_fill(outside, 0)).masked_fill(outside.unsqueeze(-1), 0.0))
 
 
+def softcapped(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``cap · tanh(logits / cap)`` in the logits' dtype, the three ops transformers' Gemma 2 applies for its
+    ``final_logit_softcapping`` (so that autograd rounds their gradient as it does there); ``None``: the logits."""
+    if cap is None:
+        return logits
+    return torch.tanh(logits / cap) * cap
+
+
 def vocab_parallel_head(project: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
                         labels: torch.Tensor | None, vocab_size: int, tensor_parallel: int,
-                        ignore_index: int = -100) -> torch.Tensor:
+                        ignore_index: int = -100, softcap: float | None = None) -> torch.Tensor:
     """A language-model head's result from ``project`` (this TP rank's vocabulary block of the projection, of
     ``tensor_parallel``) of the normalised ``hidden``: the logits ``[..., vocab_size]`` (gathered over TP,
     padded columns cut), or with ``labels`` the mean cross-entropy in float32 (:func:`vocab_parallel_cross_entropy`
     under TP, so the full logits are never gathered for it; ``F.cross_entropy`` at TP=1), 0 where no label is
-    trained.
+    trained. ``softcap``: the logits are first soft-capped, :func:`softcapped` (Gemma 2's final-logit cap), each
+    rank's block before its padded columns are pushed down.
 
     Inside :func:`ipuft.head_loss.head_chunks` (the engine's, ``execution.head_chunk_tokens``), a loss whose
     ``project`` is a plain linear projection is computed a chunk of tokens at a time with its gradient
@@ -333,9 +342,9 @@ def vocab_parallel_head(project: Callable[[torch.Tensor], torch.Tensor], hidden:
     if labels is not None and head_chunk_tokens() and chunkable(project):
         x = copy_to_tensor_parallel(hidden) if tensor_parallel > 1 else hidden
         return chunked_head_loss(x.flatten(0, -2), project.weight, project.bias, labels.flatten(), vocab_size,
-                                 ignore_index, _ACTIVE.tp_rank, _ACTIVE.tp_group, _ACTIVE.tensor_parallel)
+                                 ignore_index, _ACTIVE.tp_rank, _ACTIVE.tp_group, _ACTIVE.tensor_parallel, softcap)
     if tensor_parallel == 1:
-        logits = project(hidden)
+        logits = softcapped(project(hidden), softcap)
         if labels is None:
             return logits
         # F.cross_entropy's mean is its sum over the count (the same two roundings); over no trained token
@@ -343,7 +352,7 @@ def vocab_parallel_head(project: Callable[[torch.Tensor], torch.Tensor], hidden:
         labels = labels.flatten()
         total = F.cross_entropy(logits.flatten(0, -2).float(), labels, ignore_index=ignore_index, reduction="sum")
         return total / (labels != ignore_index).sum().clamp_min(1)
-    logits = vocab_parallel_logits(project(copy_to_tensor_parallel(hidden)), vocab_size)
+    logits = vocab_parallel_logits(softcapped(project(copy_to_tensor_parallel(hidden)), softcap), vocab_size)
     if labels is None:
         return gather_from_tensor_parallel(logits)[..., :vocab_size]
     return vocab_parallel_cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index)

@@ -27,8 +27,8 @@ GEMMA = {"head_dim": 16, "query_pre_attn_scalar": 12, "sliding_window": 5, "init
 KINDS.update({
     "qwen3": {"rope_theta": 20000.0, "head_dim": 16},
     "olmo2": {"rope_theta": 30000.0, "head_dim": 16, "initializer_range": 0.1},
-    # No final soft-cap until core's head op has one (branch head): ipuft refuses Gemma 2's in one line.
-    "gemma2": {**GEMMA, "rope_theta": 10000.0, "attn_logit_softcapping": 1.5, "final_logit_softcapping": None},
+    # Soft-caps that bend: the attention scores' at 1.5, the logits' (std 1.4, up to 5.2 here) at 3.
+    "gemma2": {**GEMMA, "rope_theta": 10000.0, "attn_logit_softcapping": 1.5, "final_logit_softcapping": 3.0},
     "gemma3_text": {**GEMMA, "rope_theta": 20000.0, "rope_local_base_freq": 100.0, "sliding_window_pattern": 2,
                     "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
 })

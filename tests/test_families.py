@@ -85,7 +85,7 @@ def match_transformers(hooks, hf, src, *extra):
 SLIDING_FULL = ["sliding_attention", "full_attention"]
 BLOCKS = {"qwen3": ("pre", False, False, "head", False, "silu", None, None, None, None, None, None),
           "olmo2": ("post", False, True, "width", False, "silu", None, None, None, None, None, None),
-          "gemma2": ("sandwich", True, True, None, True, "gelu_pytorch_tanh", 12, 1.5, None, SLIDING_FULL, 5, None),
+          "gemma2": ("sandwich", True, True, None, True, "gelu_pytorch_tanh", 12, 1.5, 3.0, SLIDING_FULL, 5, None),
           "gemma3_text": ("sandwich", True, True, "head", True, "gelu_pytorch_tanh", 12, None, None, SLIDING_FULL, 5,
                           100.0)}
 BLOCK_KEYS = ("norms", "norm_offset", "norm_gain_float32", "qk_norm", "embedding_scale", "activation",
@@ -192,21 +192,6 @@ def test_a_config_json_from_scratch_is_read_as_the_same_model(hooks, hf_dirs, ki
     ids = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert torch.equal(rebuilt(ids).logits, hf(ids).logits)
-
-
-def test_gemma_2s_final_soft_cap_is_one_line_until_the_head_has_one(hooks, tmp_path):
-    """Gemma 2's final_logit_softcapping needs core's head op to cap the logits; where it has no soft-cap the
-    model is refused in one line naming the key, not run without it."""
-    from ipuft.errors import ConfigError
-    from ipuft_llama import _head_softcaps
-
-    _, src = save_hf(tmp_path / "gemma2", "gemma2", seed=12, final_logit_softcapping=0.8)
-    cfg = config(hooks, src)
-    assert cfg.plugins.llama.final_logit_softcap == 0.8
-    if _head_softcaps():
-        pytest.skip("core's head op has a soft-cap: Gemma 2 with one is held to transformers above")
-    with pytest.raises(ConfigError, match=r"^plugins.llama.final_logit_softcap=0.8 \(Gemma 2's final_logit_soft"):
-        build_model(cfg, hooks)
 
 
 def test_config_json_of_the_hub_and_of_transformers_5_read_alike(hooks):

@@ -237,22 +237,9 @@ def build_head(cfg: DictConfig) -> LlamaLMHead:
     from ipuft_llama.modules import LlamaLMHead
 
     m, options = cfg.model, cfg.plugins[SECTION]
-    if options.final_logit_softcap is not None and not _head_softcaps():
-        raise ConfigError(f"plugins.llama.final_logit_softcap={options.final_logit_softcap} (Gemma 2's "
-                          f"final_logit_softcapping): this ipuft's head op (ipuft.parallel.vocab_parallel_head) has "
-                          f"no soft-cap; it cannot run this model")
     return LlamaLMHead(m.hidden_size, m.embedding.vocab_size, m.layer_norm_epsilon, cfg.execution.tensor_parallel,
                        tied=m.tie_embeddings, norm_offset=options.norm_offset,
                        norm_gain_float32=options.norm_gain_float32, softcap=options.final_logit_softcap)
-
-
-def _head_softcaps() -> bool:
-    """Whether core's head op takes a final-logit soft-cap (``softcap=``)."""
-    import inspect
-
-    from ipuft.parallel import vocab_parallel_head
-
-    return "softcap" in inspect.signature(vocab_parallel_head).parameters
 
 
 def decoder_shard_specs(variables: list[VariableSpec], tensor_parallel: int, cfg: DictConfig) -> dict[str, ShardSpec]:

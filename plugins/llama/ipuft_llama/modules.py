@@ -258,9 +258,8 @@ class LlamaLMHead(nn.Module):
         self.vocab_size, self.tensor_parallel, self.tied = vocab_size, tensor_parallel, tied
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        capped = {} if self.softcap is None else {"softcap": self.softcap}  # Gemma 2's final_logit_softcapping
         return vocab_parallel_head(self.lm_head, self.norm(hidden), labels, self.vocab_size, self.tensor_parallel,
-                                   IGNORE_INDEX, **capped)
+                                   IGNORE_INDEX, softcap=self.softcap)
 
     def variable_specs(self) -> list[VariableSpec]:
         gain = Init("zeros") if self.norm.offset else Init("ones")
