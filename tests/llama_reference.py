@@ -70,8 +70,17 @@ def tokenizer_json(path: Path, vocab_size: int = 101) -> Path:
     return path
 
 
-# Two tokenizers as real checkpoints' are, both word-level over w3... with their special tokens at ids 0-2:
-# Llama 3's post-processor puts <|begin_of_text|> first; a ChatML tokenizer (Qwen2's, SmolLM2's) adds nothing,
+# Gemma 2's chat template as its tokenizer_config.json has it: no system role, roles alternating from the user's,
+# the assistant named "model", each turn's content trimmed.
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+    "{% endif %}{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\\n'}}{% endif %}")
+# Tokenizers as real checkpoints' are, word-level with their special tokens first (ids 0-2, Gemma's 0-4), then
+# w3 or w5 on to the vocabulary's end: Llama 3's post-processor puts <|begin_of_text|> first; a ChatML tokenizer (Qwen2's, SmolLM2's) adds nothing,
 # though SmolLM2-Instruct names <|im_start|> its bos.
 STYLES = {
     "llama3": {"specials": ["<unk>", "<|begin_of_text|>", "<|end_of_text|>"], "bos": "<|begin_of_text|>",
@@ -81,6 +90,10 @@ STYLES = {
     "chatml": {"specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "bos": "<|im_start|>",
                "eos": "<|im_end|>", "unk": "<|endoftext|>",
                "template": "{% for m in messages %}<|im_start|>{{ m.role }} {{ m.content }}<|im_end|>{% endfor %}"},
+    # Gemma's: <pad>, <eos>, <bos>, <start_of_turn>, <end_of_turn> (its generation_config adds the last to the
+    # eos ids), and Gemma 2's chat template.
+    "gemma": {"specials": ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"], "bos": "<bos>",
+              "eos": "<eos>", "unk": "<pad>", "template": GEMMA_TEMPLATE},
 }
 
 
@@ -94,7 +107,8 @@ def styled_tokenizer(directory: Path, style: str, vocab_size: int = 101) -> Path
     from transformers import PreTrainedTokenizerFast
 
     spec = STYLES[style]
-    vocab = {**{t: i for i, t in enumerate(spec["specials"])}, **{f"w{i}": i for i in range(3, vocab_size)}}
+    first = len(spec["specials"])
+    vocab = {**{t: i for i, t in enumerate(spec["specials"])}, **{f"w{i}": i for i in range(first, vocab_size)}}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=spec["unk"]))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.add_special_tokens(spec["specials"])

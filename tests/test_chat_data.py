@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 from cli_helpers import run_cli
+from llama_reference import GEMMA_TEMPLATE
 
 from ipuft.components import IGNORE_INDEX
 from ipuft.config import load_config
@@ -21,6 +22,7 @@ tokenizers = pytest.importorskip("tokenizers")
 
 SPECIALS = ["<unk>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
             "<|eot_id|>", "<|endoftext|>"]
+GEMMA_SPECIALS = ["<start_of_turn>", "<end_of_turn>"]  # after WORDS: the others' ids stay as they were
 WORDS = ["system", "user", "assistant", "You", "are", "kind", ".", "hi", "there", "how", "are", "you", "fine", "thanks", "what", "is", "two", "plus", "two", "four", "bye", "see", "later", "ok", "sure"]
 
 # Qwen2's ChatML template, shortened: a default system message, then each turn as <|im_start|>ROLE\n...<|im_end|>\n.
@@ -55,10 +57,10 @@ def word_tokenizer(directory, template=None, bos="<|begin_of_text|>", eos="<|im_
     tokenizer_config.json naming its bos, eos and chat template."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    vocab = {t: i for i, t in enumerate(SPECIALS + WORDS)}
+    vocab = {t: i for i, t in enumerate(SPECIALS + WORDS + GEMMA_SPECIALS + ["model"])}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.add_special_tokens(SPECIALS)
+    tokenizer.add_special_tokens(SPECIALS + GEMMA_SPECIALS)
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(directory / "tokenizer.json"))
     settings = {"bos_token": bos, "eos_token": eos, "unk_token": "<unk>"}
@@ -120,6 +122,31 @@ def llama3_segments(conversation):
         out += [(f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n", 0), (m["content"] + "<|eot_id|>",
                                                                               m["role"] == "assistant")]
     return out
+
+
+def gemma_segments(conversation):
+    out = [("<|begin_of_text|>", 0)]  # the template's bos_token: the tokenizer's
+    for m in conversation:
+        if m["role"] == "assistant":
+            out += [("<start_of_turn>model\n", 0), (m["content"] + "<end_of_turn>\n", 1)]
+        else:
+            out += [(f"<start_of_turn>{m['role']}\n{m['content']}<end_of_turn>\n", 0)]
+    return out
+
+
+def test_gemmas_template_trains_its_model_turns_and_refuses_a_system_turn(tmp_path):
+    """Gemma 2's template (no system role, the assistant named "model"): its model turns' text and end of turn
+    are in the loss, as written by hand; a conversation with a system turn is one line naming its row and the
+    template's own words."""
+    conversations = [CONVERSATIONS[0], CONVERSATIONS[2]]  # user first, roles alternating, no system turn
+    ds, tok = dataset(tmp_path / "ok", GEMMA_TEMPLATE, conversations, "data.packing=false")
+    assert examples(ds) == [by_hand(tok, gemma_segments(c)) for c in conversations]
+    home = word_tokenizer(tmp_path / "tok", GEMMA_TEMPLATE)
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATIONS[0]}, {"messages": CONVERSATIONS[1]}])
+    with pytest.raises(DataError) as err:
+        TokenDataset.from_config(config(path, home), load_tokenizer(str(home)))
+    assert str(err.value) == (f"{path} row 2: the chat template ({home / 'tokenizer_config.json'}'s chat_template) "
+                              f"refuses it: System role not supported")
 
 
 @pytest.mark.parametrize("template, segments", [(CHATML, chatml_segments), (LLAMA3, llama3_segments)],
@@ -505,6 +532,32 @@ def test_generate_chat_renders_the_generation_prompt_and_stops_at_the_end_of_tur
     finally:
         (chat_model / "tokenizer_config.json").write_text(settings)
     assert stopped["completions"] == [" ".join(words[:stop + 1])] and stopped["new_tokens"] == stop + 1
+
+
+def test_generate_chat_with_gemmas_template(capsys, tmp_path):
+    """A Gemma 2 directory: the prompt ends in its generation prompt (<start_of_turn>model), a reply stops at
+    generation_config.json's <end_of_turn> as well as <eos>, and a system turn is refused in one line."""
+    from llama_reference import save_hf
+
+    from ipuft.plugins import create_plugin_manager
+    from ipuft.run.generate import chat_prompts, chat_stops, inference_config
+
+    directory = tmp_path / "gemma"
+    save_hf(directory, "gemma2", tokenizer="gemma", bos_token_id=2, eos_token_id=1)
+    (directory / "generation_config.json").write_text(json.dumps({"bos_token_id": 2, "eos_token_id": [1, 4]}))
+    cfg = inference_config(str(directory), create_plugin_manager())
+    tok = load_tokenizer(str(directory))
+    assert chat_prompts(cfg, tok, ["w5  w6 "]) == [tok.encode(
+        "<bos><start_of_turn>user\nw5  w6<end_of_turn>\n<start_of_turn>model\n", add_special_tokens=False).ids]
+    assert set(chat_stops(cfg, tok, directory)) == {1, 4}  # <eos>, <end_of_turn>
+    reply = generated(capsys, directory, "w5 w6", "--max-new-tokens", "6")
+    ids = [tok.token_to_id(w) for w in reply["completions"][0].split()]
+    assert 1 <= reply["new_tokens"] <= 6 and not {1, 4} & set(ids[:-1])  # nothing after a stop
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [[{"role": "system", "content": "w5"},
+                                                        {"role": "user", "content": "w6"}]])
+    code, _, err = run_cli(capsys, "generate", "--checkpoint", str(directory), "--chat", "--prompts", str(prompts))
+    assert (code, err) == (2, f"ipuft: error: prompt 1: the chat template ({directory / 'chat_template.jinja'}) "
+                              f"refuses it: System role not supported\n")
 
 
 def test_generate_chat_takes_a_jsonl_of_conversations(chat_model, capsys, tmp_path):
