@@ -1,17 +1,25 @@
-"""The optimizer step's elementwise work at GPT-J-6B's width on the CPU, in the engine's pieces
-(``ipuft.engine.update``), in one process:
+"""The optimizer update's speed on the CPU, in one process.
 
-- the Adam update of an embedding ([50400, 4096], float32 state), with and without ``adamw``'s floor under ``v``
-  before its square root (:meth:`ipuft_optim_adam.adamw.AdamW.sqrt_floor`);
-- stochastic rounding of a float32 update into bfloat16 weights as many as the embedding's, on the float32 bit
-  patterns (``ipuft.engine.precision``'s path) and by the float formulation it equals bit for bit.
+Default (issue #44): one update of a [4096, 4096] and a [4096, 16384] matrix for each recipe, ns a parameter and
+GB/s, against torch's fused AdamW (``torch._fused_adamw_``, float32) run in the same rounds, with a float32
+``copy_`` as the memory's speed; DeepSpeedCPUAdam and bitsandbytes' AdamW8bit where they are installed:
 
-    python bench/update.py [--rows 50400] [--touched 512] [--repeats 3]
+- ``adamw`` float32: ipuft's one-pass kernel (:mod:`ipuft.engine.fused`), 28 bytes a parameter;
+- ``adamw`` with bfloat16 weights rounded stochastically, float32 moments and gradient: 24 bytes;
+- ``adamw8bit``, blocks of 256, float32 weights and gradient: 16 bytes.
 
-Fine-tuning touches few of an embedding's rows in a step: the others' ``v`` is exactly 0, on which ATen's CPU
-``sqrt`` takes its slow path. ``--touched`` rows get a gradient (a step's distinct tokens), after one update of
-every row's state from zero. The two variants alternate, and each figure is the median; the ratio is what the
-floor saves. Not a test: the results are equal bit for bit (tests/test_adamw.py).
+Each round runs every variant once in turn, each after a write over 256 MiB (the caches evicted); each figure is
+the median over the rounds, and each ratio is against torch's fused AdamW of the same shape.
+
+    python bench/update.py [--rounds 7] [--shapes 4096x4096,4096x16384] [--threads N]
+    python bench/update.py --embedding [--rows 50400] [--touched 512] [--repeats 3]
+
+``--embedding``: the Adam update of an embedding ([50400, 4096], float32 state) in the engine's pieces, with and
+without ``adamw``'s floor under ``v`` before its square root (:meth:`ipuft_optim_adam.adamw.AdamW.sqrt_floor`),
+and stochastic rounding into bfloat16 on the float32 bit patterns against the float formulation it equals bit
+for bit. Fine-tuning touches few of an embedding's rows in a step: the others' ``v`` is exactly 0, on which
+ATen's CPU ``sqrt`` takes its slow path. Not a test: the results are equal bit for bit (tests/test_adamw.py,
+tests/test_fused_update.py).
 """
 
 from __future__ import annotations
@@ -22,10 +30,15 @@ import time
 
 import torch
 
+from ipuft.engine import fused
 from ipuft.engine.precision import _range_bits32, _round_by_neighbours, rounding_key, stochastic_round_
 from ipuft.engine.update import update_chunk, update_groups
 from ipuft.optim import StepContext
 from ipuft_optim_adam.adamw import AdamW
+from ipuft_optim_adamw8bit.adamw8bit import AdamW8bit
+
+EVICT_BYTES = 256 * 2**20
+BLOCK = 256
 
 
 def update(opt: AdamW, weight: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
@@ -55,13 +68,71 @@ def rounding(value: torch.Tensor, weight: torch.Tensor, step: int, float_formula
     return time.perf_counter() - start_time
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=50400)
-    parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--touched", type=int, default=512, help="rows with a gradient in each step")
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+def peers(shape: tuple[int, int], rounds: int) -> dict[str, tuple[float, int]]:
+    """Each variant's median seconds for one update of a ``shape`` matrix, and the bytes it moves a parameter."""
+    n = shape[0] * shape[1]
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(n, generator=g) * 0.02
+    grad = torch.randn(n, generator=g) * 1e-3
+    m, v = grad * 0.1, grad * grad
+    ctx = StepContext(lr=1e-5, step=3, global_norm=1.0, grad_factor=0.5)
+    adamw, eight = AdamW(0.9, 0.999, 1e-8, 0.01), AdamW8bit(0.9, 0.999, 1e-8, 0.01, BLOCK)
+    hyper = adamw.scalars("h.0.mlp.weight", ctx, ctx.grad_factor)
+    copies = {"w": weight.clone(), "m": m.clone(), "v": v.clone(), "half": weight.bfloat16(), "dst": torch.empty(n)}
+    codes = {k: torch.zeros(n, dtype=torch.uint8) for k in ("m", "v")}
+    codes |= {f"{k}_absmax": torch.zeros(-(-n // BLOCK)) for k in ("m", "v")}
+    step_t = torch.tensor(3.0)
+
+    def torch_fused():
+        torch._fused_adamw_([copies["w"]], [grad], [copies["m"]], [copies["v"]], [], [step_t], lr=1e-5, beta1=0.9,
+                            beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False,
+                            grad_scale=None, found_inf=None)
+
+    variants = {
+        "float32 copy_": (lambda: copies["dst"].copy_(weight), 8),
+        "torch fused AdamW": (torch_fused, 28),
+        "ipuft adamw float32": (lambda: fused.adamw_(copies["w"], grad, copies["m"], copies["v"], hyper), 28),
+        "ipuft adamw bf16 + SR": (lambda: fused.adamw_(copies["half"], grad, copies["m"], copies["v"], hyper,
+                                                       (12345, 0)), 24),
+        "ipuft adamw8bit": (lambda: eight.fused_step(["h.0.mlp.weight"], [copies["w"]], [grad], [codes], ctx,
+                                                     [None]), 16),
+    }
+    variants |= optional_peers(n, grad)
+    evict = torch.empty(EVICT_BYTES // 4)
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds + 1):  # the first round warms up and is not counted
+        for name, (run, _) in variants.items():
+            evict.fill_(1.0)
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return {name: (statistics.median(t[1:]), variants[name][1]) for name, t in times.items()}
+
+
+def optional_peers(n: int, grad: torch.Tensor) -> dict:
+    """DeepSpeed's CPU Adam and bitsandbytes' 8-bit AdamW, where they are installed (none is required)."""
+    import importlib
+
+    def deepspeed(p):
+        return importlib.import_module("deepspeed.ops.adam").DeepSpeedCPUAdam([p], lr=1e-5, weight_decay=0.01,
+                                                                              adamw_mode=True)
+
+    def bitsandbytes(p):
+        return importlib.import_module("bitsandbytes").optim.AdamW8bit([p], lr=1e-5, weight_decay=0.01,
+                                                                        min_8bit_size=0)
+
+    out = {}
+    for name, make, moved in (("DeepSpeedCPUAdam", deepspeed, 28), ("bitsandbytes AdamW8bit", bitsandbytes, 16)):
+        p = torch.nn.Parameter(torch.randn(n) * 0.02)
+        p.grad = grad.clone()
+        try:
+            out[name] = (make(p).step, moved)
+        except ImportError:
+            continue
+    return out
+
+
+def embedding(args) -> None:
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(args.rows, args.hidden, generator=g) * 0.02
     m, v = torch.zeros_like(weight), torch.zeros_like(weight)
@@ -91,6 +162,37 @@ def main() -> None:
     b, f = statistics.median(times["bits"]), statistics.median(times["float"])
     print(f"  stochastic rounding into bfloat16: by the float formulation {f:.3f} s ({f / n * 1e9:.2f} ns a weight); "
           f"on the bit patterns {b:.3f} s ({b / n * 1e9:.2f} ns): {f / b:.2f}x")
+
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--embedding", action="store_true", help="the embedding's update and rounding (see above)")
+    parser.add_argument("--rows", type=int, default=50400)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--touched", type=int, default=512, help="rows with a gradient in each step")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--shapes", default="4096x4096,4096x16384")
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.embedding:
+        embedding(args)
+        return
+    if fused.library() is None:
+        raise SystemExit("bench/update.py: ipuft's one-pass kernel is not built on this machine (no C compiler?)")
+    print(f"{time.strftime('%Y-%m-%d')}: CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}; median of {args.rounds} rounds")
+    for shape in (tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")):
+        n = shape[0] * shape[1]
+        results = peers(shape, args.rounds)
+        reference = results["torch fused AdamW"][0]
+        print(f"[{shape[0]}, {shape[1]}]:")
+        for name, (seconds, moved) in results.items():
+            print(f"  {name:26s} {seconds / n * 1e9:6.2f} ns/param  {moved * n / seconds / 1e9:6.1f} GB/s  "
+                  f"{seconds / reference:5.2f}x torch fused AdamW")
 
 
 if __name__ == "__main__":

@@ -98,6 +98,25 @@ def test_the_kernel_is_the_ops_bit_for_bit(dtype, grad16, name, eps, step):
 
 
 @needs_kernel
+@pytest.mark.parametrize("grad16", [False, True], ids=["float32-grad", "bf16-grad"])
+@pytest.mark.parametrize("first", [0, (1 << 32) + 7, (1 << 32) - THREADED // 2, (5 << 32) - 3 * N],
+                         ids=["low", "above-2^32", "across-2^32", "high"])
+def test_bfloat16_consecutive_counters_are_the_ops_bit_for_bit(grad16, first):
+    """bfloat16's loop for consecutive counters (each thread's within one span of 2^32, their high half taken
+    once) rounds as the ops do, below, above and across 2^32 (a thread whose span crosses it takes the general
+    loop), over several threads."""
+    opt = AdamW(0.9, 0.999, 1e-6, weight_decay=0.1)
+    ctx = StepContext(lr=3e-3, step=2, global_norm=1.0, grad_factor=0.5)
+    start = case(torch.bfloat16, THREADED, grad16=grad16)
+    ops = {k: t.clone() for k, t in start.items()}
+    ops_update(opt, "w", ops, ctx, first)
+    kernel = {k: t.clone() for k, t in start.items()}
+    fused.adamw_(kernel["w"], kernel["g"], kernel["m"], kernel["v"], opt.scalars("w", ctx, ctx.grad_factor),
+                 (KEY, first))
+    assert_same_bits(kernel, ops)
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_kernel_rounds_by_any_counters(dtype):
     """Counters given as every element's index (a TP shard's), some past 2^32 (their high half mixed in)."""

@@ -102,6 +102,18 @@ static inline void store_weight(const job_t *j, int64_t i, float w, uint32_t hig
     else ((uint16_t *)j->weight)[i] = sr_fp16(w, bits_of(j, i, high0));
 }
 
+static inline float bf16_value(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
+
+/* Whether this thread's counters run from j->first + j->lo without an index tensor and within one span of 2^32
+   (so bits_of's high half is one value, put in *high). */
+static inline int consecutive_high(const job_t *j, uint32_t high0, uint32_t *high) {
+    if (j->idx || j->hi <= j->lo) return 0;
+    uint64_t a = (uint64_t)(j->first + j->lo), b = (uint64_t)(j->first + j->hi - 1);
+    if ((a >> 32) != (b >> 32)) return 0;
+    *high = (a >> 32) ? mix32((uint32_t)(a >> 32) ^ j->key ^ 0x9E3779B9u) : high0;
+    return 1;
+}
+
 static void *adamw_range(void *arg) {
     const job_t *j = arg;
     const hyper_t h = *j->h;
@@ -111,6 +123,24 @@ static void *adamw_range(void *arg) {
         float *w = j->weight;
         const float *grad = j->grad;
         for (int64_t i = j->lo; i < j->hi; i++) w[i] = adam(&h, w[i], grad[i], m + i, v + i);
+        return NULL;
+    }
+    uint32_t high;
+    if (j->mode == W_BFLOAT16_SR && consecutive_high(j, high0, &high)) {
+        /* bfloat16 weights, counters from `first` within one 2^32 span: the branches hoisted, so that it
+           vectorises (the same arithmetic and bits as the general loop below) */
+        uint16_t *w = j->weight;
+        uint32_t low = (uint32_t)(j->first + j->lo), key = j->key;
+        if (j->grad_mode == W_FLOAT32) {
+            const float *grad = j->grad;
+            for (int64_t i = j->lo; i < j->hi; i++, low++)
+                w[i] = sr_bf16(adam(&h, bf16_value(w[i]), grad[i], m + i, v + i), mix32(mix32(low ^ key) ^ high));
+        } else {
+            const uint16_t *grad = j->grad;
+            for (int64_t i = j->lo; i < j->hi; i++, low++)
+                w[i] = sr_bf16(adam(&h, bf16_value(w[i]), bf16_value(grad[i]), m + i, v + i),
+                               mix32(mix32(low ^ key) ^ high));
+        }
         return NULL;
     }
     for (int64_t i = j->lo; i < j->hi; i++) {
@@ -136,6 +166,22 @@ static void *adamw8bit_range(void *arg) {
     for (int64_t start = j->lo; start < j->hi; start += j->block) {
         int64_t b = start / j->block, count = j->hi - start < j->block ? j->hi - start : j->block;
         float ms = j->m_absmax[b], vs = j->v_absmax[b], mmax = 0.0f, vmax = 0.0f;
+        if (j->mode == W_FLOAT32 && j->grad_mode == W_FLOAT32) {  /* float32 weights: no branch, so it vectorises */
+            float *w = (float *)j->weight + start;
+            const float *grad = (const float *)j->grad + start;
+            const uint8_t *mi = mc + start, *vi = vc + start;
+            for (int64_t k = 0; k < count; k++) {
+                m[k] = j->m_values[mi[k]] * ms;
+                v[k] = j->v_values[vi[k]] * vs;
+            }
+            for (int64_t k = 0; k < count; k++) w[k] = adam(&h, w[k], grad[k], m + k, v + k);
+            for (int64_t k = 0; k < count; k++) {
+                float am = fabsf(m[k]);
+                mmax = (am > mmax || am != am) ? am : mmax;
+                vmax = (v[k] > vmax || v[k] != v[k]) ? v[k] : vmax;
+            }
+            goto encode_block;
+        }
         for (int64_t k = 0; k < count; k++) {
             int64_t i = start + k;
             m[k] = j->m_values[mc[i]] * ms;
@@ -146,6 +192,7 @@ static void *adamw8bit_range(void *arg) {
             mmax = (am > mmax || am != am) ? am : mmax;  /* NaN propagates, as amax does */
             vmax = (v[k] > vmax || v[k] != v[k]) ? v[k] : vmax;
         }
+    encode_block:
         j->m_absmax[b] = mmax; j->v_absmax[b] = vmax;
         float md = mmax > 0 ? mmax : 1.0f, vd = vmax > 0 ? vmax : 1.0f;
         for (int64_t k = 0; k < count; k++) {
