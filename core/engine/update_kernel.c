@@ -175,11 +175,16 @@ static void *adamw8bit_range(void *arg) {
                 v[k] = j->v_values[vi[k]] * vs;
             }
             for (int64_t k = 0; k < count; k++) w[k] = adam(&h, w[k], grad[k], m + k, v + k);
+            /* The largest |m| and v as the largest bit patterns of non-negative floats (which order as the
+               floats do, and put any NaN above +inf: NaN propagates, as amax does); an integer maximum
+               vectorises where a float one with NaN kept does not. v is >= 0 or NaN (a -0 is 0 here too). */
+            uint32_t mbits = 0, vbits = 0;
             for (int64_t k = 0; k < count; k++) {
-                float am = fabsf(m[k]);
-                mmax = (am > mmax || am != am) ? am : mmax;
-                vmax = (v[k] > vmax || v[k] != v[k]) ? v[k] : vmax;
+                uint32_t a = as_bits(m[k]) & 0x7FFFFFFFu, b = as_bits(v[k]) & 0x7FFFFFFFu;
+                mbits = a > mbits ? a : mbits;
+                vbits = b > vbits ? b : vbits;
             }
+            memcpy(&mmax, &mbits, 4); memcpy(&vmax, &vbits, 4);
             goto encode_block;
         }
         for (int64_t k = 0; k < count; k++) {
@@ -195,9 +200,10 @@ static void *adamw8bit_range(void *arg) {
     encode_block:
         j->m_absmax[b] = mmax; j->v_absmax[b] = vmax;
         float md = mmax > 0 ? mmax : 1.0f, vd = vmax > 0 ? vmax : 1.0f;
+        for (int64_t k = 0; k < count; k++) { m[k] /= md; v[k] /= vd; }  /* vectorises; the lookups do not */
         for (int64_t k = 0; k < count; k++) {
-            mc[start + k] = encode(m[k] / md, j->m_base, j->m_bound);
-            vc[start + k] = encode(v[k] / vd, j->v_base, j->v_bound);
+            mc[start + k] = encode(m[k], j->m_base, j->m_bound);
+            vc[start + k] = encode(v[k], j->v_base, j->v_bound);
         }
     }
     return NULL;
