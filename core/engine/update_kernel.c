@@ -165,7 +165,7 @@ static void *adamw8bit_range(void *arg) {
     float m[MAX_BLOCK], v[MAX_BLOCK];
     for (int64_t start = j->lo; start < j->hi; start += j->block) {
         int64_t b = start / j->block, count = j->hi - start < j->block ? j->hi - start : j->block;
-        float ms = j->m_absmax[b], vs = j->v_absmax[b], mmax = 0.0f, vmax = 0.0f;
+        float ms = j->m_absmax[b], vs = j->v_absmax[b], mmax, vmax;
         if (j->mode == W_FLOAT32 && j->grad_mode == W_FLOAT32) {  /* float32 weights: no branch, so it vectorises */
             float *w = (float *)j->weight + start;
             const float *grad = (const float *)j->grad + start;
@@ -175,29 +175,25 @@ static void *adamw8bit_range(void *arg) {
                 v[k] = j->v_values[vi[k]] * vs;
             }
             for (int64_t k = 0; k < count; k++) w[k] = adam(&h, w[k], grad[k], m + k, v + k);
-            /* The largest |m| and v as the largest bit patterns of non-negative floats (which order as the
-               floats do, and put any NaN above +inf: NaN propagates, as amax does); an integer maximum
-               vectorises where a float one with NaN kept does not. v is >= 0 or NaN (a -0 is 0 here too). */
-            uint32_t mbits = 0, vbits = 0;
+        } else {
             for (int64_t k = 0; k < count; k++) {
-                uint32_t a = as_bits(m[k]) & 0x7FFFFFFFu, b = as_bits(v[k]) & 0x7FFFFFFFu;
-                mbits = a > mbits ? a : mbits;
-                vbits = b > vbits ? b : vbits;
+                int64_t i = start + k;
+                m[k] = j->m_values[mc[i]] * ms;
+                v[k] = j->v_values[vc[i]] * vs;
+                float w = adam(&h, load(j->weight, j->mode, i), load(j->grad, j->grad_mode, i), m + k, v + k);
+                store_weight(j, i, w, high0);
             }
-            memcpy(&mmax, &mbits, 4); memcpy(&vmax, &vbits, 4);
-            goto encode_block;
         }
+        /* The largest |m| and v as the largest bit patterns of non-negative floats (which order as the floats
+           do, and put any NaN above +inf: NaN propagates, as amax does); an integer maximum vectorises where a
+           float one that keeps NaN does not. v is >= 0 or NaN (a -0 is 0 here too). */
+        uint32_t mbits = 0, vbits = 0;
         for (int64_t k = 0; k < count; k++) {
-            int64_t i = start + k;
-            m[k] = j->m_values[mc[i]] * ms;
-            v[k] = j->v_values[vc[i]] * vs;
-            float w = adam(&h, load(j->weight, j->mode, i), load(j->grad, j->grad_mode, i), m + k, v + k);
-            store_weight(j, i, w, high0);
-            float am = fabsf(m[k]);
-            mmax = (am > mmax || am != am) ? am : mmax;  /* NaN propagates, as amax does */
-            vmax = (v[k] > vmax || v[k] != v[k]) ? v[k] : vmax;
+            uint32_t a = as_bits(m[k]) & 0x7FFFFFFFu, c = as_bits(v[k]) & 0x7FFFFFFFu;
+            mbits = a > mbits ? a : mbits;
+            vbits = c > vbits ? c : vbits;
         }
-    encode_block:
+        memcpy(&mmax, &mbits, 4); memcpy(&vmax, &vbits, 4);
         j->m_absmax[b] = mmax; j->v_absmax[b] = vmax;
         float md = mmax > 0 ? mmax : 1.0f, vd = vmax > 0 ? vmax : 1.0f;
         for (int64_t k = 0; k < count; k++) { m[k] /= md; v[k] /= vd; }  /* vectorises; the lookups do not */
