@@ -68,8 +68,8 @@ def exact_gradients(head, hidden, ids, labels, seed: float = 2.0) -> dict[str, t
 def exact_gradients_by_slices(head, hidden, ids, labels, seed: float = 2.0, rows: int = 8192):
     """:func:`exact_gradients` with the projection taken in float64 ``rows`` vocabulary rows at a time (at width
     4096 a float64 copy of a 128256-row projection and its gradient would be 8 GiB): the log-sum-exp over the
-    slices' own, then the hidden states' gradient, then each slice's weight gradient (with the tied lookup's
-    rows), rounded to float32 once, which is 6e-8 of its largest entry, far inside the bounds."""
+    slices' own, then the hidden states' gradient, then each slice's weight gradient from the logits' gradient
+    kept on the way (with the tied lookup's rows), rounded to float32 once, which is 6e-8 of its largest entry, far inside the bounds."""
     weight = head.lm_head.weight.detach()
     norm = copy.deepcopy(head.norm).double()
     x = hidden.double().requires_grad_()
@@ -78,6 +78,7 @@ def exact_gradients_by_slices(head, hidden, ids, labels, seed: float = 2.0, rows
     n, y = normed.detach(), labels[0]
     keep = y != IGNORE_INDEX
     scale = (keep.double() * seed / keep.sum()).unsqueeze(1)
+
     def slices():  # each slice widened in turn: one float64 slice at a time
         for start in range(0, weight.shape[0], rows):
             yield start, weight[start : start + rows].double()
@@ -89,15 +90,18 @@ def exact_gradients_by_slices(head, hidden, ids, labels, seed: float = 2.0, rows
         return d * scale
 
     lse = torch.logsumexp(torch.stack([torch.logsumexp(n @ w.T, dim=1) for _, w in slices()]), dim=0)
-    grad_n = sum(probabilities(start, w, lse) @ w for start, w in slices())
+    grad_n, logits_grads = 0.0, {}  # each slice's d(loss)/d(logits), [tokens, rows]: kept for its weight gradient
+    for start, w in slices():
+        logits_grads[start] = probabilities(start, w, lse)
+        grad_n = grad_n + logits_grads[start] @ w
     normed.backward(grad_n)
     grad_w = torch.empty_like(weight)
-    for start, w in slices():
-        piece = probabilities(start, w, lse).T @ n
+    for start, d in logits_grads.items():
+        piece = d.T @ n
         if head.tied:  # the lookup's rows: each touched row gains the hidden states' gradient where it was looked up
-            inside = (ids[0] >= start) & (ids[0] < start + w.shape[0])
+            inside = (ids[0] >= start) & (ids[0] < start + d.shape[1])
             piece.index_add_(0, ids[0][inside] - start, x.grad[0][inside])
-        grad_w[start : start + w.shape[0]] = piece.float()
+        grad_w[start : start + d.shape[1]] = piece.float()
     return {"hidden": x.grad, "weight": grad_w, "norm": norm.weight.grad}
 
 
