@@ -113,22 +113,22 @@ def optional_peers(n: int, grad: torch.Tensor) -> dict:
     """DeepSpeed's CPU Adam and bitsandbytes' 8-bit AdamW, where they are installed (none is required)."""
     import importlib
 
-    def deepspeed(p):
-        return importlib.import_module("deepspeed.ops.adam").DeepSpeedCPUAdam([p], lr=1e-5, weight_decay=0.01,
-                                                                              adamw_mode=True)
+    def deepspeed(module, p):
+        return module.DeepSpeedCPUAdam([p], lr=1e-5, weight_decay=0.01, adamw_mode=True)
 
-    def bitsandbytes(p):
-        return importlib.import_module("bitsandbytes").optim.AdamW8bit([p], lr=1e-5, weight_decay=0.01,
-                                                                        min_8bit_size=0)
+    def bitsandbytes(module, p):
+        return module.optim.AdamW8bit([p], lr=1e-5, weight_decay=0.01, min_8bit_size=0)
 
     out = {}
-    for name, make, moved in (("DeepSpeedCPUAdam", deepspeed, 28), ("bitsandbytes AdamW8bit", bitsandbytes, 16)):
-        p = torch.nn.Parameter(torch.randn(n) * 0.02)
-        p.grad = grad.clone()
+    for name, where, make, moved in (("DeepSpeedCPUAdam", "deepspeed.ops.adam", deepspeed, 28),
+                                     ("bitsandbytes AdamW8bit", "bitsandbytes", bitsandbytes, 16)):
         try:
-            out[name] = (make(p).step, moved)
+            module = importlib.import_module(where)
         except ImportError:
             continue
+        p = torch.nn.Parameter(torch.randn(n) * 0.02)
+        p.grad = grad.clone()
+        out[name] = (make(module, p).step, moved)
     return out
 
 
@@ -162,7 +162,6 @@ def embedding(args) -> None:
     b, f = statistics.median(times["bits"]), statistics.median(times["float"])
     print(f"  stochastic rounding into bfloat16: by the float formulation {f:.3f} s ({f / n * 1e9:.2f} ns a weight); "
           f"on the bit patterns {b:.3f} s ({b / n * 1e9:.2f} ns): {f / b:.2f}x")
-
 
 
 def main() -> None:

@@ -26,8 +26,7 @@ rotary and the fused names. Refused: ``resid_pdrop`` and ``attention_dropout`` o
 dropout from a checkpoint: ``model.dropout_prob`` is the run's choice); ``embd_pdrop`` is read by nothing,
 as in transformers' Phi-3. ``pad_token_id`` is read as every family reads it (``plugins.llama.padding_idx``:
 the pad row gets no gradient, as transformers' embedding's ``padding_idx`` has it) and written back.
-``sliding_window`` is the Llama block's
-(``plugins.llama.sliding_window``). This module imports no torch.
+``sliding_window`` is the Llama block's (``plugins.llama.sliding_window``). This module imports no torch.
 """
 
 from __future__ import annotations
