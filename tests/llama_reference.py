@@ -79,6 +79,18 @@ GEMMA_TEMPLATE = (
     "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
     "{% endif %}{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\\n'}}{% endif %}")
+# Gemma 3's chat template, as its tokenizer_config.json has it in substance: a system turn is no turn of its own
+# but its content and a blank line open the first user turn; then as Gemma 2's.
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+    "{% set first_user_prefix = messages[0]['content'] + '\\n\\n' %}{% set loop_messages = messages[1:] %}"
+    "{% else %}{% set first_user_prefix = '' %}{% set loop_messages = messages %}{% endif %}"
+    "{% for message in loop_messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+    "{% endif %}{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\\n'}}{% endif %}")
 # Tokenizers as real checkpoints' are, word-level with their special tokens first (ids 0-2, Gemma's 0-4), then
 # w3 or w5 on to the vocabulary's end: Llama 3's post-processor puts <|begin_of_text|> first; a ChatML tokenizer (Qwen2's, SmolLM2's) adds nothing,
 # though SmolLM2-Instruct names <|im_start|> its bos.
@@ -94,6 +106,8 @@ STYLES = {
     # eos ids), and Gemma 2's chat template.
     "gemma": {"specials": ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"], "bos": "<bos>",
               "eos": "<eos>", "unk": "<pad>", "template": GEMMA_TEMPLATE},
+    "gemma3": {"specials": ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"], "bos": "<bos>",
+               "eos": "<eos>", "unk": "<pad>", "template": GEMMA3_TEMPLATE},
 }
 
 

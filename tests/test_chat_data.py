@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from cli_helpers import run_cli
-from llama_reference import GEMMA_TEMPLATE
+from llama_reference import GEMMA3_TEMPLATE, GEMMA_TEMPLATE
 
 from ipuft.components import IGNORE_INDEX
 from ipuft.config import load_config
@@ -147,6 +147,32 @@ def test_gemmas_template_trains_its_model_turns_and_refuses_a_system_turn(tmp_pa
         TokenDataset.from_config(config(path, home), load_tokenizer(str(home)))
     assert str(err.value) == (f"{path} row 2: the chat template ({home / 'tokenizer_config.json'}'s chat_template) "
                               f"refuses it: System role not supported")
+
+
+def gemma3_segments(conversation):
+    prefix = ""
+    if conversation[0]["role"] == "system":  # no turn of its own: it opens the first user turn
+        prefix, conversation = conversation[0]["content"] + "\n\n", conversation[1:]
+    out = [("<|begin_of_text|>", 0)]
+    for i, m in enumerate(conversation):
+        if m["role"] == "assistant":
+            out += [("<start_of_turn>model\n", 0), (m["content"] + "<end_of_turn>\n", 1)]
+        else:
+            out += [(f"<start_of_turn>{m['role']}\n{prefix if i == 0 else ''}{m['content']}<end_of_turn>\n", 0)]
+    return out
+
+
+def test_gemma3s_template_opens_the_first_user_turn_with_the_system_turn(tmp_path):
+    """Gemma 3's template takes a system turn, as the first user turn's opening text: that text is in the
+    example and out of the loss with the rest of the user's turn; the model turns are trained as Gemma 2's."""
+    ds, tok = dataset(tmp_path, GEMMA3_TEMPLATE, CONVERSATIONS, "data.packing=false")
+    expected = [by_hand(tok, gemma3_segments(c)) for c in CONVERSATIONS]
+    assert examples(ds) == expected
+    system = tok.encode("You are kind .", add_special_tokens=False).ids
+    ids, mask = expected[1]
+    at = next(i for i in range(len(ids)) if ids[i:i + len(system)] == system)
+    assert ids[at - 2:at] == tok.encode("<start_of_turn>user", add_special_tokens=False).ids
+    assert not any(mask[:at + len(system)]) and sum(mask) == 2  # "four" and its <end_of_turn>
 
 
 @pytest.mark.parametrize("template, segments", [(CHATML, chatml_segments), (LLAMA3, llama3_segments)],
@@ -558,6 +584,28 @@ def test_generate_chat_with_gemmas_template(capsys, tmp_path):
     code, _, err = run_cli(capsys, "generate", "--checkpoint", str(directory), "--chat", "--prompts", str(prompts))
     assert (code, err) == (2, f"ipuft: error: prompt 1: the chat template ({directory / 'chat_template.jinja'}) "
                               f"refuses it: System role not supported\n")
+
+
+def test_generate_chat_with_gemma3s_template_folds_the_system_turn(capsys, tmp_path):
+    """A Gemma 3 directory (gemma3_text): a system turn opens the first user turn of the prompt, which ends in
+    the generation prompt; the conversation generates (a greedy reply, nothing after a stop)."""
+    from llama_reference import save_hf
+
+    from ipuft.plugins import create_plugin_manager
+    from ipuft.run.generate import chat_prompts, inference_config
+
+    directory = tmp_path / "gemma3"
+    save_hf(directory, "gemma3_text", tokenizer="gemma3", bos_token_id=2, eos_token_id=1)
+    (directory / "generation_config.json").write_text(json.dumps({"bos_token_id": 2, "eos_token_id": [1, 4]}))
+    cfg = inference_config(str(directory), create_plugin_manager())
+    tok = load_tokenizer(str(directory))
+    conversation = [{"role": "system", "content": "w5"}, {"role": "user", "content": "w6 w7"}]
+    assert chat_prompts(cfg, tok, [conversation]) == [tok.encode(
+        "<bos><start_of_turn>user\nw5\n\nw6 w7<end_of_turn>\n<start_of_turn>model\n", add_special_tokens=False).ids]
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [conversation])
+    reply = generated(capsys, directory, "--prompts", str(prompts), "--max-new-tokens", "5")
+    ids = [tok.token_to_id(w) for w in reply["completions"][0].split()]
+    assert 1 <= reply["new_tokens"] <= 5 and not {1, 4} & set(ids[:-1])
 
 
 def test_generate_chat_takes_a_jsonl_of_conversations(chat_model, capsys, tmp_path):

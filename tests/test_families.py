@@ -174,6 +174,39 @@ def test_import_train_at_lr_0_export_is_bit_exact_and_loads_in_transformers(hook
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
+def test_ipuft_plan_of_each_family_is_what_its_training_moves_and_holds(capsys, hooks, hf_dirs, kind):
+    plan_is_what_training_moves_and_holds(capsys, hooks, *hf_dirs[kind])
+
+
+def plan_is_what_training_moves_and_holds(capsys, hooks, hf, src):
+    """``ipuft plan`` of a family's checkpoint, in bfloat16 with stochastic rounding and offload: its
+    parameters are transformers' (a tied table counted once), and two steps of the engine move exactly the
+    planned bytes, store the planned host bytes and stay within the planned device peak."""
+    from cli_helpers import run_cli
+
+    from ipuft.data.tokens import data_source
+    from ipuft.run.schedule import learning_rate
+    from ipuft.run.train import replica_batch
+
+    overrides = [f"model.hf_checkpoint={src}", "model.sequence_length=16", "model.precision=bfloat16",
+                 "training.stochastic_rounding=true", "training.global_batch_size=4", "execution.micro_batch_size=2",
+                 "execution.offload=true"]
+    code, out, err = run_cli(capsys, "plan", "--json", *overrides)
+    assert code == 0, err
+    planned = json.loads(out)
+    assert planned["parameters"] == hf.num_parameters()
+    cfg = config(hooks, src, *overrides[2:])
+    engine = build_engine(cfg, hooks)
+    data = data_source(cfg)
+    results = [engine.step(replica_batch(cfg, data, s, engine.layout),
+                           learning_rate(s, 2, cfg.training.optimizer.learning_rate)) for s in range(2)]
+    for result in results:
+        assert result.traffic == planned["traffic"]
+        assert 0 < result.device_peak_bytes <= planned["device_peak_bytes"]
+    assert engine.store.host_bytes() == planned["host_bytes"]
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
 def test_a_config_json_from_scratch_is_read_as_the_same_model(hooks, hf_dirs, kind):
     """Without a source config.json (a model from scratch), the family writes one field by field: the family
     reads it back as the same ipuft keys, and transformers builds from it a model that, with the checkpoint's

@@ -403,3 +403,11 @@ def test_tensor_and_data_parallel_training_equal_one_process(hooks, hf_dirs, tmp
     for name, (results, got) in equal_to_one_process(hooks, configs, 5, tmp_path).items():
         assert results[0].grad_norm > 0.5, name  # clipping is active
         assert "self_attn.q_proj.weight" in got["weights"]["decoder.0"], name
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_ipuft_plan_is_what_training_moves_and_holds(capsys, hooks, hf_dirs, kind):
+    """The checkpoint's fused projections planned as the engine stores and moves them, split."""
+    from test_families import plan_is_what_training_moves_and_holds
+
+    plan_is_what_training_moves_and_holds(capsys, hooks, *hf_dirs[kind])
