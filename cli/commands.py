@@ -74,6 +74,18 @@ def warn(cfg, training: bool = True) -> None:
             click.echo(f"ipuft: warning: {warning}", err=True)
 
 
+def chosen_layout(hooks: PluginHooks, cfg, every: bool = False):
+    """``cfg`` with ``execution.recompute`` and ``execution.offload`` ``auto`` chosen by the run's plan
+    (:mod:`ipuft.run.layout`; ``every``: each allowed layout planned), and the choice (``None`` where neither is
+    auto), said in one line on rank 0."""
+    from ipuft.run.layout import choose_layout
+
+    cfg, layout = choose_layout(cfg, hooks, every=every)
+    if layout is not None and os.environ.get("RANK", "0") == "0":
+        click.echo(f"ipuft: {layout.line}", err=True)
+    return cfg, layout
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="ipuft")
 @click.option("--debug", is_flag=True, help="Errors come with their full traceback (as IPUFT_DEBUG=1 does).")
@@ -101,7 +113,7 @@ def train(hooks: PluginHooks, cfg) -> None:
     from ipuft.run.train import train as run_training
 
     warn(cfg)
-    run_training(cfg, hooks)
+    run_training(chosen_layout(hooks, cfg)[0], hooks)
 
 
 @cli.command()
@@ -118,20 +130,31 @@ def plan(hooks: PluginHooks, cfg, as_json: bool, batch_size: int) -> None:
       ipuft plan --config gptj-6b
       ipuft plan --config gptj-6b execution.data_parallel=8 --json
     """
-    from ipuft.engine.fit import fit, format_fit, format_plan
+    from ipuft.engine.fit import fit, format_bytes, format_fit, format_plan
     from ipuft.engine.kernels import compute_device, require_precision_support
     from ipuft.engine.model import build_model
     from ipuft.engine.plan import estimate
 
     require_precision_support(cfg, compute_device(cfg))
+    cfg, layout = chosen_layout(hooks, cfg, every=True)
     parts = build_model(cfg, hooks, hooks.registrations.build_optimizer(cfg))
     result = estimate(cfg, parts, hooks, batch_size)
     result["machine"] = fit(cfg, hooks, result)
+    if layout is not None:  # each layout auto planned, the chosen one marked
+        result["layouts"] = [{**each, "chosen": (each["recompute"], each["offload"]) == (layout.recompute,
+                                                                                         layout.offload)}
+                             for each in layout.planned]
     if as_json:
         click.echo(json.dumps(result, indent=2))
     else:
         click.echo(format_plan(result))
         click.echo(format_fit(cfg, result["machine"]))
+        for each in result.get("layouts", ()):
+            device = each["device_needed_bytes"]
+            click.echo(f"layout recompute={str(each['recompute']).lower()} offload={str(each['offload']).lower()}: "
+                       f"host {format_bytes(each['host_needed_bytes'])}"
+                       + (f", device {format_bytes(device)}" if device is not None else "")
+                       + (" (chosen)" if each["chosen"] else ""))
     warn(cfg)
 
 
@@ -161,6 +184,7 @@ def bench(hooks: PluginHooks, cfg, as_json: bool, profile: bool, steps: int, tra
 
         check_trace_path(Path(trace))  # before the config's warnings and any compute
     warn(cfg)
+    cfg = chosen_layout(hooks, cfg)[0]
     result = benchmark(cfg, hooks, timed_steps=steps, profile=profile, trace=None if trace is None else Path(trace))
     if as_json:
         click.echo(json.dumps(result))

@@ -137,7 +137,13 @@ def derive_and_validate(cfg: DictConfig) -> None:
     _require(scaling == "dynamic" or (isinstance(scaling, (int, float)) and not isinstance(scaling, bool)
                                       and 0 < scaling < math.inf), "execution.loss_scaling",
              f"must be a finite number > 0 or 'dynamic', got {scaling!r}")
-    _require(execution.optimizer_placement != OptimizerPlacement.host or execution.offload,
+    for key in ("offload", "recompute"):  # auto: the run's plan chooses (ipuft.run.layout)
+        value = execution[key]
+        if isinstance(value, str) and value.lower() in ("auto", "true", "false"):
+            value = execution[key] = {"auto": "auto", "true": True, "false": False}[value.lower()]
+        _require(isinstance(value, bool) or value == "auto", f"execution.{key}",
+                 f"must be true, false or auto, got {value!r}")
+    _require(execution.optimizer_placement != OptimizerPlacement.host or execution.offload is not False,
              "execution.optimizer_placement", "host updates the variables where execution.offload=true keeps them, in "
              "host memory; with offload=false they live on the device and the optimizer runs there: set "
              "execution.offload=true or optimizer_placement=device")
@@ -176,12 +182,12 @@ def derive_and_validate(cfg: DictConfig) -> None:
              f"= {ga} here, not {cfg.gradient_accumulation}; set those instead")
     cfg.gradient_accumulation = ga
     if execution.rts is None:
-        execution.rts = execution.data_parallel > 1 and execution.recompute
-    if not execution.recompute:
+        execution.rts = execution.data_parallel > 1 and execution.recompute is not False
+    if execution.recompute is False:
         # A kept graph references the weights and inputs its forward computed with, on the device: offloading
         # them (or gathering RTS shards per phase) would pin every layer's copy there until its backward.
         for key in ("offload", "activation_offload", "rts"):
-            _require(not execution[key], "execution.recompute",
+            _require(execution[key] in (False, "auto"), "execution.recompute",
                      f"false keeps every layer's autograd graph, and the weights it references, on the device; "
                      f"set execution.{key}=false with it (or recompute=true)")
 

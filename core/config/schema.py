@@ -154,8 +154,9 @@ class ExecutionConfig:
     loss_scaling_initial: float = 65536.0
     loss_scaling_growth_interval: int = 1000
     device: Device = Device.auto
-    # Keep weights, optimizer state and gradients in host memory and stream them per phase.
-    offload: bool = True
+    # Keep weights, optimizer state and gradients in host memory and stream them per phase. auto (with recompute:
+    # the finetune recipe's): the run's plan decides (ipuft.run.layout): resident where the run fits with a margin.
+    offload: Any = True
     # Where the optimizer runs. host (with offload=true): in host memory, in place, from the stored gradient;
     # weights, Adam state and gradients never come to the device for an update (see docs/how-a-step-runs.md).
     optimizer_placement: OptimizerPlacement = OptimizerPlacement.device
@@ -170,8 +171,9 @@ class ExecutionConfig:
     # Recompute each layer's forward in its backward (the reference's): only layer inputs stay between phases.
     # false: each layer's forward keeps what its backward needs, for every micro-batch, until that backward
     # (L × GA micro-batches' saved tensors at once, on the device; ipuft plan counts them). It needs the
-    # weights resident and whole: execution.offload=false, activation_offload=false, rts=false.
-    recompute: bool = True
+    # weights resident and whole: execution.offload=false, activation_offload=false, rts=false. auto: false where
+    # the plan says one process keeps it all within the device's free memory with a margin (ipuft.run.layout).
+    recompute: Any = True
     # Replicated tensor sharding over the data-parallel ranks; null means "on when data_parallel > 1".
     rts: Optional[bool] = None
     # How long a collective waits for a peer rank before the run stops with one line (a dead or stopped rank).

@@ -52,7 +52,7 @@ def _disk_free(cfg: DictConfig) -> int:
     return shutil.disk_usage(path).free
 
 
-def _needs(cfg: DictConfig, result: dict, memory: dict) -> tuple[int, int | None]:
+def needs(cfg: DictConfig, result: dict, memory: dict) -> tuple[int, int | None]:
     """Host bytes (every rank on this machine: its process, its store, and the larger of what filling the store
     adds and, on a CPU device, what its phases add) and device bytes."""
     world = cfg.execution.data_parallel * cfg.execution.tensor_parallel
@@ -62,8 +62,9 @@ def _needs(cfg: DictConfig, result: dict, memory: dict) -> tuple[int, int | None
     return world * (rank + result["init_host_bytes"]), result["device_peak_bytes"]
 
 
-def _fits(cfg: DictConfig, result: dict, memory: dict) -> bool:
-    host, device = _needs(cfg, result, memory)
+def fits(cfg: DictConfig, result: dict, memory: dict) -> bool:
+    """Whether the planned ``result`` of ``cfg`` fits ``memory`` (:func:`machine_memory`'s): host, device, disk."""
+    host, device = needs(cfg, result, memory)
     world = cfg.execution.data_parallel * cfg.execution.tensor_parallel
     disk = world * result.get("disk_bytes", 0) <= memory.get("disk_free_bytes", 0) if result.get("disk_bytes") else True
     return host <= memory["host_available_bytes"] and (device is None or device <= memory["device_free_bytes"]) \
@@ -74,8 +75,8 @@ def fit(cfg: DictConfig, hooks: PluginHooks, result: dict, memory: dict | None =
     """Whether the planned run fits this machine (every rank of the layout on it), and if not, which of
     a few memory-saving settings, alone or together, would make it fit."""
     memory = memory or machine_memory(cfg)
-    host, device = _needs(cfg, result, memory)
-    out = {**memory, "host_needed_bytes": host, "device_needed_bytes": device, "fits": _fits(cfg, result, memory),
+    host, device = needs(cfg, result, memory)
+    out = {**memory, "host_needed_bytes": host, "device_needed_bytes": device, "fits": fits(cfg, result, memory),
            "would_fit_with": []}
     if out["fits"]:
         return out
@@ -83,7 +84,7 @@ def fit(cfg: DictConfig, hooks: PluginHooks, result: dict, memory: dict | None =
     together = OmegaConf.to_container(OmegaConf.merge(*changes)) if len(changes) > 1 else None
     for change in [*changes, *([together] if together else [])]:
         trial = OmegaConf.merge(cfg, change)
-        if _fits(trial, estimate(trial, build_model(trial, hooks), hooks), memory):
+        if fits(trial, estimate(trial, build_model(trial, hooks), hooks), memory):
             out["would_fit_with"].append(" ".join(f"{k}={v}" for k, v in _flatten(change)))
     return out
 

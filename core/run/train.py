@@ -35,6 +35,7 @@ from ipuft.io.checkpoint import checkpoint_root
 from ipuft.loggers import Backends
 from ipuft.parallel import Layout, collective_errors
 from ipuft.plugins import PluginHooks
+from ipuft.run.layout import choose_layout
 from ipuft.run.resume import checkpoint_to_resume, restore, run_files, save
 from ipuft.run.rundir import (
     FINISHED,
@@ -104,6 +105,7 @@ def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[di
     A non-finite loss or gradient norm skips the update; ``training.max_consecutive_skips`` in a row stop
     the run. SIGINT or SIGTERM saves a checkpoint (when saving is on) and stops with exit code 130 or 143.
     """
+    cfg = choose_layout(cfg, hooks)[0]  # execution.recompute/offload=auto (the CLI has chosen them already)
     resumed = checkpoint_to_resume(cfg, hooks.registrations.config_sections)
     data = data_source(cfg)
     files = run_files(cfg)  # the model's tokenizer and source config, checked now, carried in every checkpoint
