@@ -2,12 +2,18 @@
 clip_grad_norm_, on the same config, data and gradient accumulation, in one process.
 
     python bench/throughput.py [--steps N] [--repeats R] [KEY=VALUE ...]
+    python bench/throughput.py --real smollm2-135m [--steps N] [--repeats R] [KEY=VALUE ...]
 
 Prints tokens/s of each and the ratio ipuft / baseline in float32: without recompute (offload off), against
 transformers eager; with recompute, offload off and on, against transformers with gradient checkpointing
 too; and in bfloat16 (ipuft with stochastic rounding, offload on) against transformers with its parameters
 in bfloat16. The runs
 alternate and each figure is the median step time, since these machines are noisy. Not a test.
+
+``--real NAME``: a real checkpoint's shapes instead (random weights saved as a Hugging Face directory with
+that config, read by ``model.hf_checkpoint``, float32): the finetune recipe's default layout (``auto``), ipuft
+without recompute and with recompute and offload, each against transformers' model of the checkpoint with
+torch.optim.AdamW and clip_grad_norm_, without gradient checkpointing (the Trainer's default step).
 """
 
 from __future__ import annotations
@@ -32,6 +38,82 @@ DEFAULTS = ["model.layers=4", "model.hidden_size=256", "model.attention.heads=8"
             "execution.device=cpu"]  # the transformers baseline runs on the CPU too
 
 
+# Real checkpoints' configs (config.json's arithmetic keys), at the bench's sequence length and batch.
+REAL = {
+    "smollm2-135m": {"class": "LlamaForCausalLM", "config": "LlamaConfig", "overrides": [
+        "model.sequence_length=256", "training.global_batch_size=8", "execution.micro_batch_size=2"],
+        "keys": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                 "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True, "rope_theta": 100000.0,
+                 "rms_norm_eps": 1e-5, "max_position_embeddings": 8192, "bos_token_id": 0, "eos_token_id": 0}},
+}
+
+
+def real_checkpoint(name: str, directory) -> object:
+    """A random model with ``name``'s config saved into ``directory``; the model (float32, train mode)."""
+    import transformers
+
+    spec = REAL[name]
+    config = getattr(transformers, spec["config"])(**spec["keys"])
+    torch.manual_seed(0)
+    model = getattr(transformers, spec["class"])(config)
+    model.save_pretrained(directory, safe_serialization=True)
+    return model.train()
+
+
+def real_main(args, hooks) -> None:
+    import copy
+    import tempfile
+
+    from ipuft.run.layout import choose_layout
+
+    sections = hooks.registrations.config_sections
+    with tempfile.TemporaryDirectory() as home:
+        model = real_checkpoint(args.real, home)
+        base = [f"model.hf_checkpoint={home}", "model.precision=float32", "plugins.adamw.weight_decay=0.01",
+                "execution.device=cpu", *REAL[args.real]["overrides"], *args.overrides]
+        default = load_config("finetune", base, sections)
+        default, layout = choose_layout(default, hooks)
+        variants = {"default": default,
+                    "no_recompute": load_config("finetune", base + ["execution.offload=false",
+                                                                    "execution.recompute=false"], sections),
+                    "recompute_offload": load_config("finetune", base + ["execution.offload=true",
+                                                                         "execution.recompute=true"], sections)}
+        cfg = variants["no_recompute"]
+        data = SampleData(cfg.model.embedding.vocab_size, cfg.model.sequence_length)
+        batches = [data.batch(s, cfg.training.global_batch_size, cfg.execution.micro_batch_size)
+                   for s in range(args.steps)]
+        runners = {"baseline": model_step_fn(cfg, copy.deepcopy(model)),
+                   **{n: ipuft_step_fn(c, hooks) for n, c in variants.items()}}
+        del model
+        result = race(runners, batches, args.repeats, cfg)
+    result.update({f"ratio_{n}": result[n] / result["baseline"] for n in variants})
+    result["config"] = {"model": args.real, "seq": cfg.model.sequence_length, "gbs": cfg.training.global_batch_size,
+                        "ga": cfg.gradient_accumulation, "threads": torch.get_num_threads(),
+                        "cpu": torch.backends.cpu.get_cpu_capability(),
+                        "default_layout": {"recompute": layout.recompute, "offload": layout.offload}}
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(f"config: {result['config']}")
+    print(f"baseline (transformers {REAL[args.real]['class']} + AdamW + clip_grad_norm_): "
+          f"{result['baseline']:10.1f} tokens/s")
+    for n in variants:
+        print(f"ipuft {n:<17}: {result[n]:10.1f} tokens/s   ratio {result[f'ratio_{n}']:.2f}x")
+
+
+def race(runners: dict, batches: list, repeats: int, cfg) -> dict:
+    """Tokens/s of each runner: one untimed step each, then the steps in turn, the median step time."""
+    for step in runners.values():
+        step(batches[0])  # one untimed step each, as the reference's main()
+    seconds = {name: [] for name in runners}
+    for _ in range(repeats):
+        for b in batches:  # step by step in turn, so that machine noise hits every runner alike
+            for name, step in runners.items():
+                seconds[name].append(timed(step, b))
+    tokens = cfg.training.global_batch_size * cfg.model.sequence_length
+    return {name: tokens / statistics.median(v) for name, v in seconds.items()}
+
+
 def hf_model(cfg, dtype=torch.float32):
     from transformers import GPTJConfig, GPTJForCausalLM
 
@@ -44,7 +126,11 @@ def hf_model(cfg, dtype=torch.float32):
 
 
 def baseline_step_fn(cfg, checkpointing: bool = False, dtype=torch.float32):
-    model = hf_model(cfg, dtype)
+    return model_step_fn(cfg, hf_model(cfg, dtype), checkpointing)
+
+
+def model_step_fn(cfg, model, checkpointing: bool = False):
+    """One step of transformers' ``model``: each micro-batch's loss backward, clip_grad_norm_, AdamW."""
     if checkpointing:  # recomputes each layer in the backward, as ipuft always does
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
             model.activation_checkpointing_enable({"use_reentrant": False})
@@ -84,10 +170,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--real", choices=sorted(REAL), help="a real checkpoint's shapes (see the docstring)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
 
     hooks = create_plugin_manager()
+    if args.real:
+        return real_main(args, hooks)
     sections = hooks.registrations.config_sections
     base = DEFAULTS + args.overrides
     variants = {"no_recompute": ["execution.offload=false", "execution.recompute=false"],
@@ -97,19 +186,11 @@ def main() -> None:
     cfg = cfgs["offload_off"]
     data = SampleData(cfg.model.embedding.vocab_size, cfg.model.sequence_length)
     batches = [data.batch(s, cfg.training.global_batch_size, cfg.execution.micro_batch_size) for s in range(args.steps)]
-    tokens = cfg.training.global_batch_size * cfg.model.sequence_length
 
     runners = {"baseline": baseline_step_fn(cfg), "baseline_checkpointed": baseline_step_fn(cfg, checkpointing=True),
                **{n: ipuft_step_fn(c, hooks) for n, c in cfgs.items()},
                "baseline_bf16": baseline_step_fn(cfg, dtype=torch.bfloat16), "bf16_sr": ipuft_step_fn(bf16, hooks)}
-    for step in runners.values():
-        step(batches[0])  # one untimed step each, as the reference's main()
-    seconds = {name: [] for name in runners}
-    for _ in range(args.repeats):
-        for b in batches:  # step by step in turn, so that machine noise hits every runner alike
-            for name, step in runners.items():
-                seconds[name].append(timed(step, b))
-    result = {name: tokens / statistics.median(v) for name, v in seconds.items()}
+    result = race(runners, batches, args.repeats, cfg)
     result.update({f"ratio_{n}": result[n] / result["baseline"] for n in cfgs})
     result.update({f"ratio_{n}_vs_checkpointed": result[n] / result["baseline_checkpointed"] for n in cfgs})
     result["ratio_bf16_sr"] = result["bf16_sr"] / result["baseline_bf16"]

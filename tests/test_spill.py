@@ -269,15 +269,15 @@ def test_parallel_ranks_spill_their_own_slices_bit_for_bit(hooks, tmp_path, dp, 
 
 
 def test_fit_advice_considers_spilling_to_disk(hooks, make_config):
-    from ipuft.engine.fit import _needs, fit
+    from ipuft.engine.fit import fit, needs
 
     host, disk = (make_config(*COMMON, "execution.device=cpu", f"execution.activation_offload={p}")
                   for p in ("true", "disk"))
     engine = make_engine(host, hooks)
     planned = {p: estimate(c, engine.parts, hooks) for p, c in (("host", host), ("disk", disk))}
     memory = {"host_available_bytes": 0, "device_free_bytes": None, "process_bytes": 0, "disk_free_bytes": 10**12}
-    needs = {p: _needs(host, planned[p], memory)[0] for p in planned}
-    memory["host_available_bytes"] = (needs["host"] + needs["disk"]) // 2  # only the spill fits
+    needed = {p: needs(host, planned[p], memory)[0] for p in planned}
+    memory["host_available_bytes"] = (needed["host"] + needed["disk"]) // 2  # only the spill fits
     advice = fit(host, hooks, planned["host"], memory)
     assert not advice["fits"] and "execution.activation_offload=disk" in advice["would_fit_with"]
     memory["disk_free_bytes"] = planned["disk"]["disk_bytes"] - 1  # nor does it, without room on the disk
