@@ -22,8 +22,8 @@ import time
 import torch
 
 from ipuft.components import VariableSpec
-from ipuft.engine.hostmem import retain_freed_memory
-from ipuft.engine.update import update_chunk, update_groups
+from ipuft.engine.cuts import update_chunk, update_groups
+from ipuft.hostmem import retain_freed_memory
 from ipuft.optim import Optimizer, StepContext, state_piece
 from ipuft_optim_adam.adamw import AdamW
 from ipuft_optim_adamw8bit.adamw8bit import AdamW8bit

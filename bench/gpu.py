@@ -9,7 +9,7 @@ memory), each in a process of its own.
 For each run it prints tokens/s, MFU against a bfloat16 matmul peak measured in the same process, the
 offloaded / resident ratio, ``torch.cuda.max_memory_allocated`` against the plan's device peak, the host→device
 bandwidth the step reached against a pinned copy's measured in the same process, and how much of the copy time
-the prefetch hid: one minus the copies' visible time (:mod:`ipuft.engine.profiling`'s ``copies``) over the time
+the prefetch hid: one minus the copies' visible time (:mod:`ipuft.profiling`'s ``copies``) over the time
 the step's host→device bytes take at the measured bandwidth. The figures are written as JSON (``--out``).
 Not a test: it measures, it asserts nothing.
 """
@@ -66,7 +66,7 @@ def child(preset: str, overrides: list[str], steps: int) -> dict:
 
     from ipuft.config import load_config
     from ipuft.engine.model import build_model
-    from ipuft.engine.plan import estimate
+    from ipuft.plan.estimate import estimate
     from ipuft.plugins import create_plugin_manager
     from ipuft.run.bench import benchmark
 

@@ -31,9 +31,9 @@ import time
 import torch
 
 from ipuft.engine import fused
-from ipuft.engine.precision import _range_bits32, _round_by_neighbours, rounding_key, stochastic_round_
-from ipuft.engine.update import update_chunk, update_groups
+from ipuft.engine.cuts import update_chunk, update_groups
 from ipuft.optim import StepContext
+from ipuft.precision import _range_bits32, _round_by_neighbours, rounding_key, stochastic_round_
 from ipuft_optim_adam.adamw import AdamW
 from ipuft_optim_adamw8bit.adamw8bit import AdamW8bit
 

@@ -19,7 +19,7 @@ peak RSS and page faults are that process's), after ``ipuft plan`` of the same c
 - peak RSS against the plan's ``host_needed_bytes`` (it must stay under, and above 80% of it);
 - the per-phase breakdown.
 
-Besides float32, it runs the 16-bit dtypes this CPU multiplies fast (``ipuft.engine.kernels``' probe: at least half
+Besides float32, it runs the 16-bit dtypes this CPU multiplies fast (``ipuft.kernels``' probe: at least half
 the float32 rate), with stochastic rounding, the reference's recipe; ``--precision`` picks them instead.
 Not a test: the machines are noisy, so read the ratios, which come from one run each.
 """
@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from ipuft.engine import kernels
+from ipuft import kernels
 
 WIDTH = ["--config", "tiny", "model.hidden_size=4096", "model.attention.heads=16", "model.attention.rotary_dim=64",
          "model.embedding.vocab_size=50400", "execution.device=cpu", "checkpoint.save=null"]
@@ -120,14 +120,14 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, nargs="+", default=[1], help="rows per micro-batch (GA is 2)")
     parser.add_argument("--steps", type=int, default=3, help="timed (and profiled) steps of each run")
     parser.add_argument("--precision", nargs="+", default=None, help="default: float32 and the fast 16-bit dtypes")
-    parser.add_argument("--no-huge-pages", action="store_true", help="THP_MEM_ALLOC_ENABLE=0 (ipuft.engine.hostmem)")
+    parser.add_argument("--no-huge-pages", action="store_true", help="THP_MEM_ALLOC_ENABLE=0 (ipuft.hostmem)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("overrides", nargs="*", help="KEY=VALUE settings for every run")
     args = parser.parse_args()
     env = dict(os.environ, **({"THP_MEM_ALLOC_ENABLE": "0"} if args.no_huge_pages else {}))
     precisions = args.precision or fast_dtypes()
     print(f"{time.strftime('%Y-%m-%d')}: CPU capability {torch.backends.cpu.get_cpu_capability()}, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}; 16-bit rates from ipuft.engine.kernels: "
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}; 16-bit rates from ipuft.kernels: "
           + ", ".join(f"{d} {r / 1e9:,.0f} GFLOP/s" for d, r in
                       kernels.measured_rates((torch.float32, torch.bfloat16, torch.float16)).items()), flush=True)
     results = []

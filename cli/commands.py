@@ -63,8 +63,8 @@ def config_arguments(command: Callable) -> Callable:
 def warn(cfg, training: bool = True) -> None:
     """The warnings of a command that computes, on rank 0: 16-bit updates that vanish (a command that trains),
     and 16-bit compute on a CPU without fast 16-bit kernels."""
-    from ipuft.engine.kernels import compute_device, slow_precision_warning
-    from ipuft.engine.precision import vanishing_updates_warning
+    from ipuft.kernels import compute_device, slow_precision_warning
+    from ipuft.precision import vanishing_updates_warning
 
     if os.environ.get("RANK", "0") != "0":
         return
@@ -130,10 +130,11 @@ def plan(hooks: PluginHooks, cfg, as_json: bool, batch_size: int) -> None:
       ipuft plan --config gptj-6b
       ipuft plan --config gptj-6b execution.data_parallel=8 --json
     """
-    from ipuft.engine.fit import fit, format_bytes, format_fit, format_plan
-    from ipuft.engine.kernels import compute_device, require_precision_support
     from ipuft.engine.model import build_model
-    from ipuft.engine.plan import estimate
+    from ipuft.kernels import compute_device, require_precision_support
+    from ipuft.plan.estimate import estimate
+    from ipuft.plan.fit import fit, format_fit, format_plan
+    from ipuft.units import format_bytes
 
     require_precision_support(cfg, compute_device(cfg))
     cfg, layout = chosen_layout(hooks, cfg, every=True)
@@ -176,7 +177,7 @@ def bench(hooks: PluginHooks, cfg, as_json: bool, profile: bool, steps: int, tra
       ipuft bench --profile                              # the small-cpu preset, and where its time goes
       ipuft bench --config tiny --trace step.json --json
     """
-    from ipuft.engine.profiling import format_profile
+    from ipuft.profiling import format_profile
     from ipuft.run.bench import benchmark
 
     if trace is not None:
@@ -235,11 +236,11 @@ def export(hooks: PluginHooks, checkpoint: str, out: str | None, adapter_out: st
             raise click.UsageError(f"export: --hf {out} and --adapter {adapter_out} overlap; give each its own "
                                    f"directory")
     if out is not None:
-        from ipuft.io.hf_export import export_hf
+        from ipuft.run.export import export_hf
 
         click.echo(f"wrote {export_hf(checkpoint, out, hooks, max_shard_size, dtype)}")
     if adapter_out is not None:
-        from ipuft.io.hf_adapter import export_adapter
+        from ipuft.run.export import export_adapter
 
         click.echo(f"wrote {export_adapter(checkpoint, adapter_out, hooks, dtype)}")
 

@@ -13,7 +13,7 @@ import sys
 import threading
 
 from ipuft.cli.exit import fail
-from ipuft.engine.hostmem import huge_pages_for_torch
+from ipuft.hostmem import huge_pages_for_torch
 
 
 def _interrupted_while_starting(signum, frame) -> None:

@@ -84,7 +84,7 @@ def decoder_layer(layer: int | None) -> Iterator[None]:
     layer's module call: its forward, its recompute and its kept graph in training
     (:meth:`ipuft.engine.compute.UnitCompute.call`), eval, scoring and every generation pass
     (:class:`ipuft.engine.inference.LayerMajor`), and the plan's measurement of each layer kind
-    (:mod:`ipuft.engine.measure`); the embeddings and the head run outside any (``None``)."""
+    (:mod:`ipuft.plan.measure`); the embeddings and the head run outside any (``None``)."""
     token = _LAYER.set(layer)
     try:
         yield

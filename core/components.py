@@ -155,7 +155,7 @@ class Component(Protocol):
 def has_values(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` holds values a component may read (to check its data, say): false while ipuft runs the
     component without them, on the meta device or on fake tensors, to measure its FLOPs and memory (``ipuft
-    plan``, ``bench``; :mod:`ipuft.engine.measure`)."""
+    plan``, ``bench``; :mod:`ipuft.plan.measure`)."""
     from torch._subclasses.fake_tensor import is_fake
 
     return tensor.device.type != "meta" and not is_fake(tensor)

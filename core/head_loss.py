@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ipuft.engine.gradients import add_widened_, gradient_chunk
-from ipuft.engine.profiling import section
 from ipuft.ops import Linear, WeightGradients, taking
+from ipuft.profiling import section
+from ipuft.widen import add_widened_, gradient_chunk
 
 # (tokens per chunk, 0 for unchunked; the upstream gradient the caller will seed the loss's backward with)
 _CHUNK: contextvars.ContextVar[tuple[int, float]] = contextvars.ContextVar("ipuft_head_chunks", default=(0, 1.0))

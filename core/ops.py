@@ -21,7 +21,7 @@ micro-batch's ``x`` and ``g`` for the weights the engine named instead, and the 
 (:meth:`WeightGradients.take`) as one matmul over all of those micro-batches' tokens: the same sum, computed
 in the matmul's float32 accumulator and rounded once, with one output tensor. What it costs is holding ``x``
 and ``g`` of every projection for those micro-batches (14·hidden values a token for GPT-J), which the engine
-bounds (:func:`ipuft.engine.gradients.take_every`) and the plan counts.
+bounds (:func:`ipuft.engine.cuts.take_every`) and the plan counts.
 
 An embedding's gradient is the same story with a scatter for the matmul: autograd makes each micro-batch's
 as a fresh dense table of zeros with the micro-batch's rows added in ([50400, 4096] at GPT-J-6B's width,

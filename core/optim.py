@@ -10,7 +10,7 @@ norm of the unscaled gradient, C ``training.optimizer.gradient_clipping``), as t
 An optimizer only ever sees float32: ``state_specs`` is asked about a variable's float32 view, and ``step``
 gets float32 ``weight`` and ``grad`` tensors and writes its float32 result into ``weight``. For 16-bit
 weights that ``weight`` is the float32 master copy or a float32 copy of the weight, which the engine then
-rounds into it (see :mod:`ipuft.engine.precision`).
+rounds into it (see :mod:`ipuft.precision`).
 
 An optimizer is *elementwise* (the default) when each element's update depends only on that element's
 gradient and state, as Adam's and SGD's do: it may then see any slice of a variable, in particular the
@@ -64,7 +64,7 @@ class Optimizer(ABC):
     #: Elements per block of block-wise state (see the module's docstring); 1: none. Every piece an elementwise
     #: optimizer is called with then starts at a multiple of it in its flattened variable (its stored form: the
     #: TP shard, or with RTS the rank's flat slice, itself cut on a multiple of it), and may end anywhere at the
-    #: variable's end: the engine's pieces (:func:`ipuft.engine.update.update_groups`, the streamed update's
+    #: variable's end: the engine's pieces (:func:`ipuft.engine.cuts.update_groups`, the streamed update's
     #: included) honour it.
     block_size: int = 1
     #: The names of the state variables (``state_specs``) that hold one element per block, 1-D.

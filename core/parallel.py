@@ -21,9 +21,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
-from ipuft.engine.profiling import section, timed
 from ipuft.errors import ConfigError, DistributedError, first_line
 from ipuft.head_loss import chunkable, chunked_head_loss, head_chunk_tokens
+from ipuft.profiling import section, timed
 
 # torch 2.13 renamed the flat collectives; older releases only have the second names.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -25,7 +25,7 @@ def train_configs(rank: int, configs: dict[str, list[str]], steps: int, out: str
     from ipuft.config import load_config
     from ipuft.data.tokens import data_source
     from ipuft.engine.placement import Placement
-    from ipuft.engine.plan import estimate
+    from ipuft.plan.estimate import estimate
     from ipuft.plugins import create_plugin_manager
     from ipuft.run.runtime import build_engine
     from ipuft.run.schedule import learning_rate
@@ -167,9 +167,9 @@ def save_memory(rank: int, overrides: list[str], out: str) -> None:
 
     import ipuft.io.checkpoint  # noqa: F401 (imported now, not during the measured save)
     from ipuft.config import load_config
-    from ipuft.engine.precision import Recipe
     from ipuft.engine.variables import optimizer_state_specs
     from ipuft.plugins import create_plugin_manager
+    from ipuft.precision import Recipe
     from ipuft.run.resume import save
     from ipuft.run.runtime import build_engine
 

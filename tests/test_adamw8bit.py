@@ -14,12 +14,12 @@ import torch
 from distributed import spawn
 from test_resume import final_weights
 
-import ipuft.engine.update as update_module
+import ipuft.engine.cuts as cuts
 from ipuft.config import load_config
 from ipuft.data.tokens import data_source
-from ipuft.engine.plan import estimate
 from ipuft.errors import ConfigError, PluginError
 from ipuft.io.checkpoint import read_meta
+from ipuft.plan.estimate import estimate
 from ipuft.run.runtime import build_engine
 from ipuft.run.schedule import learning_rate
 from ipuft.run.train import replica_batch, train
@@ -178,10 +178,10 @@ def train_recording(cfg, hooks, steps):
 
 def test_pieces_start_on_block_boundaries():
     """A piece ends inside its variable only on a block boundary; a group's room for less than a block closes it."""
-    groups = list(update_module.update_groups([("a", 2500), ("b", 300), ("c", 1200)], 1024, BLOCK))
+    groups = list(cuts.update_groups([("a", 2500), ("b", 300), ("c", 1200)], 1024, BLOCK))
     assert groups == [[("a", 0, 1024)], [("a", 1024, 2048)], [("a", 2048, 2500), ("b", 0, 300), ("c", 0, 256)],
                       [("c", 256, 1200)]]
-    assert list(update_module.update_groups([("a", 2500)], 1000)) == [[("a", 0, 1000)], [("a", 1000, 2000)],
+    assert list(cuts.update_groups([("a", 2500)], 1000)) == [[("a", 0, 1000)], [("a", 1000, 2000)],
                                                                      [("a", 2000, 2500)]]
 
 
@@ -195,7 +195,7 @@ def test_engine_steps_equal_the_plain_reference(hooks, make_config, monkeypatch,
     memory (``execution.optimizer_placement=host``), and streamed to the device in pieces of about 6000 bytes
     (``execution.update_piece_bytes``: codes, absmax blocks, weights and gradients of some 1000 elements)."""
     if chunk is not None:
-        monkeypatch.setattr(update_module, "update_chunk", lambda device: chunk)
+        monkeypatch.setattr(cuts, "update_chunk", lambda device: chunk)
     cfg = make_config(*CLIPPED, f"execution.optimizer_placement={placement}",
                       f"execution.update_piece_bytes={piece_bytes}")
     initial, grads, contexts, engine = train_recording(cfg, hooks, STEPS)

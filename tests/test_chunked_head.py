@@ -10,12 +10,12 @@ from distributed import spawn
 from test_engine import batches, make_engine
 
 from ipuft.components import IGNORE_INDEX
-from ipuft.engine.gradients import gradient_chunk
-from ipuft.engine.measure import unit_cost
 from ipuft.engine.model import build_model
-from ipuft.engine.plan import estimate
 from ipuft.head_loss import head_chunks
+from ipuft.plan.estimate import estimate
+from ipuft.plan.measure import unit_cost
 from ipuft.sharding import VOCAB_SHARDED
+from ipuft.widen import gradient_chunk
 from ipuft_llama.modules import LlamaLMHead
 from ipuft_lm_head.module import GPTJLMHead
 
@@ -176,7 +176,7 @@ def test_the_head_phase_holds_a_chunk_and_the_plan_sees_it(hooks, make_config, r
     for batch in batches(cfg)[:2]:
         measured = engine.step(batch, 1e-3).phase_peak_bytes["head:loss_backward"]
         held = planned[16]["head:loss_backward"]
-        from ipuft.engine.memory import resident_activation_bytes
+        from ipuft.plan.memory import resident_activation_bytes
         assert held["loaded"] <= measured <= held["loaded"] + resident_activation_bytes(cfg) + held["compute"]
 
 

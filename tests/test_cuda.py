@@ -66,7 +66,7 @@ def test_cuda_profile_accounts_for_the_step(hooks, make_config):
 def test_cuda_stochastic_rounding_equals_the_cpus(dtype):
     """The int32 hash (wrapping multiplies) and the rounding give the CPU's bits on the GPU, so a layout's
     ranks round alike on either device."""
-    from ipuft.engine.precision import random_bits, round_stochastically
+    from ipuft.precision import random_bits, round_stochastically
 
     index = torch.cat([torch.arange(100_003), torch.arange(2**32 - 50, 2**32 + 50)])
     value = torch.randn(index.numel()) * 10.0 ** torch.randint(-8, 8, (index.numel(),)).float()
@@ -79,8 +79,8 @@ def test_cuda_stochastic_rounding_equals_the_cpus(dtype):
 def test_unit_costs_on_the_gpu_count_what_the_cpu_counts(hooks, make_config):
     """Fake tensors on the CUDA device take its attention kernel, whose FLOP formula is the CPU kernel's; the
     matmuls are the same."""
-    from ipuft.engine.measure import unit_cost
     from ipuft.engine.model import build_model
+    from ipuft.plan.measure import unit_cost
 
     cfg = make_config("model.hidden_size=128", "model.sequence_length=16")
     parts = build_model(cfg, hooks)
@@ -90,8 +90,8 @@ def test_unit_costs_on_the_gpu_count_what_the_cpu_counts(hooks, make_config):
 
 
 def test_this_gpu_takes_bfloat16_as_its_capability_says(make_config):
-    from ipuft.engine.kernels import require_precision_support
     from ipuft.errors import ConfigError
+    from ipuft.kernels import require_precision_support
 
     cfg = make_config("model.precision=bfloat16", "training.stochastic_rounding=true")
     if torch.cuda.get_device_capability()[0] >= 8:

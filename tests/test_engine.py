@@ -8,11 +8,11 @@ import torch.nn.functional as F
 from hf_reference import hf_gptj, hf_state
 
 from ipuft.data.synthetic import SampleData
-from ipuft.engine.measure import unit_cost
 from ipuft.engine.model import build_model
 from ipuft.engine.phased import PhasedEngine
-from ipuft.engine.plan import estimate
 from ipuft.errors import ConfigError
+from ipuft.plan.estimate import estimate
+from ipuft.plan.measure import unit_cost
 from ipuft.run.schedule import learning_rate
 
 STEPS = 5
@@ -146,12 +146,12 @@ def test_weight_gradients_taken_a_few_micro_batches_at_a_time(hooks, make_config
     """Takes of fewer micro-batches than GA (a long sequence's, see ipuft.ops): ``every`` micro-batches at a time,
     the last take the rest; the steps still equal the plain reference, and the plan bounds what the ledger
     counts (the pieces the takes hold included)."""
-    from ipuft.engine import gradients
+    from ipuft.engine import cuts
 
     cfg = make_config(*EQUIVALENCE)
     tokens = cfg.execution.micro_batch_size * cfg.model.sequence_length
-    monkeypatch.setattr(gradients, "TAKE_TOKENS", every * tokens)
-    assert gradients.take_every(cfg.gradient_accumulation, tokens) == every
+    monkeypatch.setattr(cuts, "TAKE_TOKENS", every * tokens)
+    assert cuts.take_every(cfg.gradient_accumulation, tokens) == every
     engine = make_engine(cfg, hooks)
     (ref_losses, ref_norms, ref_weights), initial = reference
     results = run_engine(engine, cfg)
@@ -388,10 +388,10 @@ def test_device_peak_is_bounded_and_independent_of_depth(hooks, make_config):
 ])
 def test_each_phase_holds_no_more_than_the_plan_declares_for_it(hooks, make_config, overrides):
     """Phase by phase, the ledger's peak above what the phase found on the device is what the plan declares
-    the phase holds (ipuft.engine.memory.PhaseMemory): exactly, for a phase that updates without computing;
+    the phase holds (ipuft.plan.memory.PhaseMemory): exactly, for a phase that updates without computing;
     for one that computes, at least what it loads and at most its declaration beside the buffered activations
     it may touch. The plan's holdings are per phase, as its moves are, not only a bound on the step."""
-    from ipuft.engine.memory import resident_activation_bytes
+    from ipuft.plan.memory import resident_activation_bytes
 
     cfg = make_config("training.global_batch_size=4", *overrides)
     engine = make_engine(cfg, hooks)
@@ -447,13 +447,13 @@ def test_updates_in_pieces_equal_updates_of_whole_variables(hooks, make_config, 
     """The optimizer updates a unit in pieces of at most update_chunk elements, grouped across variables: with
     pieces of 1000 elements (every variable of the tiny model cut, small ones grouped) the weights and Adam's
     state after three steps are those of one call over whole variables, bit for bit."""
-    import ipuft.engine.update
+    import ipuft.engine.cuts
 
     cfg = make_config("training.global_batch_size=4", *recipe)
     states = {}
     whole = 1 << 40  # one call over every whole variable of a unit
     for chunk in (1000, whole):
-        monkeypatch.setattr(ipuft.engine.update, "update_chunk", lambda device, c=chunk: c)
+        monkeypatch.setattr(ipuft.engine.cuts, "update_chunk", lambda device, c=chunk: c)
         engine = make_engine(cfg, hooks)
         for batch in batches(cfg)[:3]:
             engine.step(batch, 1e-2)
@@ -462,6 +462,6 @@ def test_updates_in_pieces_equal_updates_of_whole_variables(hooks, make_config, 
         for unit, tensors in states[whole][group].items():
             for name, t in tensors.items():
                 assert torch.equal(states[1000][group][unit][name], t), (unit, name)
-    groups = list(ipuft.engine.update.update_groups([("a", 2500), ("b", 300), ("c", 1200)], 1000))
+    groups = list(ipuft.engine.cuts.update_groups([("a", 2500), ("b", 300), ("c", 1200)], 1000))
     assert groups == [[("a", 0, 1000)], [("a", 1000, 2000)], [("a", 2000, 2500), ("b", 0, 300), ("c", 0, 200)],
                       [("c", 200, 1200)]]

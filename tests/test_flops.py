@@ -7,9 +7,9 @@ import json
 import pytest
 from cli_helpers import run_cli
 
-from ipuft.engine.flops import step_flops, utilisation
-from ipuft.engine.measure import unit_cost
 from ipuft.engine.model import build_model
+from ipuft.plan.flops import step_flops, utilisation
+from ipuft.plan.measure import unit_cost
 
 
 def gptj(cfg):

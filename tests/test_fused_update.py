@@ -14,8 +14,8 @@ import torch
 from test_engine import EQUIVALENCE, make_engine, run_engine
 
 from ipuft.engine import fused
-from ipuft.engine.precision import stochastic_round_
 from ipuft.optim import StepContext
+from ipuft.precision import stochastic_round_
 from ipuft_optim_adam.adamw import AdamW
 from ipuft_optim_adamw8bit.adamw8bit import AdamW8bit
 

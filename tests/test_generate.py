@@ -6,7 +6,8 @@ import pytest
 import torch
 from hf_reference import hf_gptj, hf_runner
 
-from ipuft.generate import KVCache, generate
+from ipuft.engine.generation import generate
+from ipuft.generate import KVCache
 
 PROMPTS = [[5, 17, 99, 3], [1], [100, 2, 7, 7, 7, 64, 12, 90, 3, 44]]
 
@@ -201,7 +202,7 @@ def test_device_holds_one_unit_plus_buffers_however_deep(make_config, hooks, act
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
 def test_plan_inference_view_equals_the_measured_device_peak(make_config, hooks, offload, activation_offload,
                                                               precision):
-    from ipuft.engine.plan import inference_estimate
+    from ipuft.plan.estimate import inference_estimate
 
     cfg, _, runner = tiny_model(make_config, hooks, "model.layers=3", f"execution.offload={str(offload).lower()}",
                                 f"execution.activation_offload={str(activation_offload).lower()}",

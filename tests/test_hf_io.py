@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from ipuft.config import load_config
 from ipuft.errors import CheckpointError, ConfigError
 from ipuft.io.checkpoint import find_checkpoint
-from ipuft.io.hf_export import export_hf
+from ipuft.run.export import export_hf
 from ipuft.run.runtime import build_engine
 from ipuft.run.train import train
 

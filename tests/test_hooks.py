@@ -10,8 +10,8 @@ from test_engine import batches
 
 from ipuft.engine.model import build_model
 from ipuft.engine.phased import PhasedEngine
-from ipuft.engine.plan import estimate
 from ipuft.errors import ConfigError
+from ipuft.plan.estimate import estimate
 from ipuft.plugins import create_plugin_manager
 
 SPLIT_EMBEDDINGS = """

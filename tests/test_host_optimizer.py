@@ -11,7 +11,7 @@ from test_engine import EQUIVALENCE, batches, make_engine, run_engine
 from test_precision import BF16_MASTER, BF16_NEAREST, BF16_SR, FP16_SR
 
 from ipuft.engine.model import build_model
-from ipuft.engine.plan import estimate
+from ipuft.plan.estimate import estimate
 
 # float16 from a loss scale of 2^20: the first three steps overflow and are skipped, the last two update.
 RECIPES = {"float32": (), "bf16-sr": BF16_SR, "bf16-master": BF16_MASTER, "bf16-nearest": BF16_NEAREST,

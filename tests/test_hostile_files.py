@@ -14,7 +14,7 @@ import torch
 from cli_helpers import run_cli, without_recipe
 from test_bad_input import _checkpoint, snapshot
 
-import ipuft.engine.kernels as kernels
+import ipuft.kernels as kernels
 from ipuft.errors import CheckpointError, ConfigError, DataError, shown
 from ipuft.families import HFConfigError, config_flag, config_float, config_int
 from ipuft.io.files import read_bounded, read_json, require_regular

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(
 # defaults, may be trimmed again, like a layer-major step's activations).
 PROBE = """
 import ctypes, resource, sys, torch
-from ipuft.engine.hostmem import retain_freed_memory
+from ipuft.hostmem import retain_freed_memory
 retained = retain_freed_memory() if sys.argv[1] == "retain" else False
 
 class Info(ctypes.Structure):
@@ -60,7 +60,7 @@ def test_with_huge_pages_the_heap_keeps_only_blocks_under_2_mib(monkeypatch):
     """torch backs its tensors of 2 MiB and more with transparent huge pages: those are mapped afresh (the 16 MiB
     block), where a fault costs little, and the heap keeps the smaller ones (the 1 MiB tensors do not fault
     again), so that blocks of 2-32 MiB do not fragment it."""
-    from ipuft.engine.hostmem import HUGE_PAGE, heap_block_limit, huge_pages
+    from ipuft.hostmem import HUGE_PAGE, heap_block_limit, huge_pages
 
     if "[never]" in open("/sys/kernel/mm/transparent_hugepage/enabled").read():  # noqa: SIM115
         pytest.skip("this kernel allows no transparent huge pages")

@@ -338,3 +338,64 @@ def test_the_scheduler_holds_the_schedule_only():
     assert not names & {"ledger", "acquire", "round_stochastically", "full_tensors", "full_weights", "load_full"}
     sizes = {p.name: len(p.read_text().splitlines()) for p in engine.glob("*.py")}
     assert max(sizes.values()) <= 350, sizes
+
+
+# The layers, lowest first (docs/architecture.md draws them): a module is in the layer of the longest name here that
+# is it or a package above it, and imports only from its own layer or lower ones.
+LAYERS = {
+    "ipuft": 0,  # the modules at the top of core/: the plugin API, and the helpers every layer may use
+    "ipuft.config.sections": 0,  # the registry plugins register their config sections with (plugin API)
+    "ipuft.io.files": 0,  # the one bounded reader of untrusted files, which every layer reads through
+    "ipuft.config": 1, "ipuft.data": 1, "ipuft.io": 1, "ipuft.presets": 1, "ipuft.sample_data": 1,
+    "ipuft.engine": 2, "ipuft.plan": 2,
+    "ipuft.run": 3,
+    "ipuft.cli": 4, "ipuft.testing": 4,  # the console script, and the pytest plugin that drives whole runs
+}
+
+
+def layer_of(module: str, layers: dict[str, int] = LAYERS) -> int:
+    parts = module.split(".")
+    return next(layers[".".join(parts[:i])] for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in layers)
+
+
+def named_edges(modules: dict[str, Module]) -> list[Edge]:
+    """Every import of one module by another as the statement names it (not the package ``__init__``s above it
+    that Python runs first: a layer is about what a module uses, and each ``__init__`` is checked on its own)."""
+    known = set(modules)
+    edges = set()
+    for module in modules.values():
+        for node in _imports(ast.parse(module.path.read_text(encoding="utf-8"), filename=str(module.path))):
+            edges.update(Edge(module.name, t, node.lineno) for t in _named(node, module, known)
+                         if t in known and t != module.name)
+    return sorted(edges, key=lambda e: (e.source, e.target, e.line))
+
+
+def climbing(edges: list[Edge], modules: dict[str, Module], root: Path = ROOT) -> list[str]:
+    """The imports that climb a layer, and the engine's imports of the cost model, one line each."""
+    def bad(e: Edge) -> bool:
+        return layer_of(e.target) > layer_of(e.source) or (
+            e.source.startswith("ipuft.engine") and e.target.startswith("ipuft.plan"))
+
+    return [f"{modules[e.source].path.relative_to(root)}:{e.line}: {e.source} (layer {layer_of(e.source)}) imports "
+            f"{e.target} (layer {layer_of(e.target)})" for e in edges if bad(e)]
+
+
+def test_imports_only_point_down_the_layers():
+    """plugin API < config, data, io < engine and plan < run < cli: no import climbs a layer, functions' included,
+    and the engine never imports the cost model (the plan reads the engine's rules, :mod:`ipuft.engine.cuts`)."""
+    modules = package_modules()
+    edges = named_edges(modules)
+    assert len(edges) > 300 and {m for m in modules if layer_of(m) == 2} >= {"ipuft.engine.phased", "ipuft.plan.memory"}
+    report = climbing(edges, modules)
+    assert not report, "imports that climb a layer:\n" + "\n".join(report)
+
+
+def test_a_climbing_import_is_reported(tmp_path):
+    _package(tmp_path, {"ipuft/__init__.py": "", "ipuft/api.py": "def f():\n    from ipuft.run import x\n",
+                        "ipuft/run/__init__.py": "", "ipuft/run/x.py": "from ipuft import api\n",
+                        "ipuft/engine/__init__.py": "", "ipuft/engine/a.py": "import ipuft.plan.b\n",
+                        "ipuft/plan/__init__.py": "", "ipuft/plan/b.py": "from ipuft.engine import a\n"})
+    modules = package_modules({"ipuft": tmp_path / "ipuft"})
+    report = climbing(named_edges(modules), modules, tmp_path)
+    assert report == ["ipuft/api.py:2: ipuft.api (layer 0) imports ipuft.run.x (layer 3)",
+                      "ipuft/engine/a.py:1: ipuft.engine.a (layer 2) imports ipuft.plan.b (layer 2)"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 from cli_helpers import run_cli
 
-import ipuft.engine.kernels as kernels
+import ipuft.kernels as kernels
 from ipuft.errors import ConfigError
 
 BF16 = ("model.precision=bfloat16", "training.stochastic_rounding=true")

@@ -25,10 +25,10 @@ from ipuft.components import IGNORE_INDEX
 from ipuft.config import load_config
 from ipuft.data.tokens import data_source
 from ipuft.engine.model import build_model
-from ipuft.engine.plan import estimate
 from ipuft.errors import CheckpointError
 from ipuft.io.checkpoint import find_checkpoint
-from ipuft.io.hf_export import export_hf
+from ipuft.plan.estimate import estimate
+from ipuft.run.export import export_hf
 from ipuft.run.runtime import build_engine
 from ipuft.run.schedule import learning_rate
 from ipuft.run.train import replica_batch, train

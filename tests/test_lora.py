@@ -20,11 +20,10 @@ from ipuft.config import load_config
 from ipuft.data.tokens import data_source
 from ipuft.engine.inference import LayerMajor
 from ipuft.engine.model import build_model
-from ipuft.engine.plan import estimate
 from ipuft.errors import CheckpointError, ConfigError
-from ipuft.io.hf_adapter import export_adapter
-from ipuft.io.hf_export import export_hf
+from ipuft.plan.estimate import estimate
 from ipuft.plugins import create_plugin_manager
+from ipuft.run.export import export_adapter, export_hf
 from ipuft.run.generate import inference_config
 from ipuft.run.runtime import build_engine, inference_engine
 from ipuft.run.schedule import learning_rate

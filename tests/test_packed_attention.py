@@ -17,10 +17,10 @@ from ipuft.attention import example_mask, examples_apart, packed_positions
 from ipuft.components import IGNORE_INDEX
 from ipuft.config import load_config
 from ipuft.data.batch import Batch
-from ipuft.engine.measure import packs_examples, unit_cost
 from ipuft.engine.model import build_model
 from ipuft.engine.phased import micro_batch_positions
-from ipuft.engine.plan import estimate
+from ipuft.plan.estimate import estimate
+from ipuft.plan.measure import packs_examples, unit_cost
 from ipuft.plugins import create_plugin_manager
 from ipuft.run.runtime import build_engine
 
@@ -280,7 +280,8 @@ def test_the_plan_counts_the_positions_and_measures_the_mask(hooks, monkeypatch)
     """Where a dataset's batches carry positions (examples packed whole), the plan's data traffic counts them,
     and the decoder's measured memory holds the attention's ``[B, 1, T, T]`` mask; the synthetic sample's and an
     unpacked dataset's carry none."""
-    from ipuft.engine import measure, plan
+    from ipuft.plan import estimate as plan
+    from ipuft.plan import measure
 
     cfg = config(hooks, "gptj", 2)
     assert not packs_examples(cfg) and not packs_examples(config(hooks, "gptj", 2, "data.path=d.jsonl",
@@ -305,7 +306,8 @@ def test_the_plan_counts_the_positions_and_measures_the_mask(hooks, monkeypatch)
 def test_a_packed_step_moves_and_keeps_what_the_plan_says(hooks, monkeypatch):
     """With recompute=false the kept graphs hold each layer's mask (and the rows without positions do not): the
     ledger counts them, the plan measures them (within 5%), and the step's counters equal the plan's traffic."""
-    from ipuft.engine import measure, plan
+    from ipuft.plan import estimate as plan
+    from ipuft.plan import measure
 
     for module in (measure, plan):
         monkeypatch.setattr(module, "packs_examples", lambda cfg: True)

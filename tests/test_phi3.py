@@ -19,10 +19,11 @@ from ipuft.attention import HalvesRotary
 from ipuft.components import IGNORE_INDEX
 from ipuft.config import load_config
 from ipuft.engine.model import build_model
+from ipuft.engine.variables import initial_values
 from ipuft.errors import CheckpointError
-from ipuft.io.hf_export import export_hf
 from ipuft.io.hf_import import hf_initializer
 from ipuft.io.hf_names import stack_rows, unit_fused, unit_mappings
+from ipuft.run.export import export_hf
 from ipuft.run.runtime import build_engine
 from ipuft.run.train import train
 
@@ -80,7 +81,8 @@ def config(hooks, src, *extra):
 
 def imported(parts, cfg):
     """Every unit's tensors as the import reads them from the checkpoint (the fused ones split), leaves."""
-    initial = hf_initializer(cfg.model.hf_checkpoint, parts.modules, cfg.model.layers)
+    initial = hf_initializer(cfg.model.hf_checkpoint, parts.modules, cfg.model.layers,
+                             lambda unit, specs: initial_values(unit, specs, 0))
     units = {unit: {n: t.clone().requires_grad_() for n, t in initial(unit, parts.variables[unit.role]).items()}
              for unit in unit_mappings(parts.modules, cfg.model.layers)}
     if cfg.model.tie_embeddings:  # the head computes with the embeddings' table itself
@@ -324,7 +326,7 @@ def test_lora_exports_load_in_peft_and_transformers_and_give_ipufts_logits(hooks
     from peft import PeftModel
     from test_lora import eval_logits
 
-    from ipuft.io.hf_adapter import export_adapter
+    from ipuft.run.export import export_adapter
 
     _, src = hf_dirs["phi4-mini"]
     run = tmp_path / "run"

@@ -52,9 +52,9 @@ def test_gptj_6b_fits_one_small_gpu_and_a_large_host(capsys):
 
 
 def test_plan_says_whether_the_run_fits_and_what_would_make_it(hooks, make_config):
-    from ipuft.engine.fit import fit, format_fit
     from ipuft.engine.model import build_model
-    from ipuft.engine.plan import estimate
+    from ipuft.plan.estimate import estimate
+    from ipuft.plan.fit import fit, format_fit
 
     cfg = make_config("model.layers=4", "model.hidden_size=256", "execution.activation_offload=true")
     result = estimate(cfg, build_model(cfg, hooks), hooks)

@@ -9,10 +9,10 @@ from test_engine import batches, make_engine
 
 from ipuft.config import load_config
 from ipuft.data.tokens import data_source
-from ipuft.engine.plan import estimate
-from ipuft.engine.precision import _round_by_neighbours, random_bits, round_stochastically, rounding_key
 from ipuft.engine.variables import MASTER
 from ipuft.ops import WeightGradients, taking_weight_gradients
+from ipuft.plan.estimate import estimate
+from ipuft.precision import _round_by_neighbours, random_bits, round_stochastically, rounding_key
 from ipuft.run.runtime import build_engine
 from ipuft.run.schedule import learning_rate
 from ipuft.run.train import replica_batch

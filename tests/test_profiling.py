@@ -11,7 +11,7 @@ import pytest
 from cli_helpers import run_cli
 from distributed import spawn
 
-from ipuft.engine.profiling import CATEGORIES, OTHER, StepProfile, phase_kind, profiling, section, timed
+from ipuft.profiling import CATEGORIES, OTHER, StepProfile, phase_kind, profiling, section, timed
 from ipuft.program import Op, Phase
 
 # GA=4 with the activations and the variables offloaded, so that every category but collectives has work.

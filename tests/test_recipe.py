@@ -8,7 +8,7 @@ from cli_helpers import run_cli
 from llama_reference import save_hf
 from omegaconf import OmegaConf
 
-import ipuft.engine.kernels as kernels
+import ipuft.kernels as kernels
 from ipuft.config import load_config
 
 CAPABILITY = torch.backends.cpu.get_cpu_capability()

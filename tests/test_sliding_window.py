@@ -33,11 +33,12 @@ from ipuft.attention import (
 from ipuft.components import IGNORE_INDEX
 from ipuft.config import load_config
 from ipuft.data.batch import Batch
-from ipuft.engine import measure
+from ipuft.engine.generation import generate
 from ipuft.engine.inference import LayerMajor
-from ipuft.engine.measure import UnitCost, kv_cache_layers, unit_cost
-from ipuft.engine.plan import inference_estimate
-from ipuft.generate import LayerKVCache, generate
+from ipuft.generate import LayerKVCache
+from ipuft.plan import measure
+from ipuft.plan.estimate import inference_estimate
+from ipuft.plan.measure import UnitCost, kv_cache_layers, unit_cost
 from ipuft.run.runtime import build_engine, inference_engine
 
 W, T = 5, 16  # a window shorter than a third of the sequence

@@ -17,10 +17,10 @@ from test_engine import batches, make_engine, max_rel
 from test_faults import run_cli
 
 from ipuft.cli.main import main
-from ipuft.engine.fit import format_plan
-from ipuft.engine.plan import estimate
 from ipuft.engine.spill import LOCK, SpillFiles, remove_stale
 from ipuft.errors import ConfigError, SpillError
+from ipuft.plan.estimate import estimate
+from ipuft.plan.fit import format_plan
 
 # GA=4 of 2 rows, 3 layers, clipping and a loss scale: a step whose every path the buffers serve.
 COMMON = ("training.global_batch_size=8", "execution.micro_batch_size=2", "model.layers=3", "model.hidden_size=32",
@@ -269,7 +269,7 @@ def test_parallel_ranks_spill_their_own_slices_bit_for_bit(hooks, tmp_path, dp, 
 
 
 def test_fit_advice_considers_spilling_to_disk(hooks, make_config):
-    from ipuft.engine.fit import fit, needs
+    from ipuft.plan.fit import fit, needs
 
     host, disk = (make_config(*COMMON, "execution.device=cpu", f"execution.activation_offload={p}")
                   for p in ("true", "disk"))

@@ -8,9 +8,9 @@ from cli_helpers import run_cli
 from distributed import spawn
 from test_engine import batches, make_engine
 
-from ipuft.engine.plan import estimate
-from ipuft.engine.precision import recipe
-from ipuft.engine.update import group_transient_bytes, update_groups
+from ipuft.engine.cuts import group_transient_bytes, update_groups
+from ipuft.plan.estimate import estimate
+from ipuft.precision import recipe
 
 STEPS = 3
 # Decay on (adamw decays weights, not biases and norms), clipping active, a loss scale to remove, GA=2.

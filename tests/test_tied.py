@@ -21,8 +21,8 @@ from ipuft.components import IGNORE_INDEX
 from ipuft.config import load_config
 from ipuft.data.tokens import data_source
 from ipuft.engine.model import build_model
-from ipuft.engine.plan import estimate
 from ipuft.errors import PluginError
+from ipuft.plan.estimate import estimate
 from ipuft.program import Op, StepProgram, Tie, Unit, emit_standard_phases
 from ipuft.run.runtime import build_engine
 from ipuft.run.schedule import learning_rate
@@ -220,8 +220,8 @@ def test_generation_and_eval_of_a_tied_model_equal_transformers(hooks, tied_dirs
     inference plan's device peak is what the runner's ledger counts."""
     from hf_reference import hf_runner
 
-    from ipuft.engine.plan import inference_estimate
-    from ipuft.generate import generate
+    from ipuft.engine.generation import generate
+    from ipuft.plan.estimate import inference_estimate
 
     hf, src = tied_dirs["llama"]
     cfg = config(hooks, src, f"execution.offload={str(offload).lower()}")

@@ -13,7 +13,7 @@ import subprocess
 import pytest
 import torch
 
-from ipuft.engine.kernels import fast_bfloat16
+from ipuft.kernels import fast_bfloat16
 
 PARAMETERS = 614_290_656
 EMBEDDING = 50400 * 4096  # the embeddings' gradient lives only within their backward-and-update phase: not stored

@@ -73,7 +73,7 @@ def _sequence_length(cfg: DictConfig, typed: set[str], positions: tuple[str, int
 def _precision(cfg: DictConfig, typed: set[str]) -> str:
     if "model.precision" in typed:
         return f"model.precision={plain(cfg.model.precision)} (yours)"
-    from ipuft.engine.kernels import compute_device, fast_bfloat16
+    from ipuft.kernels import compute_device, fast_bfloat16
 
     fast, why = fast_bfloat16(compute_device(cfg))
     if not fast:

@@ -5,30 +5,27 @@
   checkpoint's config, a Hugging Face directory's shapes.
 - :func:`check_plugins`: what the installed plugins make of the config: the components, the optimizer and the
   logging backends it names are registered, and an optimizer that needs whole tensors is not sharded by RTS.
-- :func:`check_model`: what the built components make of it: something is trainable, and (for training) each
-  optimizer-state variable can follow its variable's tensor-parallel layout.
 
-:func:`ipuft.engine.model.build_model` runs the last two (the optimizer rule with the optimizer, when a run
-trains or plans training), so every command goes through all of them whether it comes from the CLI or from
-Python: train, bench, plan, eval, generate, export. The CLI runs :func:`check_plugins` for ``config show`` too,
-which builds no model. Each failure is one :class:`~ipuft.errors.ConfigError` (or
+What the built components make of the config (something is trainable, each optimizer-state variable can follow its
+variable's tensor-parallel layout) is :func:`ipuft.engine.model.check_model`, beside the model it checks.
+:func:`ipuft.engine.model.build_model` runs it and :func:`check_plugins` (the optimizer rule with the optimizer,
+when a run trains or plans training), so every command goes through all of them whether it comes from the CLI or
+from Python: train, bench, plan, eval, generate, export. The CLI runs :func:`check_plugins` for ``config show``
+too, which builds no model. Each failure is one :class:`~ipuft.errors.ConfigError` (or
 :class:`~ipuft.errors.PluginError`) line naming the key.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
 from ipuft.config.schema import OptimizerPlacement, Precision
-from ipuft.errors import ConfigError, PluginError
+from ipuft.errors import ConfigError
 
 if TYPE_CHECKING:
-    from ipuft.engine.model import ModelParts
-    from ipuft.optim import Optimizer
     from ipuft.plugins import Registrations
 
 _POSITIVE = (
@@ -242,22 +239,3 @@ def check_plugins(cfg: DictConfig, registrations: Registrations) -> None:
             registrations.loggers.get(backend)
 
 
-def check_model(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer | None = None) -> None:
-    """Something of the built model is trainable; with the run's ``optimizer``, under tensor parallelism each
-    optimizer-state variable has its variable's shape: state is placed (and gathered for checkpoints) like its
-    variable, so an optimizer with other state runs at ``tensor_parallel=1``."""
-    if not any(v.trainable for specs in parts.variables.values() for v in specs):
-        raise ConfigError("model.freeze: every variable of the model is frozen, so there is nothing to train")
-    tp = cfg.execution.tensor_parallel
-    if optimizer is None or tp == 1:
-        return
-    from ipuft.engine.variables import optimizer_state_specs
-
-    for role, variables in parts.variables.items():
-        local = [replace(v, shape=parts.shard_specs[role][v.name].local_shape(v.shape, tp)) for v in variables]
-        shapes = {v.name: v.shape for v in local}
-        for state in optimizer_state_specs(local, optimizer):
-            if state.shape != shapes[state.name.variable]:
-                raise PluginError(f"optimizer state {state.name} of {role} has shape {state.shape}, not its variable's "
-                                  f"{shapes[state.name.variable]}: such state cannot follow the variable's "
-                                  f"tensor-parallel layout; set execution.tensor_parallel=1")

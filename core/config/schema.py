@@ -179,7 +179,7 @@ class ExecutionConfig:
     # How long a collective waits for a peer rank before the run stops with one line (a dead or stopped rank).
     collective_timeout_s: float = 300.0
     # Keep host memory a step frees for the next step's tensors (glibc's mallopt, process-wide), instead of
-    # returning it to the kernel and page-faulting it back 4 KiB at a time (see ipuft.engine.hostmem).
+    # returning it to the kernel and page-faulting it back 4 KiB at a time (see ipuft.hostmem).
     retain_host_memory: bool = True
     # An update on the device brings the unit's weights, optimizer state and gradient to it piece by piece,
     # at most this many bytes of them per optimizer call (two pieces at once on CUDA, where the next one's

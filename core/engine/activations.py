@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from ipuft.engine.profiling import section
 from ipuft.engine.spill import SpillFiles
 from ipuft.engine.store import VariableStore, host_copy
 from ipuft.parallel import Layout, all_gather_flat
+from ipuft.profiling import section
 
 KINDS = ("x", "dx")
 

@@ -25,7 +25,8 @@ from ipuft.attention import decoder_layer, examples_apart
 from ipuft.components import bound, recompute
 from ipuft.data.batch import Batch
 from ipuft.engine.activations import ActivationBuffers, working_set
-from ipuft.engine.gradients import GradientSum, take_every, writes_into_stored
+from ipuft.engine.cuts import take_every, writes_into_stored
+from ipuft.engine.gradients import GradientSum
 from ipuft.engine.store import Tensors, storage_bytes
 from ipuft.engine.stored import StoredModel
 from ipuft.head_loss import head_chunks
@@ -201,7 +202,7 @@ class UnitCompute:
 
         The ledger counts the gradients alive as they are made (autograd's, the float32 sums, the takes'),
         but for those written into the unit's stored gradients, whose memory is the store's, until the phase
-        releases them (:meth:`release`); :func:`ipuft.engine.gradients.gradient_working_bytes` is what the
+        releases them (:meth:`release`); :func:`ipuft.engine.cuts.gradient_working_bytes` is what the
         plan declares for them."""
         carried = carried or {}
         wide = self.model.dtype != torch.float32

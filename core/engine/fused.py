@@ -7,7 +7,7 @@ and stochastic rounding's dozen int32 passes. The kernel reads each element's we
 once, computes all of that in registers (vectorised by the compiler, split over the CPU's intra-op threads)
 and writes the weight and the moments once: the speed of memory. It does, element for element, exactly the
 float32 operations of ``adamw``'s torch-op update (:meth:`ipuft_optim_adam.adamw.AdamW.step`) and the rounding
-of :func:`ipuft.engine.precision.stochastic_round_` with the same random bits, each an IEEE operation rounded
+of :func:`ipuft.precision.stochastic_round_` with the same random bits, each an IEEE operation rounded
 once (no contraction into fused multiply-adds, no fast-math), so its results equal the ops' bit for bit
 (tests/test_fused_update.py) and a machine without a compiler gets the same run, more slowly.
 

@@ -18,11 +18,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ipuft.components import ROLES, Component, ComponentBuilder, VariableSpec
-from ipuft.config.rules import check_model, check_plugins
-from ipuft.engine.precision import compute_dtype
+from ipuft.config.rules import check_plugins
 from ipuft.errors import ConfigError, PluginError, described
 from ipuft.optim import Optimizer
 from ipuft.plugins import PluginHooks, plugin_errors
+from ipuft.precision import compute_dtype
 from ipuft.program import StepProgram, Tie, Unit
 from ipuft.sharding import ShardSpec, resolve_shard_specs
 
@@ -184,3 +184,24 @@ def _split_ties(variables: dict[str, list[VariableSpec]], shard_specs: dict[str,
             tied.setdefault(role, []).append(replace(v, dtype=target.dtype, trainable=target.trainable))
             ties.append(Tie(role, v.name, unit, name, target.trainable))
     return own, tied, tuple(ties)
+
+
+def check_model(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer | None = None) -> None:
+    """Something of the built model is trainable; with the run's ``optimizer``, under tensor parallelism each
+    optimizer-state variable has its variable's shape: state is placed (and gathered for checkpoints) like its
+    variable, so an optimizer with other state runs at ``tensor_parallel=1``."""
+    if not any(v.trainable for specs in parts.variables.values() for v in specs):
+        raise ConfigError("model.freeze: every variable of the model is frozen, so there is nothing to train")
+    tp = cfg.execution.tensor_parallel
+    if optimizer is None or tp == 1:
+        return
+    from ipuft.engine.variables import optimizer_state_specs  # variables imports this module
+
+    for role, variables in parts.variables.items():
+        local = [replace(v, shape=parts.shard_specs[role][v.name].local_shape(v.shape, tp)) for v in variables]
+        shapes = {v.name: v.shape for v in local}
+        for state in optimizer_state_specs(local, optimizer):
+            if state.shape != shapes[state.name.variable]:
+                raise PluginError(f"optimizer state {state.name} of {role} has shape {state.shape}, not its variable's "
+                                  f"{shapes[state.name.variable]}: such state cannot follow the variable's "
+                                  f"tensor-parallel layout; set execution.tensor_parallel=1")

@@ -25,21 +25,21 @@ from ipuft.components import IGNORE_INDEX
 from ipuft.data.batch import Batch
 from ipuft.engine.activations import ActivationBuffers, Spill
 from ipuft.engine.compute import StepState, UnitCompute
+from ipuft.engine.cuts import spill_bytes, streamed_groups
 from ipuft.engine.gradients import squared_norm
-from ipuft.engine.memory import spill_bytes
 from ipuft.engine.model import ModelParts
 from ipuft.engine.placement import Placement
-from ipuft.engine.profiling import active as active_profile
-from ipuft.engine.profiling import section
 from ipuft.engine.scaling import LossScale
 from ipuft.engine.spill import spilled_rows
 from ipuft.engine.store import Tensors
 from ipuft.engine.stored import StoredModel
-from ipuft.engine.streaming import StreamedUpdate, streamed_groups
+from ipuft.engine.streaming import StreamedUpdate
 from ipuft.engine.update import UnitUpdate
 from ipuft.engine.variables import Initializer
 from ipuft.optim import Optimizer
 from ipuft.parallel import Layout
+from ipuft.profiling import active as active_profile
+from ipuft.profiling import section
 from ipuft.program import Move, Op, Phase
 
 

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from ipuft.components import VariableSpec
-from ipuft.engine.profiling import section
 from ipuft.parallel import Layout, all_gather_flat, reduce_scatter_flat
+from ipuft.profiling import section
 from ipuft.sharding import ShardSpec
 
 
@@ -60,7 +60,7 @@ class Placement:
         """The placement of a state that holds one value per ``block`` consecutive elements of this variable's
         flat form (an optimizer's block state, :mod:`ipuft.optim`): a 1-D variable of one element per block,
         sliced by RTS as this variable is, block for block. Only at ``tensor_parallel`` 1 (a TP shard's
-        blocks are not the full variable's: ``ipuft.config.rules.check_model`` refuses such state under TP)."""
+        blocks are not the full variable's: ``ipuft.engine.model.check_model`` refuses such state under TP)."""
         if self.sharded_over_dp and self.multiple % block:
             raise ValueError(f"{self.spec.name}: RTS slices of a multiple of {self.multiple} elements are not "
                              f"whole blocks of {block}")

@@ -6,7 +6,7 @@ page cache does not keep what is on disk and the cgroup's memory does not grow w
 the entries in the order the backward consumes them (rows from the last down, micro-batches in order), at most
 one row's worth ahead: while layer ``n``'s backward runs, layer ``n-1``'s entries are read. Read files are
 dropped from the page cache and deleted at once. The writer waits when one row's worth of entries is queued,
-so host memory never holds more than two rows of entries besides ``dx`` (:func:`ipuft.engine.memory.spill_host_bytes`).
+so host memory never holds more than two rows of entries besides ``dx`` (:func:`ipuft.plan.memory.spill_host_bytes`).
 
 Each rank's files live in a directory of its own, ``<spill_dir>/ipuft-spill-<rank>-<random>`` (made with
 ``mkdtemp``, its entries with ``O_EXCL``), locked (``flock``) for the engine's life; a directory a killed run
@@ -86,7 +86,7 @@ class SpillFiles:
         """Vet ``root`` (a writable directory, made if missing), remove stale spills there, check it has room
         for ``step_bytes`` (each of this machine's ``ranks_here`` ranks' worth) and make this rank's directory.
         ``pin``: read into pinned memory (CUDA), for asynchronous copies to the device."""
-        from ipuft.engine.fit import format_bytes
+        from ipuft.units import format_bytes
 
         self.root, self.step_bytes, self.window, self.pin = Path(root), step_bytes, max(1, window), pin
         self._format = format_bytes

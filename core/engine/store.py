@@ -33,7 +33,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ipuft.components import VariableSpec
-from ipuft.engine.profiling import section
+from ipuft.profiling import section
 
 Tensors = dict[str, torch.Tensor]
 
@@ -132,7 +132,7 @@ class DeviceLedger:
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Record the block's (a phase's) peak above what was resident as it began, as ``phase_peaks[name]``:
-        what ``ipuft plan`` declares the phase holds (:class:`ipuft.engine.memory.PhaseMemory`)."""
+        what ``ipuft plan`` declares the phase holds (:class:`ipuft.plan.memory.PhaseMemory`)."""
         start, outer = self.resident, self.peak
         self.peak = self.resident
         try:

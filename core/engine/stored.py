@@ -16,10 +16,8 @@ import torch
 from omegaconf import DictConfig
 
 from ipuft.components import VariableSpec
-from ipuft.engine.hostmem import retain_freed_memory
 from ipuft.engine.model import ModelParts
 from ipuft.engine.placement import Placement
-from ipuft.engine.precision import Recipe, compute_dtype, recipe
 from ipuft.engine.store import Tensors, VariableStore, nbytes
 from ipuft.engine.variables import (
     MASTER,
@@ -30,8 +28,10 @@ from ipuft.engine.variables import (
     optimizer_state_specs,
     placements,
 )
+from ipuft.hostmem import retain_freed_memory
 from ipuft.optim import Optimizer
 from ipuft.parallel import Layout, active
+from ipuft.precision import Recipe, compute_dtype, recipe
 from ipuft.program import Unit
 
 

@@ -4,7 +4,7 @@ An update on the device (``execution.optimizer_placement=device``, offloaded var
 the whole unit first: for Llama-3-8B's head, 1 GiB of bfloat16 weights, 4 GiB of Adam state and 1 GiB of
 gradient, the step's largest device holding. Instead, the groups the update alone needs (every group of an
 update-only phase; the optimizer state of one that computes the gradient it updates with, the embeddings')
-stay in host memory, and each optimizer call's pieces (:func:`ipuft.engine.update.update_groups`, at most
+stay in host memory, and each optimizer call's pieces (:func:`ipuft.engine.cuts.update_groups`, at most
 ``execution.update_piece_bytes`` of them) are copied to the device, updated, and the weights and state copied
 back into the host tensors they came from. On CUDA, the next piece's copy runs on the store's side stream
 while the current one updates, so the phase holds two pieces at most; on a CPU device the host is the
@@ -20,36 +20,12 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
-from omegaconf import DictConfig
 
-from ipuft.engine.profiling import section
+from ipuft.engine.cuts import call_chunk, double_buffered, piece_elements, update_groups
 from ipuft.engine.store import Tensors, nbytes
-from ipuft.engine.update import call_chunk, update_groups
 from ipuft.optim import StepContext, state_piece
-from ipuft.program import Phase, PhaseMoves
-
-
-def streamed_groups(cfg: DictConfig, phase: Phase, moves: PhaseMoves | None) -> frozenset[str]:
-    """The groups ``phase`` streams to its update piece by piece instead of loading them whole: with offload,
-    an update on the device and ``execution.update_piece_bytes`` above 0, every group of an update-only phase,
-    and the optimizer state of a phase that computes (its weights and gradient are the compute's)."""
-    ex = cfg.execution
-    if (moves is None or not phase.updates or not ex.offload or not ex.update_piece_bytes
-            or ex.optimizer_placement.value == "host"):
-        return frozenset()
-    loads = frozenset(m.group for m in moves.loads)
-    return loads & {"optim"} if phase.computes else loads
-
-
-def piece_elements(piece_bytes: int, numel: int, streamed_bytes: int) -> int:
-    """How many elements one streamed call updates: ``piece_bytes`` of the unit's streamed groups, whose
-    ``streamed_bytes`` cover ``numel`` elements of trainable variables (at least one element)."""
-    return max(1, piece_bytes * numel // max(streamed_bytes, 1))
-
-
-def double_buffered(device: torch.device | str) -> bool:
-    """Whether the next piece is copied while the current one updates (CUDA: two pieces on the device)."""
-    return torch.device(device).type == "cuda"
+from ipuft.profiling import section
+from ipuft.program import Phase
 
 
 @dataclass

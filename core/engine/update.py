@@ -8,94 +8,14 @@ the pieces are cut and what each call adds on the device are shared with ``ipuft
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 
-from ipuft.engine.precision import Recipe, rounding_key, rounding_workspace, stochastic_round_
+from ipuft.engine.cuts import call_chunk, group_transient_bytes, piece_multiple, update_groups
 from ipuft.engine.store import Tensors
 from ipuft.engine.variables import MASTER
 from ipuft.optim import StepContext, state_piece
+from ipuft.precision import Recipe, rounding_key, stochastic_round_
 from ipuft.program import Phase
-
-
-def update_chunk(device: torch.device | str) -> int:
-    """The most elements one optimizer call updates on ``device`` (see :meth:`UnitUpdate.step`).
-
-    On the CPU a few hundred thousand: the pieces of weight, gradient, state and temporaries one call touches
-    (a few MB) stay in cache between the update's passes, where 16-bit rounding's int32 passes run fastest
-    (``bench/update.py`` measures it). On a GPU, where each pass is a kernel launch, a few million, so that
-    launches stay few."""
-    return 1 << 18 if torch.device(device).type == "cpu" else 1 << 22
-
-
-def update_groups(sizes: list[tuple[str, int]], chunk: int | None,
-                  multiple: int = 1) -> Iterator[list[tuple[str, int, int]]]:
-    """The groups of pieces ``(variable, start, stop)`` that one optimizer call each updates: the flat elements
-    of the variables ``sizes`` (``(name, numel)``, in order) cut into pieces and grouped so that a group holds
-    at most ``chunk`` elements; with ``chunk`` ``None``, each variable whole, one per group.
-
-    Every piece starts at a multiple of ``multiple`` elements of its flattened variable (an optimizer's
-    :attr:`~ipuft.optim.Optimizer.block_size`): a piece that would end inside a variable ends at the last such
-    multiple that fits, and a group with less room than that is closed. ``chunk`` is at least ``multiple``."""
-    if chunk is None:
-        yield from ([(name, 0, numel)] for name, numel in sizes if numel)
-        return
-    multiple = max(1, multiple)
-    chunk = max(chunk, multiple)
-    group: list[tuple[str, int, int]] = []
-    room = chunk
-    for name, numel in sizes:
-        start = 0
-        while start < numel:
-            take = numel - start if numel - start <= room else room - room % multiple
-            if not take:  # not a whole multiple left in this group: the piece starts the next one
-                yield group
-                group, room = [], chunk
-                continue
-            group.append((name, start, start + take))
-            room -= take
-            start += take
-            if not room:
-                yield group
-                group, room = [], chunk
-    if group:
-        yield group
-
-
-def piece_multiple(optimizer) -> int:
-    """Where the optimizer's pieces may start: a multiple of its block-wise state's
-    :attr:`~ipuft.optim.Optimizer.block_size` (1, anywhere, by default)."""
-    return max(1, int(getattr(optimizer, "block_size", 1) or 1))
-
-
-def call_chunk(optimizer, device: torch.device | str, limit: int | None = None) -> int | None:
-    """The most elements one call of ``optimizer`` updates on ``device`` (:func:`update_chunk`, and at most
-    ``limit``: a streamed piece's), or ``None`` for an optimizer that is not elementwise (whole variables)."""
-    if not getattr(optimizer, "elementwise", True):
-        return None
-    return min(update_chunk(device), limit) if limit else update_chunk(device)
-
-
-def one_pass(optimizer, how: Recipe, device: torch.device | str) -> bool:
-    """Whether the optimizer's calls on ``device`` run its one-pass ``fused_step`` (:mod:`ipuft.engine.fused`),
-    which makes no float32 views, gradients or rounding workspace."""
-    from ipuft.engine import fused
-
-    return (getattr(optimizer, "fused_step", None) is not None and how in (Recipe.exact, Recipe.stochastic)
-            and torch.device(device).type == "cpu" and fused.library() is not None)
-
-
-def group_transient_bytes(how: Recipe, pieces: list[int], single_pass: bool = False) -> int:
-    """The device bytes one optimizer call over pieces of these sizes adds, besides what the optimizer itself
-    makes: for 16-bit weights the float32 gradients, the float32 views (unless a master copy is the view)
-    and the stochastic rounding's workspace; nothing for float32 weights, updated in place, nor for a call
-    ``single_pass`` (:func:`one_pass`)."""
-    if how is Recipe.exact or not pieces or single_pass:
-        return 0
-    numel = sum(pieces)
-    views = numel * (4 if how is Recipe.master else 8)
-    return views + (rounding_workspace(max(pieces)) if how is Recipe.stochastic else 0)
 
 
 def _piece(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
@@ -164,7 +84,7 @@ class UnitUpdate:
         pieces themselves (flat slices of the weights, their gradients and their state, wherever they are: the
         stored tensors, or copies streamed to the device, :mod:`ipuft.engine.streaming`). The optimizer sees
         float32: a 16-bit weight's view is its master copy or a float32 copy, mapped back into the weight by
-        the run's recipe (see :mod:`ipuft.engine.precision`). Gradients are consumed: a float32 one is finished
+        the run's recipe (see :mod:`ipuft.precision`). Gradients are consumed: a float32 one is finished
         in place.
 
         Where the optimizer has a one-pass update (``fused_step``, :mod:`ipuft.engine.fused`) and the recipe is

@@ -17,13 +17,10 @@ import json
 from pathlib import Path
 
 from ipuft.components import VariableSpec
-from ipuft.config import checkpoint_config
-from ipuft.engine.model import build_model
-from ipuft.engine.precision import DTYPES
 from ipuft.errors import CheckpointError, PluginError
-from ipuft.io.checkpoint import WEIGHTS, find_checkpoint, open_tensors, read_manifest, read_meta
-from ipuft.io.export_dir import check_export_target, staged_directory
-from ipuft.plugins import PluginHooks
+from ipuft.io.checkpoint import WEIGHTS, open_tensors
+from ipuft.io.export_dir import staged_directory
+from ipuft.precision import DTYPES
 from ipuft.program import StepProgram
 
 CONFIG, TENSORS = "adapter_config.json", "adapter_model.safetensors"
@@ -82,21 +79,13 @@ def base_model(checkpoint: Path) -> str | None:
     return source if isinstance(source, str) else None
 
 
-def export_adapter(path: str | Path, out: str | Path, hooks: PluginHooks, dtype: str | None = None) -> Path:
-    """Write the adapters of checkpoint ``path`` (or a run directory's latest) as a peft adapter directory
-    ``out``, in ``dtype`` (by default the precision the run trained in)."""
+def write_adapter(checkpoint: Path, manifest: dict, cfg, parts, out: str | Path, dtype: str) -> Path:
+    """Write the adapters of ``checkpoint`` (its verified ``manifest``, its config ``cfg`` and the model ``parts``
+    built from it) as a peft adapter directory ``out``, in ``dtype``. :func:`ipuft.run.export.export_adapter`
+    opens the checkpoint and builds the model."""
     from ipuft.io.safetensors import SafetensorsWriter
 
-    checkpoint = find_checkpoint(path)
-    check_export_target(out, "--adapter", [checkpoint], is_adapter_export)  # before any work; again when writing
-    manifest = read_manifest(checkpoint)
-    read_meta(checkpoint)
-    cfg = checkpoint_config(checkpoint, hooks.registrations.config_sections)
-    if cfg.model.adapter is None:
-        raise CheckpointError(f"--adapter: checkpoint {checkpoint} has no adapter (its model.adapter is null): "
-                              f"export the whole model with --hf")
-    torch_dtype = DTYPES[dtype or cfg.model.precision.value]
-    parts = build_model(cfg, hooks)
+    torch_dtype = DTYPES[dtype]
     names, adapter = adapter_names(parts, cfg.model.layers)
     stacked = adapter_stacks(parts, cfg.model.layers)
     if not names and not stacked:

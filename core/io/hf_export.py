@@ -22,21 +22,15 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from ipuft.components import VariableSpec
-from ipuft.config import checkpoint_config
 from ipuft.data.tokenizer import EOS, tokenizer_from_bytes
-from ipuft.engine.model import build_model
-from ipuft.engine.precision import DTYPES
 from ipuft.errors import CheckpointError, PluginError, described
 from ipuft.families import HFConfigError, ModelFamily, check_config_fields
 from ipuft.io.checkpoint import (
     SOURCE_CONFIG,
     WEIGHTS,
-    find_checkpoint,
     open_tensors,
-    read_manifest,
-    read_meta,
 )
-from ipuft.io.export_dir import check_export_target, staged_directory
+from ipuft.io.export_dir import staged_directory
 from ipuft.io.hf_names import (
     DEFAULT_SHARD_BYTES,
     component_hf_config,
@@ -46,7 +40,7 @@ from ipuft.io.hf_names import (
     unit_mappings,
 )
 from ipuft.io.model_files import checkpoint_files
-from ipuft.plugins import PluginHooks
+from ipuft.precision import DTYPES
 
 # config.json keys the run decides whatever its source said, besides the weights' dtype: as the family's
 # write_config gives it for the model the run built, whether the head is tied to the embeddings.
@@ -132,21 +126,14 @@ def hf_config(cfg: DictConfig, family: ModelFamily, eos_id: int | None, dtype: s
     return config
 
 
-def export_hf(path: str | Path, out: str | Path, hooks: PluginHooks, shard_bytes: int = DEFAULT_SHARD_BYTES,
-              dtype: str | None = None) -> Path:
-    """Write checkpoint ``path`` (or a run directory's latest) as a Hugging Face directory ``out``, its weights
-    in ``dtype`` (``float32``, ``bfloat16`` or ``float16``; by default the precision the run trained in)."""
+def write_hf(checkpoint: Path, manifest: dict, cfg: DictConfig, parts, family: ModelFamily, out: str | Path,
+             shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: str = "float32") -> Path:
+    """Write ``checkpoint`` (its verified ``manifest``, its config ``cfg`` and the model ``parts`` built from it,
+    of ``family``) as a Hugging Face directory ``out``, its weights in ``dtype`` (``float32``, ``bfloat16`` or
+    ``float16``). :func:`ipuft.run.export.export_hf` opens the checkpoint and builds the model."""
     from ipuft.io.safetensors import SafetensorsWriter
 
-    checkpoint = find_checkpoint(path)
-    check_export_target(out, "--hf", [checkpoint])  # before any work; again when writing
-    manifest = read_manifest(checkpoint)
-    read_meta(checkpoint)
-    cfg = checkpoint_config(checkpoint, hooks.registrations.config_sections)
-    dtype = dtype or cfg.model.precision.value
     torch_dtype = DTYPES[dtype]
-    parts = build_model(cfg, hooks)
-    family = hooks.registrations.families.get(cfg.model.family)
     # Checked before anything is written: every variable has a name (or is merged), no name twice, a complete
     # model of the family.
     names = export_names(parts.modules, parts.variables, cfg, family)

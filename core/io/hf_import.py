@@ -319,12 +319,11 @@ class HFWeights:
 
 
 def hf_initializer(directory: str | Path, modules, layers: int,
-                   seed: int = 0) -> Callable[[str, list[VariableSpec]], dict]:
+                   added: Callable[[str, list[VariableSpec]], dict]) -> Callable[[str, list[VariableSpec]], dict]:
     """An engine initializer that fills each unit from the checkpoint, tensor by tensor. A variable the
-    component marks ``added`` (an adapter: it has no Hugging Face name) starts from its declared init,
-    seeded by ``seed`` as a random start would be; any other variable without a name stops the import."""
-    from ipuft.engine.variables import initial_values
-
+    component marks ``added`` (an adapter: it has no Hugging Face name) starts from ``added(unit, [spec])``,
+    the run's random start (:func:`ipuft.engine.variables.initial_values`); any other variable without a name
+    stops the import."""
     weights = HFWeights(directory)
     mappings = unit_mappings(modules, layers)
     source = f"model.hf_checkpoint {weights.directory}"
@@ -346,7 +345,7 @@ def hf_initializer(directory: str | Path, modules, layers: int,
                 out[spec.name] = checked(spec, hf_names[spec.name], available,
                                          lambda n: parts[n] if n in parts else weights.get(n), source)
             elif spec.added:
-                out.update(initial_values(unit, [spec], seed))
+                out.update(added(unit, [spec]))
             else:
                 raise PluginError(f"{source}: {unit}.{spec.name} has no Hugging Face name (the component's "
                                   f"hf_mapping) and is not marked added, so it cannot start from this checkpoint")

@@ -1,5 +1,5 @@
 """``ipuft bench``: the reference's ``main()``, one untimed step then timed ones, with the model FLOP/s and MFU
-of :mod:`ipuft.engine.flops`; ``--profile`` (where a step's time goes, :mod:`ipuft.engine.profiling`) and
+of :mod:`ipuft.plan.flops`; ``--profile`` (where a step's time goes, :mod:`ipuft.profiling`) and
 ``--trace`` (a ``torch.profiler`` Chrome trace).
 """
 
@@ -16,12 +16,12 @@ from omegaconf import DictConfig
 
 from ipuft.data.batch import Batch
 from ipuft.data.tokens import data_source
-from ipuft.engine.flops import matmul_rate, phase_rates, run_matmul_peak, run_matmul_shape, step_flops, utilisation
 from ipuft.engine.phased import PhasedEngine
-from ipuft.engine.precision import compute_dtype
-from ipuft.engine.profiling import PhaseLabels, StepProfile, profiling
 from ipuft.errors import ConfigError
+from ipuft.plan.flops import matmul_rate, phase_rates, run_matmul_peak, run_matmul_shape, step_flops, utilisation
 from ipuft.plugins import PluginHooks
+from ipuft.precision import compute_dtype
+from ipuft.profiling import PhaseLabels, StepProfile, profiling
 from ipuft.run.runtime import build_engine
 from ipuft.run.train import replica_batch
 
@@ -30,7 +30,7 @@ def benchmark(cfg: DictConfig, hooks: PluginHooks, timed_steps: int = 5, profile
               trace: Path | None = None) -> dict:
     """The reference's ``main()``: one untimed step, then ``timed_steps`` timed steps.
 
-    ``profile``: then as many profiled steps, whose breakdown by category (:mod:`ipuft.engine.profiling`) is
+    ``profile``: then as many profiled steps, whose breakdown by category (:mod:`ipuft.profiling`) is
     ``"profile"``; the throughput figures stay those of the plain steps. Before each profiled step and after
     the last, the run's matmul (that of the peak) runs for half a second: their rate over all that time is the
     profile's ``"matmul_rate"``, the matmul's speed in the same minutes as the phases it is set against.
@@ -76,10 +76,10 @@ def benchmark(cfg: DictConfig, hooks: PluginHooks, timed_steps: int = 5, profile
 
 def profile_steps(engine: PhasedEngine, batch: Batch, lr: float, steps: int,
                   reference: Callable[[], tuple[float, float]] | None = None) -> dict:
-    """Run ``steps`` steps with a profile active; its report (:meth:`ipuft.engine.profiling.StepProfile.report`)
+    """Run ``steps`` steps with a profile active; its report (:meth:`ipuft.profiling.StepProfile.report`)
     against each step's measured time, the device synchronised at both ends.
 
-    ``reference()`` (``(flops, seconds)`` of some work, :func:`ipuft.engine.flops.matmul_rate`) runs before each
+    ``reference()`` (``(flops, seconds)`` of some work, :func:`ipuft.plan.flops.matmul_rate`) runs before each
     step and after the last, outside the profile; the report's ``"matmul_rate"`` is then their FLOP/s over all
     that time, with each run's own (``"samples"``). Over several ranks, they meet before each step, so that a
     step's time is its own and not the wait for a rank still in its reference run (whose length is a time, not
@@ -106,7 +106,7 @@ def profile_steps(engine: PhasedEngine, batch: Batch, lr: float, steps: int,
 
 def trace_step(engine: PhasedEngine, batch: Batch, lr: float, path: Path) -> None:
     """Record one step with ``torch.profiler`` (CPU, and CUDA when the engine computes there), each phase a
-    ``record_function`` range named like ``decoder.3:backward`` (:class:`ipuft.engine.profiling.PhaseLabels`: no
+    ``record_function`` range named like ``decoder.3:backward`` (:class:`ipuft.profiling.PhaseLabels`: no
     synchronisation, so the trace shows what overlaps), and write it to ``path`` as a Chrome trace; under
     torchrun each rank writes its own, ``<stem>.rank<N><suffix>``."""
     from torch.profiler import ProfilerActivity

@@ -21,9 +21,9 @@ from ipuft.data.files import read_rows, resolve_data_path
 from ipuft.data.templates import resolve_template
 from ipuft.data.tokenizer import EOS, load_tokenizer, specials, tokenizer_source
 from ipuft.data.tokens import TokenDataset, data_source
+from ipuft.engine.generation import generate
 from ipuft.engine.inference import LayerMajor, dataset_loss
 from ipuft.errors import DataError
-from ipuft.generate import generate
 from ipuft.parallel import collective_errors
 from ipuft.plugins import PluginHooks
 from ipuft.run.runtime import inference_engine

@@ -13,9 +13,9 @@ from omegaconf import DictConfig
 
 from ipuft.config import checkpoint_config, load_config
 from ipuft.data.tokenizer import EOS, TOKENIZER_LIMIT, check_in_vocabulary, load_tokenizer, tokenizer_from_bytes
+from ipuft.engine.generation import generate
 from ipuft.engine.inference import LayerMajor
 from ipuft.errors import ConfigError, DataError
-from ipuft.generate import generate
 from ipuft.io.checkpoint import read_verified
 from ipuft.plugins import PluginHooks
 from ipuft.run.evaluate import Measured, batches
@@ -125,7 +125,7 @@ def generate_texts(cfg: DictConfig, hooks: PluginHooks, prompts: list, max_new_t
                    batch_size: int = 8, chat: bool = False, **sampling) -> dict:
     """Continue each prompt, ``batch_size`` prompts decoded together; ``{"completions", "new_tokens",
     "tokens_per_s" (new tokens per second), "device_peak_bytes"}``. ``sampling``: temperature, top_k, top_p,
-    seed (see :func:`ipuft.generate.generate`). Each prompt is encoded as the tokenizer encodes a text, with
+    seed (see :func:`ipuft.engine.generation.generate`). Each prompt is encoded as the tokenizer encodes a text, with
     what its post-processor adds (Llama 3's <|begin_of_text|>; nothing for a tokenizer that adds nothing), as
     training data is; a row stops at any of ``model.eos_token_ids``, else at the tokenizer's <|endoftext|>.
 

@@ -4,7 +4,7 @@ chooses its layout before anything is allocated.
 Recomputing each layer's forward in its backward and streaming the variables from host memory are what let a
 model far larger than the device train; for a model the device holds whole they only cost time (a fifth of
 a step's compute is the recompute). So ``auto`` takes the first of these layouts whose plan
-(:func:`ipuft.engine.plan.estimate`) fits this machine (:func:`ipuft.engine.fit.fits`) within
+(:func:`ipuft.plan.estimate.estimate`) fits this machine (:func:`ipuft.plan.fit.fits`) within
 :data:`MARGIN` of its free memory:
 
 1. ``recompute=false, offload=false``: every layer's graph and weights kept on the device (needs
@@ -25,10 +25,11 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig, OmegaConf
 
-from ipuft.engine.fit import fits, format_bytes, machine_memory, needs
 from ipuft.engine.model import build_model
-from ipuft.engine.plan import estimate
+from ipuft.plan.estimate import estimate
+from ipuft.plan.fit import fits, machine_memory, needs
 from ipuft.plugins import PluginHooks
+from ipuft.units import format_bytes
 
 AUTO = "auto"
 MARGIN = 0.8  # the share of the machine's free host and device memory an auto layout may plan to hold
@@ -39,7 +40,7 @@ KEYS = ("recompute", "offload")
 class LayoutChoice:
     """The layout ``auto`` chose, the line that says which and why, and each layout it planned:
     ``{"recompute", "offload", "device_peak_bytes", "host_bytes", "host_needed_bytes", "device_needed_bytes",
-    "fits_with_margin"}`` (what :func:`ipuft.engine.fit.needs` counts, against :data:`MARGIN` of the memory)."""
+    "fits_with_margin"}`` (what :func:`ipuft.plan.fit.needs` counts, against :data:`MARGIN` of the memory)."""
 
     recompute: bool
     offload: bool
@@ -74,7 +75,7 @@ def resolved(cfg: DictConfig, recompute: bool, offload: bool) -> DictConfig:
 def choose_layout(cfg: DictConfig, hooks: PluginHooks, memory: dict | None = None,
                   every: bool = False) -> tuple[DictConfig, LayoutChoice | None]:
     """``cfg`` with its ``auto`` keys chosen (see the module docstring), and what was chosen (``None`` where
-    neither key is ``auto``). ``memory``: :func:`ipuft.engine.fit.machine_memory`'s (this machine's, unless
+    neither key is ``auto``). ``memory``: :func:`ipuft.plan.fit.machine_memory`'s (this machine's, unless
     given). ``every``: plan every layout the config allows (``ipuft plan``), not only until one fits."""
     if not is_auto(cfg):
         return cfg, None

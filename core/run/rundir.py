@@ -18,11 +18,11 @@ from typing import IO
 from omegaconf import DictConfig
 
 from ipuft.engine.model import ModelParts
-from ipuft.engine.precision import Recipe, recipe
 from ipuft.engine.variables import optimizer_state_specs
 from ipuft.errors import ConfigError
 from ipuft.io.checkpoint import checkpoint_root, checkpoints, find_checkpoint
 from ipuft.optim import Optimizer
+from ipuft.precision import Recipe, recipe
 
 LOCK = ".ipuft.lock"  # held by a run for its life (exclusive_run); its presence marks a directory ipuft made
 FINISHED = ".ipuft-finished"  # written into the run directory when a run has trained all its steps
@@ -74,7 +74,7 @@ def check_run_paths(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer) ->
     needed = checkpoint_bytes(cfg, parts, optimizer)
     free = shutil.disk_usage(_existing_ancestor(root)).free
     if free < needed:
-        from ipuft.engine.fit import format_bytes
+        from ipuft.units import format_bytes
 
         raise ConfigError(f"checkpoint.save: {root} has {format_bytes(free)} free, but one checkpoint of this model "
                           f"takes {format_bytes(needed)}; free space or save elsewhere")
@@ -95,8 +95,8 @@ def check_spill_dir(cfg: DictConfig) -> None:
     made), whose file system has room for a step's spilled activations (each rank's on this machine)."""
     if cfg.execution.activation_offload != "disk" or cfg.execution.spill_dir is None:
         return
-    from ipuft.engine.fit import format_bytes
-    from ipuft.engine.memory import spill_bytes
+    from ipuft.engine.cuts import spill_bytes
+    from ipuft.units import format_bytes
 
     path = Path(cfg.execution.spill_dir)
     _check_writable_dir(path, "execution.spill_dir")

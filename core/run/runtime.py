@@ -14,7 +14,6 @@ import os
 import torch
 from omegaconf import DictConfig
 
-from ipuft.engine.kernels import require_precision_support
 from ipuft.engine.model import ModelParts, build_model
 from ipuft.engine.phased import PhasedEngine
 from ipuft.engine.stored import StoredModel
@@ -22,6 +21,7 @@ from ipuft.engine.variables import Initializer, initial_values
 from ipuft.errors import ConfigError
 from ipuft.io.checkpoint import checkpoint_initializer, find_checkpoint
 from ipuft.io.hf_import import hf_initializer
+from ipuft.kernels import require_precision_support
 from ipuft.optim import Optimizer
 from ipuft.parallel import init_layout
 from ipuft.plugins import PluginHooks
@@ -29,7 +29,7 @@ from ipuft.plugins import PluginHooks
 
 def select_device(cfg: DictConfig) -> torch.device:
     """``execution.device``: ``auto`` takes CUDA when available; under torchrun, the local rank's GPU. A GPU
-    that cannot compute in ``model.precision`` is refused (:func:`ipuft.engine.kernels.require_precision_support`)."""
+    that cannot compute in ``model.precision`` is refused (:func:`ipuft.kernels.require_precision_support`)."""
     choice = cfg.execution.device.value
     if choice == "cuda" and not torch.cuda.is_available():
         raise ConfigError("execution.device: cuda was asked for but no CUDA device is available; use auto or cpu")
@@ -51,9 +51,13 @@ def initializer(cfg: DictConfig, parts: ModelParts) -> Initializer:
     for source in (cfg.checkpoint.load, cfg.model.init_checkpoint):
         if source is not None:
             return checkpoint_initializer(find_checkpoint(source), units=parts.program.units())
-    if cfg.model.hf_checkpoint is not None:
-        return hf_initializer(cfg.model.hf_checkpoint, parts.modules, cfg.model.layers, cfg.model.seed)
-    return lambda unit, specs: initial_values(unit, specs, cfg.model.seed)
+
+    def random(unit: str, specs: list) -> dict:
+        return initial_values(unit, specs, cfg.model.seed)
+
+    if cfg.model.hf_checkpoint is not None:  # variables it has no name for (added: an adapter's) start random
+        return hf_initializer(cfg.model.hf_checkpoint, parts.modules, cfg.model.layers, random)
+    return random
 
 
 def build_engine(cfg: DictConfig, hooks: PluginHooks, parts: ModelParts | None = None,

@@ -26,7 +26,6 @@ from tqdm import tqdm
 from ipuft.config import to_yaml
 from ipuft.data.synthetic import SampleData
 from ipuft.data.tokens import TokenDataset, data_source, validation_source
-from ipuft.engine.flops import StepFlops, step_flops, utilisation
 from ipuft.engine.inference import dataset_loss
 from ipuft.engine.model import build_model
 from ipuft.engine.phased import StepResult
@@ -34,6 +33,7 @@ from ipuft.errors import Stopped, TrainingError
 from ipuft.io.checkpoint import checkpoint_root
 from ipuft.loggers import Backends
 from ipuft.parallel import Layout, collective_errors
+from ipuft.plan.flops import StepFlops, step_flops, utilisation
 from ipuft.plugins import PluginHooks
 from ipuft.run.layout import choose_layout
 from ipuft.run.resume import checkpoint_to_resume, restore, run_files, save
@@ -88,7 +88,7 @@ def replica_batch(cfg: DictConfig, data: SampleData | TokenDataset, step: int, l
 
 def metrics_record(step: int, result: StepResult, lr: float, tokens: int, seconds: float, flops: StepFlops) -> dict:
     """One step's line of metrics.jsonl: the step's results, its speed, and this rank's FLOP/s (model and
-    recompute apart, :mod:`ipuft.engine.flops`)."""
+    recompute apart, :mod:`ipuft.plan.flops`)."""
     record = {"step": step, "loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
               "tokens_per_s": tokens / seconds if seconds > 0 else 0.0, "step_time_s": seconds,
               **utilisation(flops, seconds if seconds > 0 else math.inf)}

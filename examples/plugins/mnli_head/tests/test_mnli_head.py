@@ -206,7 +206,7 @@ def test_plan_measures_the_head_on_the_meta_device_and_equals_the_counters(hooks
     them, and the planned traffic and device peak bound are what a step then moves."""
     from ipuft.cli.main import main
     from ipuft.data.tokens import data_source
-    from ipuft.engine.plan import estimate
+    from ipuft.plan.estimate import estimate
     from ipuft.run.runtime import build_engine
 
     with pytest.raises(SystemExit) as info:

@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from ipuft.engine.precision import compute_dtype
 from ipuft.errors import CheckpointError, ConfigError
 from ipuft.io.files import read_json
+from ipuft.precision import compute_dtype
 
 PROBE = 384  # an n × n × n matmul: 113 MFLOP, under a millisecond in float32 on one modern core
 SLOW = 0.5  # a 16-bit rate under this share of the float32 rate gets the warning

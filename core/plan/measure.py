@@ -43,12 +43,12 @@ from torch.utils.flop_counter import (
 
 from ipuft.attention import decoder_layer, examples_apart
 from ipuft.components import recompute
-from ipuft.engine.hostmem import heap_block_limit
 from ipuft.engine.model import ModelParts
-from ipuft.engine.precision import compute_dtype
 from ipuft.engine.store import storage_bytes
 from ipuft.head_loss import head_chunks
+from ipuft.hostmem import heap_block_limit
 from ipuft.ops import WeightGradients, taking_weight_gradients
+from ipuft.precision import compute_dtype
 
 
 def _register_cpu_attention_flops() -> None:
@@ -106,7 +106,7 @@ def fake_unit(parts: ModelParts, role: str, cfg: DictConfig, device: torch.devic
 class LiveBytes(TorchDispatchMode):
     """Follows every tensor an op makes inside the block until it is freed, by its storage: the peak of the
     bytes alive at once (``peak``), and of those in blocks glibc's heap serves (``heap_peak``: under
-    :func:`ipuft.engine.hostmem.heap_block_limit`; the heap keeps them, ``execution.retain_host_memory``). The
+    :func:`ipuft.hostmem.heap_block_limit`; the heap keeps them, ``execution.retain_host_memory``). The
     storages of ``existing`` tensors (weights, inputs), and views of them, are not counted."""
 
     def __init__(self, existing: list[torch.Tensor]) -> None:

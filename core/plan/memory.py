@@ -1,6 +1,6 @@
 """What a step holds, in bytes: each variable group one rank stores, and what each phase holds on the compute
 device at its busiest (:class:`PhaseMemory`), computed from the real variable shapes and the units' measured
-costs (:mod:`ipuft.engine.measure`) without allocating anything. ``ipuft plan`` (:mod:`ipuft.engine.plan`)
+costs (:mod:`ipuft.plan.measure`) without allocating anything. ``ipuft plan`` (:mod:`ipuft.plan.estimate`)
 reports them; the engine's ledger is bounded by them, phase by phase.
 """
 
@@ -14,17 +14,29 @@ import torch
 from omegaconf import DictConfig
 
 from ipuft.components import VariableSpec
-from ipuft.engine.gradients import gradient_working_bytes, take_every, writes_into_stored
-from ipuft.engine.kernels import compute_device
-from ipuft.engine.measure import UnitCost
+from ipuft.engine.cuts import (
+    activation_bytes,
+    call_chunk,
+    double_buffered,
+    gradient_working_bytes,
+    group_transient_bytes,
+    one_pass,
+    piece_elements,
+    piece_multiple,
+    stored_activation_bytes,
+    streamed_groups,
+    take_every,
+    update_groups,
+    writes_into_stored,
+)
 from ipuft.engine.model import ModelParts
-from ipuft.engine.precision import Recipe, compute_dtype, recipe
 from ipuft.engine.stored import updates_on_host
-from ipuft.engine.streaming import double_buffered, piece_elements, streamed_groups
-from ipuft.engine.update import call_chunk, group_transient_bytes, one_pass, piece_multiple, update_groups
 from ipuft.engine.variables import model_groups, placements
+from ipuft.kernels import compute_device
 from ipuft.optim import Optimizer
 from ipuft.parallel import Layout
+from ipuft.plan.measure import UnitCost
+from ipuft.precision import Recipe, compute_dtype, recipe
 from ipuft.program import GROUPS, Move, Op, Phase, PhaseMoves
 
 
@@ -74,17 +86,6 @@ def group_bytes(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer) -> dic
     return out
 
 
-def activation_bytes(cfg: DictConfig) -> int:
-    """One micro-batch's layer-boundary activation ``x[n][mb]``, in the compute dtype."""
-    itemsize = torch.empty((), dtype=compute_dtype(cfg)).element_size()
-    return cfg.execution.micro_batch_size * cfg.model.sequence_length * cfg.model.hidden_size * itemsize
-
-
-def stored_activation_bytes(cfg: DictConfig) -> int:
-    """What one TP rank stores of one buffered activation: its 1/TP slice."""
-    return activation_bytes(cfg) // cfg.execution.tensor_parallel
-
-
 def activation_peak_bytes(cfg: DictConfig) -> int:
     """The peak bytes one rank's x/dx buffers hold: the ``(L+1)·GA`` entries of ``x`` live at the end of
     the forward; ``dx`` holds only rows in flight, never more than the ``x`` entries already consumed.
@@ -97,15 +98,6 @@ def activation_peak_bytes(cfg: DictConfig) -> int:
     if cfg.execution.activation_offload == "disk":
         return min(everything, (2 * cfg.gradient_accumulation + 1) * stored_activation_bytes(cfg))
     return everything
-
-
-def spill_bytes(cfg: DictConfig) -> int:
-    """The bytes one rank writes to disk (and reads back) each step with ``activation_offload=disk``: the ``x``
-    entry of every decoder layer's input (:func:`ipuft.engine.spill.spilled_rows`) for each micro-batch, its
-    TP slice; 0 otherwise."""
-    if cfg.execution.activation_offload != "disk":
-        return 0
-    return cfg.model.layers * cfg.gradient_accumulation * stored_activation_bytes(cfg)
 
 
 def graph_bytes(cfg: DictConfig, parts: ModelParts, costs: dict[str, UnitCost]) -> int:
@@ -140,7 +132,7 @@ def phase_io(moves: PhaseMoves, unit: dict[str, int]) -> tuple[dict[str, int], d
 def update_transient_bytes(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer, role: str) -> int:
     """The most bytes one optimizer call on a unit of ``role`` adds on the device (the float32 views and
     gradients of 16-bit weights, the stochastic rounding's workspace): the engine's largest group of pieces
-    (:func:`ipuft.engine.update.update_groups`) of the unit's stored trainable variables."""
+    (:func:`ipuft.engine.cuts.update_groups`) of the unit's stored trainable variables."""
     placed = placements(parts, rank_layout(cfg), bool(cfg.execution.rts), optimizer)[role]
     sizes = [(name, math.prod(p.stored_shape)) for name, p in placed.items() if p.spec.trainable]
     how = recipe(cfg)
@@ -301,7 +293,7 @@ def init_host_bytes(cfg: DictConfig, parts: ModelParts) -> int:
 
 # What a process computing on the CPU keeps besides the tensors the plan counts and what it held at start: the
 # math libraries' buffers, the engine's own objects, and the blocks glibc's heap keeps once the busiest
-# micro-batch has freed them (execution.retain_host_memory; ipuft.engine.hostmem). tests/test_width.py holds
+# micro-batch has freed them (execution.retain_host_memory; ipuft.hostmem). tests/test_width.py holds
 # peak RSS between 90% and 100% of the plan with this allowance at GPT-J-6B's width. The heap's share that
 # grows with the model, one micro-batch's blocks under its limit, is added from its measurement
 # (UnitCost.heap_peak_bytes).

@@ -9,10 +9,11 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ipuft.engine.kernels import compute_device
 from ipuft.engine.model import build_model
-from ipuft.engine.plan import estimate
+from ipuft.kernels import compute_device
+from ipuft.plan.estimate import estimate
 from ipuft.plugins import PluginHooks
+from ipuft.units import format_bytes, format_flops
 
 _REMEDIES = (
     {"execution": {"activation_offload": True}},
@@ -116,16 +117,6 @@ def format_fit(cfg: DictConfig, result: dict) -> str:
             "; none of activation offload (to host or disk), offload or bfloat16 makes it fit: add data-parallel "
             "machines (RTS)")
     return line
-
-
-def format_bytes(n: int) -> str:
-    """``n`` bytes in GiB, or MiB under 64 MiB."""
-    return f"{n / 2**30:,.3f} GiB" if n >= 2**26 else f"{n / 2**20:,.3f} MiB"
-
-
-def format_flops(n: float) -> str:
-    """``n`` floating-point operations (or, with a unit appended by the caller, per second) in G or T."""
-    return f"{n / 1e12:,.3f} T" if n >= 1e12 else f"{n / 1e9:,.3f} G"
 
 
 def format_plan(result: dict) -> str:

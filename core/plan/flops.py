@@ -1,7 +1,7 @@
 """Model FLOPs: what one optimizer step computes, counted from the real shapes on the meta device, and the
 matmul rate it is measured against (``ipuft plan``, ``ipuft bench``, ``metrics.jsonl``).
 
-Each unit's forward, backward and recompute are counted once on the meta device (:mod:`ipuft.engine.measure`)
+Each unit's forward, backward and recompute are counted once on the meta device (:mod:`ipuft.plan.measure`)
 by ``torch.utils.flop_counter.FlopCounterMode``, which counts the matmuls (and attention, which on the meta
 device runs as its matmuls: dense ``T × T`` scores, as MFU is usually counted, without the causal half a
 kernel may skip). The step program then says how often each runs: every micro-batch's forward and
@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 import torch
 from omegaconf import DictConfig
 
-from ipuft.engine.measure import UnitCost, unit_cost
 from ipuft.engine.model import ModelParts
-from ipuft.engine.precision import compute_dtype
+from ipuft.plan.measure import UnitCost, unit_cost
+from ipuft.precision import compute_dtype
 from ipuft.program import Op
 
 
@@ -55,7 +55,7 @@ class StepFlops:
 def step_flops(cfg: DictConfig, parts: ModelParts, costs: dict[str, UnitCost] | None = None,
                device: torch.device | str = "cpu") -> StepFlops:
     """Every FLOP of one optimizer step on this rank, by the step program: each phase's ops over the
-    gradient-accumulation micro-batches (``costs``: each role's :func:`ipuft.engine.measure.unit_cost`, measured here
+    gradient-accumulation micro-batches (``costs``: each role's :func:`ipuft.plan.measure.unit_cost`, measured here
     on ``device`` unless given)."""
     per_unit = costs or {role: unit_cost(parts, role, cfg, device) for role in parts.modules}
     ga = cfg.gradient_accumulation

@@ -168,7 +168,7 @@ def timed(category: str) -> Callable[[F], F]:
 def format_profile(report: dict) -> str:
     """The breakdown as a table: seconds per step and share, by category, then the remainder and the step;
     then each kind of phase by role, with its FLOP/s and their share of the matmul peak, and of the matmul's rate
-    between the profiled steps, where the report has them (``ipuft bench``: :func:`ipuft.engine.flops.phase_rates`)."""
+    between the profiled steps, where the report has them (``ipuft bench``: :func:`ipuft.plan.flops.phase_rates`)."""
     rows = [(CATEGORIES[c], report["seconds"][c], report["share"][c]) for c in CATEGORIES]
     rows += [(OTHER, report["other_s"], report["other_share"]), ("step", report["step_s"], 1.0)]
     lines = [f"where a step's time goes (mean of {report['steps']} profiled steps):"]

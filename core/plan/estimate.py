@@ -2,8 +2,8 @@
 all computed from the real variable shapes without allocating anything (components are on the meta device).
 
 Traffic per optimizer step is exact: the engine's counters must equal it. Memory comes from
-:mod:`ipuft.engine.memory`: each phase's device holdings, from the units' measured costs
-(:mod:`ipuft.engine.measure`). Whether the run fits this machine is :mod:`ipuft.engine.fit`'s.
+:mod:`ipuft.plan.memory`: each phase's device holdings, from the units' measured costs
+(:mod:`ipuft.plan.measure`). Whether the run fits this machine is :mod:`ipuft.plan.fit`'s.
 """
 
 from __future__ import annotations
@@ -13,9 +13,12 @@ from collections import defaultdict
 import torch
 from omegaconf import DictConfig
 
-from ipuft.engine.flops import step_flops
-from ipuft.engine.measure import kv_cache_layers, packs_examples, unit_cost
-from ipuft.engine.memory import (
+from ipuft.engine.cuts import spill_bytes, stored_activation_bytes
+from ipuft.engine.model import ModelParts
+from ipuft.engine.stored import updates_on_host
+from ipuft.plan.flops import step_flops
+from ipuft.plan.measure import kv_cache_layers, packs_examples, unit_cost
+from ipuft.plan.memory import (
     CPU_RUNTIME_BYTES,
     activation_peak_bytes,
     compute_device,
@@ -28,14 +31,10 @@ from ipuft.engine.memory import (
     phase_memory,
     phase_moves,
     specs_bytes,
-    spill_bytes,
-    stored_activation_bytes,
     stored_bytes,
 )
-from ipuft.engine.model import ModelParts
-from ipuft.engine.precision import compute_dtype, recipe
-from ipuft.engine.stored import updates_on_host
 from ipuft.plugins import PluginHooks
+from ipuft.precision import compute_dtype, recipe
 
 TOKEN_BYTES = torch.empty((), dtype=torch.int64).element_size()
 GENERATE_NEW_TOKENS = 64  # the inference view: prompts that fill the sequence but for this many new tokens
@@ -148,7 +147,7 @@ def inference_estimate(cfg: DictConfig, parts: ModelParts, batch_size: int, prom
     Per unit, the device holds the unit's weights (offloaded) or every weight (not), the batch's hidden
     states, and the key/value cache: one layer's while it runs with ``activation_offload``, every layer's
     otherwise; a layer with a window keeps its last ``W`` positions (``kv_layers``: each layer's bytes per
-    position and window, :func:`ipuft.engine.measure.kv_cache_layers`). The head runs on the last position only.
+    position and window, :func:`ipuft.plan.measure.kv_cache_layers`). The head runs on the last position only.
     """
     itemsize = torch.empty((), dtype=compute_dtype(cfg)).element_size()
     m, layers, b = cfg.model, cfg.model.layers, batch_size
