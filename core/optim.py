@@ -104,6 +104,28 @@ class Optimizer(ABC):
         for name, weight, grad, state in zip(names, weights, grads, states, strict=True):
             self.step(name, weight, grad, state, ctx)
 
+    def fused_step(
+        self,
+        names: list[str],
+        weights: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        states: list[dict[str, torch.Tensor]],
+        ctx: StepContext,
+        roundings: list[tuple[int, int | torch.Tensor] | None],
+    ) -> bool:
+        """Optional: the update of a group of pieces in one pass over memory each (:mod:`ipuft.engine.fused`),
+        from the stored weights (16-bit ones too) and the gradients before ``ctx.grad_factor``, with each 16-bit
+        piece's stochastic rounding ``(key, counters)``: :meth:`step`'s arithmetic, bit for bit. Returns whether
+        it did; False, having changed nothing, hands the group to :meth:`step_unit`. An optimizer that overrides
+        it has one (:func:`has_fused_step`); this default has none."""
+        return False
+
+
+def has_fused_step(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer``'s class overrides :meth:`Optimizer.fused_step` (the plan counts such calls as
+    making no float32 views)."""
+    return type(optimizer).fused_step is not Optimizer.fused_step
+
 
 def state_piece(optimizer: Optimizer, state: str, tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     """The part of ``tensor``, a variable's optimizer state ``state``, that goes with the variable's flat elements

@@ -394,3 +394,21 @@ def test_a_component_that_raises_in_its_build_or_specs_is_one_line(fake_dist, ca
     code, _, err = run_cli(capsys, "plan", "--config", "tiny")
     assert (code, err) == (2, "ipuft: error: head component 'gptj' of plugin 'brittle' failed in variable_specs(): "
                               "KeyError: 'gain'\n")
+
+
+def test_an_optimizer_that_is_not_an_ipuft_optimizer_is_refused_in_one_line(make_config):
+    """The engine calls only what :class:`ipuft.optim.Optimizer` declares (its attributes and ``fused_step``
+    included, with their defaults), so a plugin's build that makes something else is refused when it is built,
+    not at the first attribute the update reads."""
+    from omegaconf import OmegaConf
+
+    hooks = create_plugin_manager(extra_plugins=[("odd", _optimizer_plugin("one"))])
+    cfg = OmegaConf.create({"training": {"optimizer": {"name": "one"}}})
+    with pytest.raises(PluginError) as raised:
+        hooks.registrations.build_optimizer(cfg)
+    assert str(raised.value) == ("training.optimizer.name=one: plugin 'odd' built a NoneType, not an "
+                                 "ipuft.optim.Optimizer; subclass it")
+    adamw = hooks.registrations.build_optimizer(make_config("training.optimizer.name=adamw"))
+    from ipuft.optim import has_fused_step
+
+    assert has_fused_step(adamw) and adamw.block_size == 1 and adamw.block_states == frozenset()

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import torch
 from omegaconf import DictConfig
 
+from ipuft.optim import Optimizer, has_fused_step
 from ipuft.precision import Recipe, compute_dtype, rounding_workspace
 from ipuft.program import Phase, PhaseMoves
 
@@ -70,26 +71,26 @@ def update_groups(sizes: list[tuple[str, int]], chunk: int | None,
         yield group
 
 
-def piece_multiple(optimizer) -> int:
+def piece_multiple(optimizer: Optimizer) -> int:
     """Where the optimizer's pieces may start: a multiple of its block-wise state's
     :attr:`~ipuft.optim.Optimizer.block_size` (1, anywhere, by default)."""
-    return max(1, int(getattr(optimizer, "block_size", 1) or 1))
+    return max(1, int(optimizer.block_size or 1))
 
 
-def call_chunk(optimizer, device: torch.device | str, limit: int | None = None) -> int | None:
+def call_chunk(optimizer: Optimizer, device: torch.device | str, limit: int | None = None) -> int | None:
     """The most elements one call of ``optimizer`` updates on ``device`` (:func:`update_chunk`, and at most
     ``limit``: a streamed piece's), or ``None`` for an optimizer that is not elementwise (whole variables)."""
-    if not getattr(optimizer, "elementwise", True):
+    if not optimizer.elementwise:
         return None
     return min(update_chunk(device), limit) if limit else update_chunk(device)
 
 
-def one_pass(optimizer, how: Recipe, device: torch.device | str) -> bool:
+def one_pass(optimizer: Optimizer, how: Recipe, device: torch.device | str) -> bool:
     """Whether the optimizer's calls on ``device`` run its one-pass ``fused_step`` (:mod:`ipuft.engine.fused`),
     which makes no float32 views, gradients or rounding workspace."""
     from ipuft.engine import fused
 
-    return (getattr(optimizer, "fused_step", None) is not None and how in (Recipe.exact, Recipe.stochastic)
+    return (has_fused_step(optimizer) and how in (Recipe.exact, Recipe.stochastic)
             and torch.device(device).type == "cpu" and fused.library() is not None)
 
 

@@ -13,7 +13,7 @@ import torch
 from ipuft.engine.cuts import call_chunk, group_transient_bytes, piece_multiple, update_groups
 from ipuft.engine.store import Tensors
 from ipuft.engine.variables import MASTER
-from ipuft.optim import StepContext, state_piece
+from ipuft.optim import StepContext, has_fused_step, state_piece
 from ipuft.precision import Recipe, rounding_key, stochastic_round_
 from ipuft.program import Phase
 
@@ -115,8 +115,7 @@ class UnitUpdate:
         """The group's update by the optimizer's one-pass ``fused_step``, where it has one that serves: the
         stored pieces, the gradients before the factor, and each piece's stochastic rounding (its key, and its
         elements' counters in the full variable) when 16-bit."""
-        fused_step = getattr(self.optimizer, "fused_step", None)
-        if (fused_step is None or self.recipe not in (Recipe.exact, Recipe.stochastic) or not weights
+        if (not has_fused_step(self.optimizer) or self.recipe not in (Recipe.exact, Recipe.stochastic) or not weights
                 or weights[0].device.type != "cpu"):
             return False
         roundings = [None] * len(group)
@@ -125,7 +124,7 @@ class UnitUpdate:
                           self.model.placed[phase.role][name].counters(start, stop - start, weight.device))
                          for (name, start, stop), weight in zip(group, weights, strict=True)]
         names = [f"{phase.unit}.{name}" for name, _, _ in group]
-        return fused_step(names, weights, grads, states, ctx, roundings)
+        return self.optimizer.fused_step(names, weights, grads, states, ctx, roundings)
 
     def _round_into(self, phase: Phase, name: str, weight: torch.Tensor, view: torch.Tensor, start: int,
                     step: int) -> None:

@@ -31,7 +31,7 @@ Initializer = Callable[[str, list[VariableSpec]], Tensors]
 def placements(parts: ModelParts, layout: Layout, rts: bool,
                optimizer: Optimizer | None = None) -> dict[str, dict[str, Placement]]:
     """Every variable's placement, by role: with RTS, slices of whole blocks of the ``optimizer``'s block state."""
-    multiple = getattr(optimizer, "block_size", 1)
+    multiple = optimizer.block_size if optimizer is not None else 1
     return {role: {v.name: Placement(v, parts.shard_specs[role][v.name], layout, rts, multiple) for v in specs}
             for role, specs in parts.variables.items()}
 

@@ -156,7 +156,7 @@ def streamed_update_bytes(cfg: DictConfig, optimizer: Optimizer, groups: dict[st
         for s in groups.get(group, ()):
             name = s.name.variable if group == "optim" else s.name
             if name in per:
-                blocked = group == "optim" and s.name.state in getattr(optimizer, "block_states", ())
+                blocked = group == "optim" and s.name.state in optimizer.block_states
                 (per_block if blocked else per)[name] += s.dtype.itemsize
 
     def piece(n: str, a: int, b: int) -> int:  # a piece starts on a block boundary: its blocks are whole
