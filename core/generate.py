@@ -8,12 +8,9 @@ of them under :meth:`LayerKVCache.attention_mask` when the rows are padded.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
-
-if TYPE_CHECKING:
-    pass
 
 
 class LayerKVCache:
@@ -96,15 +93,9 @@ class LayerKVCache:
         self.start = total - self.kept
         return keys, values
 
-    def to(self, device: torch.device, pin: bool = False) -> None:
-        """Move the cached keys and values to ``device`` (host memory pinned with ``pin``)."""
-        def move(t: torch.Tensor) -> torch.Tensor:
-            if t.device == device:
-                return t
-            if device.type == "cpu":  # pinned, and copied asynchronously, with ``pin`` (CUDA)
-                return torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t, non_blocking=pin)
-            return t.to(device, non_blocking=pin)
-
+    def moved(self, move: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Keep ``move`` of the cached keys and values instead (the inference engine moves them between the host
+        and the device, :class:`ipuft.engine.inference.LayerMajor`)."""
         if self.keys is not None:
             self.keys, self.values = move(self.keys), move(self.values)
 

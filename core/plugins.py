@@ -209,9 +209,9 @@ class Registrations:
     def build_optimizer(self, cfg: DictConfig) -> Optimizer:
         """The optimizer ``training.optimizer.name`` names, built from ``cfg``."""
         name = cfg.training.optimizer.name
-        optimizer = self.optimizers.get(name).build(cfg)
+        registration = self.optimizers.get(name)
+        optimizer = registration.build(cfg)
         if not isinstance(optimizer, Optimizer):  # the engine calls only what the contract declares
-            registration = self.optimizers.get(name)
             raise PluginError(f"training.optimizer.name={name}: plugin '{registration.plugin}' built a "
                               f"{type(optimizer).__name__}, not an ipuft.optim.Optimizer; subclass it")
         optimizer.elementwise = self.optimizers.elementwise(name)  # what its registration declared

@@ -111,7 +111,7 @@ class LayerMajor:
             return
         before = cache.nbytes
         if self.offload:
-            cache.to(self.device)
+            cache.moved(lambda t: t if t.device == self.device else t.to(self.device))
             self.store.traffic.h2d["activation"] += before
             self.store.ledger.acquire(before)
         try:
@@ -119,8 +119,8 @@ class LayerMajor:
         finally:
             grown = cache.nbytes - before
             self.store.ledger.acquire(grown)  # the new positions' keys and values, made on the device
-            if self.offload:
-                cache.to(torch.device("cpu"), self.pin)
+            if self.offload:  # pinned, and copied asynchronously, with ``pin`` (CUDA)
+                cache.moved(lambda t: t if t.device.type == "cpu" else host_copy(t, self.pin))
                 self.store.traffic.d2h["activation"] += cache.nbytes
                 self.store.ledger.release(cache.nbytes)
 
