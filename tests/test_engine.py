@@ -254,19 +254,19 @@ def test_a_cpu_device_lends_offloaded_variables_and_counts_them_as_copies():
     stored = dict(store.entries["u"]["fwd"])
     loaded = store.load("u", "fwd")
     assert all(loaded[n] is stored[n] for n in stored)
-    assert store.traffic.h2d["fwd"] == store.ledger.resident == (32 + 8) * 4
+    assert store.traffic().h2d["fwd"] == store.device_resident == (32 + 8) * 4
     loaded["w"].add_(1.0)  # an update in place
     store.save("u", "fwd", {"w": loaded["w"]})
-    assert store.traffic.d2h["fwd"] == 32 * 4 and store.entries["u"]["fwd"]["w"] is stored["w"]
+    assert store.traffic().d2h["fwd"] == 32 * 4 and store.entries["u"]["fwd"]["w"] is stored["w"]
     fresh = {"w": torch.ones(4, 8), "b": torch.full((8,), 2.0)}
     store.save("u", "grad", fresh)
-    assert all(store.entries["u"]["grad"][n] is fresh[n] for n in fresh) and store.traffic.d2h["grad"] == 40 * 4
+    assert all(store.entries["u"]["grad"][n] is fresh[n] for n in fresh) and store.traffic().d2h["grad"] == 40 * 4
     view = torch.zeros(2, 8, 4).transpose(1, 2)[0]  # not a tensor of its own: copied into the stored one
     kept = store.entries["u"]["grad"]["w"]
     store.save("u", "grad", {"w": view})
     assert store.entries["u"]["grad"]["w"] is kept and torch.equal(kept, torch.zeros(4, 8))
     store.release(loaded)
-    assert store.ledger.resident == 0 and store.ledger.peak == 40 * 4
+    assert store.device_resident == 0 and store.device_peak == 40 * 4
 
 
 def test_lent_offloaded_steps_equal_offload_off_bit_for_bit(hooks, make_config):

@@ -177,11 +177,11 @@ def test_device_holds_one_unit_plus_buffers_however_deep(make_config, hooks, act
     for layers in (2, 16):
         cfg, _, runner = tiny_model(make_config, hooks, f"model.layers={layers}", "execution.offload=true",
                                     f"execution.activation_offload={str(activation_offload).lower()}")
-        runner.store.ledger.reset_peak()
+        runner.store.reset_peak()
         prompts = [p * 2 for p in PROMPTS]
         generate(runner, prompts, 8)
-        peaks[layers] = runner.store.ledger.peak
-        assert runner.store.ledger.resident == 0  # everything the passes brought is gone again
+        peaks[layers] = runner.store.device_peak
+        assert runner.store.device_resident == 0  # everything the passes brought is gone again
         batch, width = len(prompts), max(len(p) for p in prompts) + 8
         h = cfg.model.hidden_size
         caches[layers] = 2 * layers * batch * width * h * 4  # keys and values of every layer, float32
@@ -208,11 +208,11 @@ def test_plan_inference_view_equals_the_measured_device_peak(make_config, hooks,
                                 f"execution.activation_offload={str(activation_offload).lower()}",
                                 f"model.precision={precision}")
     prompts = [[(7 * r + i) % 50 + 1 for i in range(6)] for r in range(5)]
-    runner.store.ledger.reset_peak()
+    runner.store.reset_peak()
     out = generate(runner, prompts, 9)
     assert all(len(tokens) == 9 for tokens in out)
     planned = inference_estimate(cfg, runner.model.parts, batch_size=5, prompt_tokens=6, new_tokens=9)
-    assert planned["device_peak_bytes"] == runner.store.ledger.peak
+    assert planned["device_peak_bytes"] == runner.store.device_peak
 
 
 @pytest.mark.parametrize("activation_offload", [True, False])
@@ -228,9 +228,9 @@ def test_eval_loss_and_scoring_do_not_grow_with_depth(make_config, hooks, activa
                                   f"execution.activation_offload={str(activation_offload).lower()}")
         ids = torch.randint(1, 100, (4, 24), generator=torch.Generator().manual_seed(0))
         labels = torch.cat([ids[:, 1:], torch.full((4, 1), IGNORE_INDEX)], dim=1)
-        runner.store.ledger.reset_peak()
+        runner.store.reset_peak()
         runner.loss_sum(ids, labels)
         label_log_likelihoods(runner, PROMPTS, [[3, 4], [5]])
-        assert runner.store.ledger.resident == 0
-        peaks[layers] = runner.store.ledger.peak
+        assert runner.store.device_resident == 0
+        peaks[layers] = runner.store.device_peak
     assert peaks[16] == peaks[2]

@@ -340,6 +340,24 @@ def test_the_scheduler_holds_the_schedule_only():
     assert max(sizes.values()) <= 350, sizes
 
 
+def test_the_store_alone_moves_and_counts_bytes():
+    """The variable store is the one place that counts device bytes and traffic and copies between host and
+    device: outside core/engine/store.py (and the counters it keeps, core/engine/counters.py) no module reaches a
+    ledger or the traffic counts, adds to them, or makes an asynchronous copy of its own."""
+    allowed = {ROOT / "core" / "engine" / "store.py", ROOT / "core" / "engine" / "counters.py"}
+    counting = {"ledger", "_ledger", "_traffic", "acquire", "h2d", "d2h", "host_copy", "DeviceLedger", "copy_stream"}
+    found = []
+    for path in sorted((ROOT / "core").rglob("*.py")) + sorted((ROOT / "plugins").rglob("*.py")):
+        if path in allowed or path.is_relative_to(ROOT / "core" / "plan"):  # the plan declares; it moves nothing
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else \
+                node.arg if isinstance(node, ast.keyword) else None
+            if name in counting or name == "non_blocking":
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {name}")
+    assert not found, found
+
+
 # The layers, lowest first (docs/architecture.md draws them): a module is in the layer of the longest name here that
 # is it or a package above it, and imports only from its own layer or lower ones.
 LAYERS = {

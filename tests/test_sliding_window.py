@@ -236,11 +236,11 @@ def test_the_plan_counts_a_windowed_cache_and_measures_each_layer_kind(hooks, mo
     cfg = config(hooks, src, "execution.offload=true", f"execution.activation_offload={str(activation_offload).lower()}")
     runner = LayerMajor(inference_engine(cfg, hooks))
     prompts = [[(7 * r + i) % 50 + 3 for i in range(8)] for r in range(3)]
-    runner.store.ledger.reset_peak()
+    runner.store.reset_peak()
     assert all(len(row) == 9 for row in generate(runner, prompts, 9))
     parts = runner.model.parts
     planned = inference_estimate(cfg, parts, batch_size=3, prompt_tokens=8, new_tokens=9)
-    assert planned["device_peak_bytes"] == runner.store.ledger.peak
+    assert planned["device_peak_bytes"] == runner.store.device_peak
     per_position = 2 * 2 * 8 * 4  # keys and values, 2 heads of 8, float32
     assert kv_cache_layers(parts, cfg) == [(per_position, None), (per_position, W)]
     assert planned["kv_cache_bytes"] == 3 * (16 + W) * per_position

@@ -228,10 +228,10 @@ def test_generation_and_eval_of_a_tied_model_equal_transformers(hooks, tied_dirs
     state = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
     runner = hf_runner(cfg, hooks, state)
     prompts = [[(7 * r + i) % 90 + 3 for i in range(5)] for r in range(3)]
-    runner.store.ledger.reset_peak()
+    runner.store.reset_peak()
     ours = generate(runner, prompts, 6)
     planned = inference_estimate(cfg, runner.model.parts, batch_size=3, prompt_tokens=5, new_tokens=6)
-    assert planned["device_peak_bytes"] == runner.store.ledger.peak
+    assert planned["device_peak_bytes"] == runner.store.device_peak
     with torch.no_grad():
         expected = hf.generate(torch.tensor(prompts), max_new_tokens=6, do_sample=False, eos_token_id=None,
                                pad_token_id=0)[:, 5:]

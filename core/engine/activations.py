@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from ipuft.engine.spill import SpillFiles
-from ipuft.engine.store import VariableStore, host_copy
+from ipuft.engine.store import VariableStore
 from ipuft.parallel import Layout, all_gather_flat
 from ipuft.profiling import section
 
@@ -73,11 +73,9 @@ class ActivationBuffers:
             tensor = tensor.reshape(-1).chunk(tp)[self.layout.tp_rank].clone()
         size = tensor.numel() * tensor.element_size()
         if self.offload:
-            with section("copies"):
-                tensor = host_copy(tensor, self.pin)
-            self.store.traffic.d2h["activation"] += size
+            tensor = self.store.send(tensor, "activation")
         else:
-            self.store.ledger.acquire(size)
+            self.store.hold(size)
         self._slots[(kind, row, mb)] = tensor.detach()
         self.live += size
         if self._spilled((kind, row, mb)):
@@ -120,26 +118,20 @@ class ActivationBuffers:
             stored = self._slots.pop(key) if consume or spilled else self._slots[key]
         shape = self._shapes.pop(key) if consume else self._shapes[key]
         size = stored.numel() * stored.element_size()
-        if self.offload:
-            with section("copies"):
-                tensor = stored.to(self.store.compute, non_blocking=self.pin, copy=True)
-            self.store.traffic.h2d["activation"] += size
-            self.store.ledger.acquire(size)
-        else:
-            tensor = stored
+        tensor = self.store.bring(stored, "activation") if self.offload else stored
         gathered = 0
         if self.layout.tensor_parallel > 1:
             full = tensor.new_empty(size * self.layout.tensor_parallel // tensor.element_size())
             with section("collectives"):
                 all_gather_flat(full, tensor, group=self.layout.tp_group)
             tensor, gathered = full.view(shape), size * self.layout.tensor_parallel
-            self.store.ledger.acquire(gathered)
+            self.store.hold(gathered)
         try:
             yield tensor
         finally:
-            self.store.ledger.release(gathered)
+            self.store.free(gathered)
             if self.offload or consume:
-                self.store.ledger.release(size)
+                self.store.free(size)
             if consume or spilled:
                 self.live -= size
             if from_disk:
@@ -162,7 +154,7 @@ class ActivationBuffers:
     def clear(self) -> None:
         """Drop every buffered activation (the end of a step)."""
         if not self.offload:
-            self.store.ledger.release(sum(t.numel() * t.element_size() for t in self._slots.values()))
+            self.store.free(sum(t.numel() * t.element_size() for t in self._slots.values()))
         self._slots.clear()
         self._shapes.clear()
         self.live = self.peak = self._dropped = 0
@@ -203,7 +195,7 @@ def working_set(store: VariableStore, exclude: list[torch.Tensor], keep: bool = 
             seen.add(ptr)
             size = t.untyped_storage().nbytes()
             saved.bytes += size
-            store.ledger.acquire(size)
+            store.hold(size)
         return t
 
     try:
@@ -211,4 +203,4 @@ def working_set(store: VariableStore, exclude: list[torch.Tensor], keep: bool = 
             yield saved
     finally:
         if not keep:
-            store.ledger.release(saved.bytes)
+            store.free(saved.bytes)

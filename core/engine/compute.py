@@ -216,13 +216,13 @@ class UnitCompute:
                 g = g.float().add_(carried[n])
             grads[n] = g if n in lent else g.to(weights[n].dtype)
         fresh = storage_bytes(grads.values(), homes.values())
-        self.store.ledger.acquire(fresh - counted)
+        self.store.hold(fresh - counted)
         self._counted[phase.unit] = fresh
         return grads
 
     def release(self, phase: Phase) -> None:
         """The phase is done with the gradients :meth:`gradients` made (stored, or consumed by the update)."""
-        self.store.ledger.release(self._counted.pop(phase.unit, 0))
+        self.store.free(self._counted.pop(phase.unit, 0))
 
     def _backward(self, phase: Phase, io: OpActivations, weights: Tensors, st: StepState,
                   wide: bool, exact: set[str]) -> tuple[Tensors, Tensors, int]:
@@ -253,9 +253,8 @@ class UnitCompute:
 
         def count() -> None:  # the gradients alive now, but for those in the stored gradients' memory
             nonlocal counted
-            alive = storage_bytes([*sums.tensors(), *(p.grad for p in leaves.values() if p.grad is not None)],
-                                  homes.values())
-            self.store.ledger.acquire(alive - counted)
+            alive = sums.bytes(homes.values())
+            self.store.hold(alive - counted)
             counted = alive
 
         with bound(module, params), taking_weight_gradients(taken):
@@ -267,19 +266,19 @@ class UnitCompute:
                 sums.add_autograd(mb, micro_batches)
                 count()
                 holding = storage_bytes([*taken.held(), *(total for _, total in taken.accumulated())])
-                self.store.ledger.acquire(holding - held)
+                self.store.hold(holding - held)
                 held = holding
                 if (mb + 1) % every and mb + 1 < micro_batches:
                     continue
                 final = mb + 1 == micro_batches
                 if final:  # the sums ops accumulated become the unit's gradients: counted there from now
                     summed = storage_bytes(total for _, total in taken.accumulated())
-                    self.store.ledger.release(summed)
+                    self.store.free(summed)
                     held -= summed
                 for leaf, grad in taken.take(lambda leaf: homes.get(names[id(leaf)]), final):
                     sums.add(names[id(leaf)], grad, mb // every, takes)
                     count()
-                self.store.ledger.release(held)
+                self.store.free(held)
                 held = 0
         return sums.result(), homes, counted
 
@@ -333,7 +332,7 @@ class UnitCompute:
                     seed = read
             if out is not None:
                 torch.autograd.backward(out, seed, inputs=inputs + leaves)
-        self.store.ledger.release(size)
+        self.store.free(size)
         self.graph_bytes -= size
         if inputs:
             self.buffers.write(*io.written("dx"), mb, inputs[0].grad)

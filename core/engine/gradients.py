@@ -9,11 +9,11 @@ sums at all: the same values with fewer passes over the gradients and less memor
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 
 import torch
 
-from ipuft.engine.store import Tensors
+from ipuft.engine.store import Tensors, storage_bytes
 from ipuft.widen import add_rounded_, add_widened_, chunked_norm, gradient_chunk, narrow_in_place
 
 
@@ -64,6 +64,12 @@ class GradientSum:
     def tensors(self) -> list[torch.Tensor]:
         """The float32 sums (and rounded last parts) so far: nothing for float32 weights, summed in ``.grad``."""
         return list(self.sums.values())
+
+    def bytes(self, excluded: Iterable[torch.Tensor] = ()) -> int:
+        """The bytes the sum holds now (its float32 sums and the leaves' ``.grad``, autograd's part), each
+        storage once, but for the storages of ``excluded`` (memory counted elsewhere: the stored gradients)."""
+        return storage_bytes([*self.tensors(), *(p.grad for p in self.leaves.values() if p.grad is not None)],
+                             excluded)
 
     def result(self) -> Tensors:
         """The summed gradients: the float32 sums or rounded last parts (16-bit), or the leaves' ``.grad``."""

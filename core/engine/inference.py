@@ -24,7 +24,6 @@ import torch.distributed as dist
 
 from ipuft.attention import decoder_layer, examples_apart
 from ipuft.components import IGNORE_INDEX, bound
-from ipuft.engine.store import host_copy
 from ipuft.errors import ConfigError, DataError
 from ipuft.generate import KVCache, LayerKVCache
 from ipuft.program import Op, Phase
@@ -62,7 +61,6 @@ class LayerMajor:
         self.device = model.device
         self.layers = model.cfg.model.layers
         self.offload = bool(model.cfg.execution.activation_offload)
-        self.pin = self.offload and self.device.type == "cuda"
         phases = forward_phases(model)
         self.body = [p for p in phases if p.role != "head"]
         self.head_phase = next(p for p in phases if p.role == "head")
@@ -84,24 +82,17 @@ class LayerMajor:
 
     def _park(self, hidden: torch.Tensor) -> torch.Tensor:
         """Keep ``hidden`` between units: moved to the host with activation offload, else counted on the device."""
-        size = hidden.numel() * hidden.element_size()
         if not self.offload:
-            self.store.ledger.acquire(size)
+            self.store.hold(hidden.numel() * hidden.element_size())
             return hidden
-        self.store.traffic.d2h["activation"] += size
-        return host_copy(hidden, self.pin)
+        return self.store.send(hidden, "activation")
 
     def _fetch(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` back on the device for the next unit; its parked bytes are then the unit's input."""
-        if self.offload:
-            size = hidden.numel() * hidden.element_size()
-            self.store.traffic.h2d["activation"] += size
-            self.store.ledger.acquire(size)
-            return hidden.to(self.device, non_blocking=self.pin)
-        return hidden
+        return self.store.bring(hidden, "activation", copy=False) if self.offload else hidden
 
     def _done_with(self, hidden: torch.Tensor) -> None:
-        self.store.ledger.release(hidden.numel() * hidden.element_size())
+        self.store.free(hidden.numel() * hidden.element_size())
 
     @contextlib.contextmanager
     def _layer_cache(self, cache: LayerKVCache | None) -> Iterator[LayerKVCache | None]:
@@ -111,23 +102,21 @@ class LayerMajor:
             return
         before = cache.nbytes
         if self.offload:
-            cache.moved(lambda t: t if t.device == self.device else t.to(self.device))
-            self.store.traffic.h2d["activation"] += before
-            self.store.ledger.acquire(before)
+            cache.moved(lambda t: self.store.bring(t, "activation", copy=False))
         try:
             yield cache
         finally:
             grown = cache.nbytes - before
-            self.store.ledger.acquire(grown)  # the new positions' keys and values, made on the device
-            if self.offload:  # pinned, and copied asynchronously, with ``pin`` (CUDA)
-                cache.moved(lambda t: t if t.device.type == "cpu" else host_copy(t, self.pin))
-                self.store.traffic.d2h["activation"] += cache.nbytes
-                self.store.ledger.release(cache.nbytes)
+            self.store.hold(grown)  # the new positions' keys and values, made on the device
+            if self.offload:  # pinned, and copied asynchronously, on CUDA
+                held = cache.nbytes
+                cache.moved(lambda t: self.store.send(t, "activation", copy=False))
+                self.store.free(held)
 
     def release(self, cache: KVCache | None) -> None:
         """The caller is done with ``cache``: its device bytes (without offload) are free."""
         if cache is not None and not self.offload:
-            self.store.ledger.release(cache.nbytes)
+            self.store.free(cache.nbytes)
 
     # ---- passes ----
 
@@ -158,14 +147,13 @@ class LayerMajor:
         if positions is not None:
             index = positions.to(hidden.device).unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
             picked = hidden.gather(1, index)
-            self.store.ledger.acquire(picked.numel() * picked.element_size())
+            self.store.hold(picked.numel() * picked.element_size())
             self._done_with(hidden)
             hidden = picked
         with torch.no_grad(), evaluating(self.model.modules), self._unit(self.head_phase) as module:
             logits = module(hidden)
-            size = logits.numel() * logits.element_size()
-            self.store.ledger.acquire(size)  # counted at its peak, with the head's weights
-            self.store.ledger.release(size)
+            with self.store.holding(logits.numel() * logits.element_size()):  # its peak, with the head's weights
+                pass
         self._done_with(hidden)
         return logits
 

@@ -142,7 +142,7 @@ class PhasedEngine:
         if batch.micro_batches != self.cfg.gradient_accumulation:
             raise ValueError(f"batch has {batch.micro_batches} micro-batches, "
                              f"expected {self.cfg.gradient_accumulation}")
-        before = self.store.traffic.copy()
+        before = self.store.traffic()
         self.store.begin_step()
         self.updates += 1
         with section("copies"):
@@ -151,7 +151,7 @@ class PhasedEngine:
                             for t in (batch.input_ids, batch.labels, batch.positions)))
             positions = [None if p is None else batch.positions[mb] for mb, p in enumerate(positions)]
         moved = (batch.input_ids, batch.labels, batch.positions)
-        self.store.traffic.h2d["data"] += sum(t.numel() * t.element_size() for t in moved if t is not None)
+        self.store.brought("data", sum(t.numel() * t.element_size() for t in moved if t is not None), held=False)
         state = StepState(batch, lr, self.scale.scale, self.updates,
                           torch.zeros((), dtype=torch.float32, device=self.device), positions=positions,
                           weights=token_weights(batch.labels, self.layout))
@@ -176,7 +176,7 @@ class PhasedEngine:
             with section("collectives"):
                 dist.all_reduce(loss, group=self.layout.dp_group)
             loss /= self.layout.data_parallel
-        traffic = self.store.traffic.since(before)
+        traffic = self.store.traffic().since(before)
         peak, phase_peaks = self.store.step_peaks()
         return StepResult(
             loss=loss.item(),

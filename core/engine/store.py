@@ -27,12 +27,12 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ipuft.components import VariableSpec
+from ipuft.engine.counters import DeviceLedger, Traffic
 from ipuft.profiling import section
 
 Tensors = dict[str, torch.Tensor]
@@ -67,81 +67,6 @@ def host_copy(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
     return host.copy_(tensor, non_blocking=pin)
 
 
-@dataclass
-class Traffic:
-    """Bytes moved between host and compute device, per category (a variable group, ``activation``,
-    ``data``), in each direction."""
-
-    h2d: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    d2h: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-
-    @property
-    def h2d_bytes(self) -> int:
-        return sum(self.h2d.values())
-
-    @property
-    def d2h_bytes(self) -> int:
-        return sum(self.d2h.values())
-
-    def copy(self) -> Traffic:
-        """The counts so far, to take :meth:`since` from."""
-        return Traffic(defaultdict(int, self.h2d), defaultdict(int, self.d2h))
-
-    def since(self, before: Traffic) -> Traffic:
-        """The bytes moved since ``before`` (a :meth:`copy`), per category."""
-        return Traffic(defaultdict(int, {k: v - before.h2d.get(k, 0) for k, v in self.h2d.items()}),
-                       defaultdict(int, {k: v - before.d2h.get(k, 0) for k, v in self.d2h.items()}))
-
-    def as_dict(self) -> dict[str, dict[str, int]]:
-        return {"h2d": dict(self.h2d), "d2h": dict(self.d2h)}
-
-
-class DeviceLedger:
-    """Bytes the engine holds on the compute device, and their peak since the last reset."""
-
-    def __init__(self) -> None:
-        self.resident = 0
-        self.peak = 0
-        self._host = 0  # > 0 inside on_host(): what is acquired is host memory
-        self.phase_peaks: dict[str, int] = {}  # each phase's most bytes above what was resident as it began
-
-    def acquire(self, n: int) -> None:
-        if self._host:
-            return
-        self.resident += n
-        self.peak = max(self.peak, self.resident)
-
-    def release(self, n: int) -> None:
-        if not self._host:
-            self.resident -= n
-
-    @contextmanager
-    def on_host(self) -> Iterator[None]:
-        """Work in the block runs in host memory (``execution.optimizer_placement=host``): the temporaries it
-        acquires and releases are not device bytes and are not counted."""
-        self._host += 1
-        try:
-            yield
-        finally:
-            self._host -= 1
-
-    def reset_peak(self) -> None:
-        self.peak = self.resident
-        self.phase_peaks = {}
-
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        """Record the block's (a phase's) peak above what was resident as it began, as ``phase_peaks[name]``:
-        what ``ipuft plan`` declares the phase holds (:class:`ipuft.plan.memory.PhaseMemory`)."""
-        start, outer = self.resident, self.peak
-        self.peak = self.resident
-        try:
-            yield
-        finally:
-            self.phase_peaks[name] = max(self.phase_peaks.get(name, 0), self.peak - start)
-            self.peak = max(outer, self.peak)
-
-
 class VariableStore:
     """Host-resident variables, loaded to and saved from the compute device phase by phase."""
 
@@ -154,9 +79,9 @@ class VariableStore:
         # Pinned host memory makes host↔device copies asynchronous on CUDA.
         self.pin = offload and self.compute.type == "cuda"
         self.entries: dict[str, dict[str, Tensors]] = defaultdict(dict)
-        self.traffic = Traffic()
-        self.ledger = DeviceLedger()
-        self.copy_stream = torch.cuda.Stream(self.compute) if self.pin else None
+        self._traffic = Traffic()
+        self._ledger = DeviceLedger()
+        self._copy_stream = torch.cuda.Stream(self.compute) if self.pin else None
         self._prefetched: dict[tuple[str, str], tuple[Tensors, torch.cuda.Event]] = {}
 
     # ---- allocation ----
@@ -173,7 +98,7 @@ class VariableStore:
             home[name] = t.pin_memory() if self.pin else t
         self.entries[unit][group] = home
         if not self.offload:
-            self.ledger.acquire(nbytes(home.values()))
+            self._ledger.acquire(nbytes(home.values()))
 
     def variable_bytes(self) -> int:
         """Bytes of every variable this rank stores, wherever they live."""
@@ -212,22 +137,39 @@ class VariableStore:
         """On CUDA, start copying ``unit``'s ``group`` (only ``names``, when given) to the device on a side
         stream (the analogue of the reference's IO tiles); the next :meth:`load` of it, with the same
         ``names``, waits for the copy. A no-op elsewhere."""
-        if self.copy_stream is None or (unit, group) in self._prefetched or group not in self.entries[unit]:
+        if self._copy_stream is None or (unit, group) in self._prefetched or group not in self.entries[unit]:
             return
         # Everything enqueued so far, including earlier phases' stores into host memory, comes first.
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.compute))
-        with section("copies"), torch.cuda.stream(self.copy_stream):
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.compute))
+        with section("copies"), torch.cuda.stream(self._copy_stream):
             out = {n: t.to(self.compute, non_blocking=True, copy=True) for n, t in self.entries[unit][group].items()
                    if names is None or n in names}
             ready = torch.cuda.Event()
-            ready.record(self.copy_stream)
+            ready.record(self._copy_stream)
         self._count_load(group, out)
         self._prefetched[(unit, group)] = (out, ready)
 
+    def after_compute(self) -> None:
+        """The side copies that follow wait for everything enqueued so far on the compute stream (earlier
+        phases' stores into host memory land first; CUDA, a no-op elsewhere)."""
+        if self._copy_stream is not None:
+            self._copy_stream.wait_stream(torch.cuda.current_stream(self.compute))
+
+    @contextmanager
+    def beside_compute(self) -> Iterator[list[torch.cuda.Event]]:
+        """The block's copies run on the side copy stream (CUDA; elsewhere the block just runs); the list it
+        gives holds, after the block, the event that marks them done (empty without a side stream)."""
+        if self._copy_stream is None:
+            yield []
+            return
+        done: list[torch.cuda.Event] = []
+        with torch.cuda.stream(self._copy_stream):
+            yield done
+            done.append(torch.cuda.Event())
+            done[0].record(self._copy_stream)
+
     def _count_load(self, group: str, tensors: Tensors) -> None:
-        size = nbytes(tensors.values())
-        self.traffic.h2d[group] += size
-        self.ledger.acquire(size)
+        self.brought(group, nbytes(tensors.values()))
 
     def save(self, unit: str, group: str, tensors: Tensors) -> None:
         """Write ``tensors`` (on the compute device, loaded or created by the phase) back as ``unit``'s
@@ -243,27 +185,106 @@ class VariableStore:
                 else:
                     stored[name].copy_(t, non_blocking=self.pin)
         if self.offload:  # lent tensors changed in place count as moved back, as copies would be
-            self.traffic.d2h[group] += nbytes((tensors if self.lends else moved).values())
+            self.sent(group, nbytes((tensors if self.lends else moved).values()))
 
     def release(self, tensors: Tensors) -> None:
         """The phase is done with ``tensors``, which it loaded: with offload each was counted on the device when
         it came (copied or lent); without, they are the stored variables, counted for as long as they live."""
         if self.offload:
-            self.ledger.release(nbytes(tensors.values()))
+            self._ledger.release(nbytes(tensors.values()))
+
+    # ---- moving and counting: every byte the engine holds on the device or moves is counted here ----
+
+    def hold(self, n: int) -> None:
+        """``n`` more bytes held on the compute device (made there; a negative ``n`` gives bytes back)."""
+        self._ledger.acquire(n)
+
+    def free(self, n: int) -> None:
+        """``n`` bytes that :meth:`hold`, :meth:`bring` or :meth:`brought` counted are gone from the device."""
+        self._ledger.release(n)
+
+    @contextmanager
+    def holding(self, n: int) -> Iterator[None]:
+        """``n`` transient bytes held on the device for the block."""
+        self.hold(n)
+        try:
+            yield
+        finally:
+            self.free(n)
+
+    def brought(self, category: str, n: int, held: bool = True) -> None:
+        """The caller copied ``n`` bytes of ``category`` to the device: counted host→device and, ``held``, as
+        device bytes until freed."""
+        self._traffic.h2d[category] += n
+        if held:
+            self._ledger.acquire(n)
+
+    def sent(self, category: str, n: int) -> None:
+        """The caller copied ``n`` bytes of ``category`` to the host: counted device→host."""
+        self._traffic.d2h[category] += n
+
+    def bring(self, tensor: torch.Tensor, category: str, copy: bool = True, held: bool = True) -> torch.Tensor:
+        """``tensor`` (in host memory) on the compute device, counted as :meth:`brought`; ``copy=False``: the
+        tensor itself where it already is there (a CPU device)."""
+        with section("copies"):
+            out = tensor.to(self.compute, non_blocking=self.compute.type == "cuda", copy=copy)
+        self.brought(category, tensor.numel() * tensor.element_size(), held)
+        return out
+
+    def send_into(self, host: torch.Tensor, tensor: torch.Tensor, category: str) -> None:
+        """Copy ``tensor`` (on the device) into ``host`` (asynchronously on CUDA), counted as :meth:`sent`; nothing
+        is copied where they are one tensor (lent host memory), but the bytes count as moved back."""
+        if host is not tensor:
+            with section("copies"):
+                host.copy_(tensor, non_blocking=self.pin)
+        self.sent(category, host.numel() * host.element_size())
+
+    def send(self, tensor: torch.Tensor, category: str, copy: bool = True) -> torch.Tensor:
+        """A copy of ``tensor`` in host memory (pinned and asynchronous on CUDA), counted as :meth:`sent`;
+        ``copy=False``: the tensor itself where it already is there (a CPU device)."""
+        if copy or tensor.device.type != "cpu":
+            with section("copies"):
+                tensor_ = host_copy(tensor, self.compute.type == "cuda")
+        else:
+            tensor_ = tensor
+        self.sent(category, tensor.numel() * tensor.element_size())
+        return tensor_
+
+    def on_host(self):
+        """Work in the block runs in host memory (:meth:`DeviceLedger.on_host`): not counted on the device."""
+        return self._ledger.on_host()
+
+    def traffic(self) -> Traffic:
+        """The bytes moved so far, per category (a copy: take :meth:`Traffic.since` from it)."""
+        return self._traffic.copy()
 
     # ---- what a step holds on the device (the ledger's record, for StepResult) ----
 
+    @property
+    def device_resident(self) -> int:
+        """The bytes counted on the compute device now."""
+        return self._ledger.resident
+
+    @property
+    def device_peak(self) -> int:
+        """The most bytes counted on the compute device since the last :meth:`reset_peak`."""
+        return self._ledger.peak
+
+    def reset_peak(self) -> None:
+        """The device peak and the phases' peaks are recorded afresh from here."""
+        self._ledger.reset_peak()
+
     def begin_step(self) -> None:
         """A step starts: its device peak and its phases' peaks are recorded afresh."""
-        self.ledger.reset_peak()
+        self.reset_peak()
 
     def phase(self, name: str):
         """The block is phase ``name``: its peak above what it found is recorded (:meth:`DeviceLedger.phase`)."""
-        return self.ledger.phase(name)
+        return self._ledger.phase(name)
 
     def step_peaks(self) -> tuple[int, dict[str, int]]:
         """The step's device peak so far, and each phase's peak above what it found, in bytes."""
-        return self.ledger.peak, dict(self.ledger.phase_peaks)
+        return self._ledger.peak, dict(self._ledger.phase_peaks)
 
     def synchronize(self) -> None:
         """Wait for outstanding asynchronous copies (CUDA), so host values are final."""

@@ -103,12 +103,8 @@ class StoredModel:
         on the device for the block (``stored`` may hold the tied variables the unit uses, its owners')."""
         placed = self.uses[role]
         weights = {n: placed[n].gather(t) for n, t in stored.items()}
-        size = nbytes(w for n, w in weights.items() if w is not stored[n])
-        self.store.ledger.acquire(size)
-        try:
+        with self.store.holding(nbytes(w for n, w in weights.items() if w is not stored[n])):
             yield weights
-        finally:
-            self.store.ledger.release(size)
 
     def borrow(self, role: str) -> Tensors:
         """The tied variables a unit of ``role`` computes with, loaded from their owners (as ``fwd`` traffic), by

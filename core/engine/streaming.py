@@ -16,7 +16,6 @@ each element's index in the full variable, not on the piece).
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -68,8 +67,7 @@ class StreamedUpdate:
                  + sum(nbytes(sources[g][n] for n in names) for g in ("fwd", "grad") if g in streamed))
         chunk = call_chunk(self.update.optimizer, self.model.device, piece_elements(self.piece_bytes, numel, total))
         groups = list(update_groups(sizes, chunk, self.update.multiple))
-        if self.store.copy_stream is not None:  # earlier phases' stores into host memory land first
-            self.store.copy_stream.wait_stream(torch.cuda.current_stream(self.model.device))
+        self.store.after_compute()  # earlier phases' stores into host memory land first
         ahead = double_buffered(self.model.device) and not self.store.lends
         pending = self._fetch(groups[0], sources, states, streamed) if groups else None
         for k in range(len(groups)):
@@ -87,18 +85,14 @@ class StreamedUpdate:
         """Bring one call's pieces to the device (on the side stream, on CUDA), counted as loads."""
         piece = _Piece(group, [], [], [])
         store, optimizer = self.store, self.update.optimizer
-        copying = store.copy_stream is not None
-        context = torch.cuda.stream(store.copy_stream) if copying else nullcontext()
-        with section("copies"), context:
+        with section("copies"), store.beside_compute() as done:
             for name, start, stop in group:
                 piece.weights.append(self._bring("fwd", sources["fwd"][name].view(-1)[start:stop], streamed, piece))
                 piece.grads.append(self._bring("grad", sources["grad"][name].view(-1)[start:stop], streamed, piece))
                 piece.states.append({k: self._bring("optim", state_piece(optimizer, k, t, start, stop), streamed, piece)
                                      for k, t in states[name].items()})
-            if copying:
-                piece.ready = torch.cuda.Event()
-                piece.ready.record(store.copy_stream)
-        store.ledger.acquire(piece.size)
+        piece.ready = done[0] if done else None
+        store.hold(piece.size)
         return piece
 
     def _bring(self, group: str, flat: torch.Tensor, streamed: frozenset[str], piece: _Piece) -> torch.Tensor:
@@ -106,10 +100,12 @@ class StreamedUpdate:
         tensor (the view itself, where the store lends host memory), the view otherwise."""
         if group not in streamed:
             return flat
-        size = flat.numel() * flat.element_size()
-        self.store.traffic.h2d[group] += size
-        piece.size += size
-        out = flat if self.store.lends else flat.to(self.model.device, non_blocking=self.store.pin, copy=True)
+        piece.size += flat.numel() * flat.element_size()  # held with the call's other pieces (_fetch)
+        if self.store.lends:
+            out = flat
+            self.store.brought(group, flat.numel() * flat.element_size(), held=False)
+        else:
+            out = self.store.bring(flat, group, held=False)
         if group != "grad":  # updated: goes back
             piece.back.append((group, flat, out))
         return out
@@ -125,9 +121,6 @@ class StreamedUpdate:
 
     def _return(self, piece: _Piece) -> None:
         """Copy the updated weights and state back into their host tensors, counted as stores."""
-        with section("copies"):
-            for group, host, device in piece.back:
-                if host is not device:
-                    host.copy_(device, non_blocking=self.store.pin)
-                self.store.traffic.d2h[group] += host.numel() * host.element_size()
-        self.store.ledger.release(piece.size)
+        for group, host, device in piece.back:
+            self.store.send_into(host, device, group)
+        self.store.free(piece.size)

@@ -75,7 +75,7 @@ class UnitUpdate:
         entries = self.store.entries[phase.unit]
         trainable = self.model.trainable[phase.role]
         weights = {n: t for n, t in entries["fwd"].items() if n in trainable}
-        with self.store.ledger.on_host():
+        with self.store.on_host():
             self.step(phase, weights, entries["optim"], entries["grad"], ctx)
 
     def pieces(self, phase: Phase, group: list[tuple[str, int, int]], weights: list[torch.Tensor],
@@ -94,7 +94,7 @@ class UnitUpdate:
             return
         wide = self.recipe is not Recipe.exact
         transient = group_transient_bytes(self.recipe, [stop - start for _, start, stop in group])
-        self.store.ledger.acquire(transient)
+        self.store.hold(transient)
         names, views, finished, pieces = [], [], [], []
         for (name, _, _), weight, grad, given in zip(group, weights, grads, states, strict=True):
             state = dict(given)
@@ -108,7 +108,7 @@ class UnitUpdate:
         if wide:
             for (name, start, _), weight, view in zip(group, weights, views):
                 self._round_into(phase, name, weight, view, start, ctx.step)
-        self.store.ledger.release(transient)
+        self.store.free(transient)
 
     def _fused(self, phase: Phase, group: list[tuple[str, int, int]], weights: list[torch.Tensor],
                grads: list[torch.Tensor], states: list[dict[str, torch.Tensor]], ctx: StepContext) -> bool:

@@ -35,12 +35,12 @@ class Measured:
     """The ``--json`` figures of the passes run after it is made: tokens per second and the device peak."""
 
     def __init__(self, engine) -> None:
-        engine.store.ledger.reset_peak()
+        engine.store.reset_peak()
         self.engine, self.began = engine, time.perf_counter()
 
     def figures(self, tokens: int) -> dict:
         return {"tokens_per_s": tokens / (time.perf_counter() - self.began),
-                "device_peak_bytes": self.engine.store.ledger.peak}
+                "device_peak_bytes": self.engine.store.device_peak}
 
 
 def evaluate_loss(cfg: DictConfig, hooks: PluginHooks, dataset: TokenDataset | None = None) -> dict:
