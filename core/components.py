@@ -16,12 +16,16 @@ Module call conventions, by role:
   over the micro-batch's tokens whose label is not ``IGNORE_INDEX`` (labels are already shifted: the
   label at position t is the token at t + 1)
 
-Every component also implements ``variable_specs()`` and ``hf_mapping(layer)``, and may implement
-``hf_fused(layer)``: the Hugging Face tensors that hold several of its variables stacked (:class:`FusedRows`).
-A decoder may also declare
-``projections``: ``{name: module path}`` for the projections every family shares (``q``, ``k``, ``v``, ``o``,
-``gate``, ``up``, ``down``; each an :class:`ipuft.ops.Linear`), which adapters target by name (LoRA's
-``plugins.lora.targets``), so that an adapter plugin knows no decoder's module paths.
+Every component also implements ``variable_specs()`` and ``hf_mapping(layer)`` (:class:`Component`). What
+else it may provide is a protocol of its own, which the engine and the exports test with ``isinstance``:
+``hf_fused(layer)``, the Hugging Face tensors that hold several of its variables stacked (:class:`FusedRows`,
+:class:`HasFusedTensors`); ``hf_config()`` (:class:`HasHFConfig`); ``hf_exportable`` (:class:`Exportability`);
+``uses_dropout`` (:class:`DrawsMasks`); an adapter's methods (:class:`Adapted`, :class:`Merges`,
+:class:`PeftExportable`). A
+decoder may also declare ``projections`` (:class:`HasProjections`): ``{name: module path}`` for the
+projections every family shares (``q``, ``k``, ``v``, ``o``, ``gate``, ``up``, ``down``; each an
+:class:`ipuft.ops.Linear`), which adapters target by name (LoRA's ``plugins.lora.targets``), so that an adapter
+plugin knows no decoder's module paths.
 """
 
 from __future__ import annotations
@@ -148,8 +152,99 @@ class Component(Protocol):
         """Map each local variable name to its Hugging Face GPT-J parameter name (``layer`` for decoders)."""
         ...
 
-    # Optional, for decoders: ``projections -> dict[str, str]``, each shared projection name (q k v o gate up down)
-    # and its module's path (see the module docstring). Not a Protocol member: embeddings and heads lack it.
+
+
+# What a component may also provide, each a protocol of its own: the engine and the exports ask
+# ``isinstance(module, <protocol>)`` and call what it declares; a component without it gets the stated default.
+
+@runtime_checkable
+class HasProjections(Protocol):
+    """A decoder's shared projections, which adapters target by name (default: none, and no adapter)."""
+
+    @property
+    def projections(self) -> dict[str, str]:
+        """Each shared projection name (q k v o gate up down) and its module's path (see the module docstring)."""
+        ...
+
+
+@runtime_checkable
+class HasFusedTensors(Protocol):
+    """A component whose Hugging Face checkpoint stacks several of its variables in one tensor (default: none)."""
+
+    def hf_fused(self, layer: int | None) -> tuple[FusedRows, ...]:
+        """The Hugging Face tensors that hold several of the unit's variables stacked (:class:`FusedRows`)."""
+        ...
+
+
+@runtime_checkable
+class HasHFConfig(Protocol):
+    """A component that contributes keys to an export's config.json (default: none)."""
+
+    def hf_config(self) -> dict:
+        """This component's part of a Hugging Face config.json."""
+        ...
+
+
+@runtime_checkable
+class Exportability(Protocol):
+    """A component that says whether a Hugging Face export can hold it (default: it can)."""
+
+    hf_exportable: bool
+
+
+@runtime_checkable
+class DrawsMasks(Protocol):
+    """A component that draws dropout masks of its own beyond ``model.dropout_prob`` (default: it draws none),
+    which the engine seeds alike in a layer's forward and its recompute."""
+
+    @property
+    def uses_dropout(self) -> bool:
+        ...
+
+
+@runtime_checkable
+class Adapted(Protocol):
+    """A component with adapters added (LoRA: its ``added`` variables), split over TP its own way."""
+
+    def adapter_shard_specs(self, base: dict[str, ShardSpec]) -> dict[str, ShardSpec]:
+        """The adapters' TP layout, given the base variables' resolved one."""
+        ...
+
+
+@runtime_checkable
+class Merges(Protocol):
+    """A component whose ``added`` variables a Hugging Face export folds into the others (a LoRA merge)."""
+
+    def hf_merge(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The unit's variables for a plain model, the adapters folded into the weights they adapt."""
+        ...
+
+
+@runtime_checkable
+class PeftExportable(Protocol):
+    """An adapted component whose adapters a peft adapter directory can hold (``ipuft export --adapter``)."""
+
+    def peft_mapping(self, layer: int | None) -> dict[str, str]:
+        """Each adapter variable's name in a peft adapter_model.safetensors (but those written stacked)."""
+        ...
+
+    def peft_stacked(self, layer: int | None) -> dict[str, list[str]]:
+        """The peft tensors made of several adapter variables (a fused module's), with the variables of each."""
+        ...
+
+    def peft_stack(self, layer: int | None, name: str, tensors: dict[str, torch.Tensor],
+                   shapes: dict[str, tuple[int, ...]]) -> torch.Tensor:
+        """peft tensor ``name`` of :meth:`peft_stacked` from its variables ``tensors``."""
+        ...
+
+    def peft_config(self) -> dict:
+        """The adapter's part of a peft adapter_config.json."""
+        ...
+
+
+def exportable(module: object) -> bool:
+    """Whether a Hugging Face export can hold ``module`` (:class:`Exportability`)."""
+    return not isinstance(module, Exportability) or bool(module.hf_exportable)
 
 
 def has_values(tensor: torch.Tensor) -> bool:

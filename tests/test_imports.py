@@ -358,6 +358,56 @@ def test_the_store_alone_moves_and_counts_bytes():
     assert not found, found
 
 
+# What the engine and the exports may call on a component beyond forward, each declared in ipuft.components.
+COMPONENT_METHODS = {"variable_specs", "hf_mapping", "projections", "hf_fused", "hf_config", "hf_exportable",
+                     "uses_dropout", "adapter_shard_specs", "hf_merge", "peft_mapping", "peft_stacked", "peft_stack",
+                     "peft_config"}
+
+
+def test_no_component_method_is_looked_up_by_name(make_config, hooks):
+    """Every method the engine and the exports call on a component is declared in ``ipuft.components``
+    (:class:`~ipuft.components.Component` or one of its optional protocols, tested with ``isinstance``):
+    nothing in core or the plugins finds one with ``getattr`` or ``hasattr``; the protocols tell the shipped
+    modules apart as they are."""
+    from ipuft import components
+    from ipuft.engine.model import build_model
+
+    protocols = (components.Component, components.HasProjections, components.HasFusedTensors,
+                 components.HasHFConfig, components.Exportability, components.DrawsMasks, components.Adapted,
+                 components.Merges, components.PeftExportable)
+    assert all(any(hasattr(p, n) or n in p.__annotations__ for p in protocols) for n in COMPONENT_METHODS)
+    found = []
+    for path in sorted((ROOT / "core").rglob("*.py")) + sorted((ROOT / "plugins").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+                    and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)
+                    and node.args[1].value in COMPONENT_METHODS):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.func.id}(..., {node.args[1].value!r})")
+    assert not found, found
+
+    gptj = build_model(make_config(), hooks).modules  # GPT-J: projections and a config part, no fused rows
+    assert isinstance(gptj["decoder"], components.HasProjections) and isinstance(gptj["decoder"], components.HasHFConfig)
+    assert not isinstance(gptj["decoder"], components.HasFusedTensors)
+    assert not isinstance(gptj["embeddings"], components.HasProjections)
+    lora = build_model(make_config("model.adapter=lora"), hooks).modules["decoder"]
+    assert all(isinstance(lora, p) for p in (components.Adapted, components.Merges, components.PeftExportable))
+    assert not isinstance(gptj["decoder"], components.Adapted) and all(map(components.exportable, gptj.values()))
+
+
+def test_the_engine_reads_settings_not_the_config():
+    """At most 10 functions in core/engine take the whole config (``cfg``): building the model and the stored
+    model, the scheduler, and :func:`~ipuft.engine.cuts.step_shape`, which types what the cutting rules read
+    once; the rules themselves take a :class:`~ipuft.engine.cuts.StepShape`."""
+    taking = []
+    for path in sorted((ROOT / "core" / "engine").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and \
+                    {"cfg", "config"} & {a.arg for a in [*node.args.args, *node.args.kwonlyargs]}:
+                taking.append(f"{path.name}:{node.name}")
+    assert len(taking) <= 10, taking
+    assert not [t for t in taking if t.startswith("cuts.") and t != "cuts.py:step_shape"], taking
+
+
 # The layers, lowest first (docs/architecture.md draws them): a module is in the layer of the longest name here that
 # is it or a package above it, and imports only from its own layer or lower ones.
 LAYERS = {

@@ -7,8 +7,13 @@ tokens, ``n`` the step's over every micro-batch and DP rank: :attr:`StepState.we
 gradient, mean-reduced over DP, is that of the step's loss, the mean over every trained token of the step, as
 transformers' Trainer (``num_items_in_batch``) and TRL weight it; :class:`~ipuft.engine.gradients.GradientSum`
 sums them.
-Every module call runs under its micro-batch's positions (:func:`ipuft.attention.examples_apart`, ``None``
-where each row of the micro-batch is one example), so that a layer's recompute attends as its forward did.
+What a module call runs under is set here alone in training (the inference engine and the plan's measurements
+set the same for theirs), each a context variable documented in its own module: the micro-batch's positions
+(:func:`ipuft.attention.examples_apart`, so that a recompute attends as its forward did) and the layer
+(:func:`ipuft.attention.decoder_layer`: its window, its rotary) in :meth:`UnitCompute.call`; in the backward,
+the weight gradients taken later (:func:`ipuft.ops.taking_weight_gradients`), the head's loss by chunks of tokens
+told the seed (:func:`ipuft.head_loss.head_chunks`) and a forward run only for its gradient
+(:func:`ipuft.components.recompute`). Nothing else changes what a component computes.
 Under data parallelism each unit's gradient is mean-reduced over the DP group once, after its micro-batch
 loop (reduce-scattered with RTS); see :mod:`ipuft.engine.placement` for the forms a variable takes.
 """
@@ -22,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ipuft.attention import decoder_layer, examples_apart
-from ipuft.components import bound, recompute
+from ipuft.components import DrawsMasks, bound, recompute
 from ipuft.data.batch import Batch
 from ipuft.engine.activations import ActivationBuffers, working_set
 from ipuft.engine.cuts import take_every, writes_into_stored
@@ -89,7 +94,7 @@ class UnitCompute:
         self.store = model.store
         self.recompute = bool(model.cfg.execution.recompute)
         # A component may draw masks of its own (an adapter's dropout): ``uses_dropout`` says so.
-        self.dropout = model.cfg.model.dropout_prob > 0 or any(getattr(m, "uses_dropout", False)
+        self.dropout = model.cfg.model.dropout_prob > 0 or any(isinstance(m, DrawsMasks) and m.uses_dropout
                                                               for m in model.modules.values())
         self.head_chunk_tokens = model.cfg.execution.head_chunk_tokens
         self.graphs: dict[str, KeptGraphs] = {}

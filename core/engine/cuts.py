@@ -3,13 +3,15 @@
 - the update: how many elements one optimizer call takes (:func:`call_chunk`), where its pieces may start
   (:func:`piece_multiple`), the groups of pieces each call updates (:func:`update_groups`), whether it runs in
   one pass (:func:`one_pass`) and what it adds on the device (:func:`group_transient_bytes`);
-- the streamed update: which groups stream (:func:`streamed_groups`), how large a piece is
+- the streamed update: which groups stream (:meth:`StepShape.streamed_groups`), how large a piece is
   (:func:`piece_elements`) and whether the next is copied during this one (:func:`double_buffered`);
 - the gradients: how many micro-batches a weight-gradient take covers (:func:`take_every`), whether the takes
   write into the stored gradients (:func:`writes_into_stored`), what summing holds
   (:func:`gradient_working_bytes`);
-- the activations: one buffered entry's bytes (:func:`activation_bytes`, :func:`stored_activation_bytes`) and
-  what a step spills to disk (:func:`spill_bytes`).
+- the activations: one buffered entry's bytes (:attr:`StepShape.activation_bytes`, its TP slice) and what a
+  step spills to disk (:attr:`StepShape.spill_bytes`).
+
+They read a :class:`StepShape` (:func:`step_shape`: the config's sizes and choices, typed once), not the config.
 
 A rule changed here changes what runs and what the plan says together: the tests that hold the engine's counters
 equal to the plan hold them to these functions.
@@ -18,6 +20,7 @@ equal to the plan hold them to these functions.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from omegaconf import DictConfig
@@ -106,18 +109,6 @@ def group_transient_bytes(how: Recipe, pieces: list[int], single_pass: bool = Fa
     return views + (rounding_workspace(max(pieces)) if how is Recipe.stochastic else 0)
 
 
-def streamed_groups(cfg: DictConfig, phase: Phase, moves: PhaseMoves | None) -> frozenset[str]:
-    """The groups ``phase`` streams to its update piece by piece instead of loading them whole: with offload,
-    an update on the device and ``execution.update_piece_bytes`` above 0, every group of an update-only phase,
-    and the optimizer state of a phase that computes (its weights and gradient are the compute's)."""
-    ex = cfg.execution
-    if (moves is None or not phase.updates or not ex.offload or not ex.update_piece_bytes
-            or ex.optimizer_placement.value == "host"):
-        return frozenset()
-    loads = frozenset(m.group for m in moves.loads)
-    return loads & {"optim"} if phase.computes else loads
-
-
 def piece_elements(piece_bytes: int, numel: int, streamed_bytes: int) -> int:
     """How many elements one streamed call updates: ``piece_bytes`` of the unit's streamed groups, whose
     ``streamed_bytes`` cover ``numel`` elements of trainable variables (at least one element)."""
@@ -166,21 +157,54 @@ def take_every(micro_batches: int, tokens: int) -> int:
     return max(1, min(micro_batches, TAKE_TOKENS // max(tokens, 1)))
 
 
-def activation_bytes(cfg: DictConfig) -> int:
-    """One micro-batch's layer-boundary activation ``x[n][mb]``, in the compute dtype."""
-    itemsize = torch.empty((), dtype=compute_dtype(cfg)).element_size()
-    return cfg.execution.micro_batch_size * cfg.model.sequence_length * cfg.model.hidden_size * itemsize
+@dataclass(frozen=True)
+class StepShape:
+    """What the cutting rules read of a run's config, typed and taken once (:func:`step_shape`): the engine and
+    the plan pass this, not the config."""
+
+    layers: int
+    micro_batches: int  # per step (gradient_accumulation)
+    tokens: int  # per micro-batch (micro_batch_size × sequence_length)
+    hidden: int
+    itemsize: int  # of the compute dtype
+    tensor_parallel: int
+    spills: bool  # activation_offload=disk
+    streams: bool  # offload, an update on the device, and update_piece_bytes above 0
+    host_update: bool  # optimizer_placement=host: updates run in host memory, where the variables live
+
+    @property
+    def activation_bytes(self) -> int:
+        """One micro-batch's layer-boundary activation ``x[n][mb]``, in the compute dtype."""
+        return self.tokens * self.hidden * self.itemsize
+
+    @property
+    def stored_activation_bytes(self) -> int:
+        """What one TP rank stores of one buffered activation: its 1/TP slice."""
+        return self.activation_bytes // self.tensor_parallel
+
+    @property
+    def spill_bytes(self) -> int:
+        """The bytes one rank writes to disk (and reads back) each step with ``activation_offload=disk``: the
+        ``x`` entry of every decoder layer's input (:func:`ipuft.engine.spill.spilled_rows`) for each
+        micro-batch, its TP slice; 0 otherwise."""
+        return self.layers * self.micro_batches * self.stored_activation_bytes if self.spills else 0
+
+    def streamed_groups(self, phase: Phase, moves: PhaseMoves | None) -> frozenset[str]:
+        """The groups ``phase`` streams to its update piece by piece instead of loading them whole: where the
+        update streams (:attr:`streams`), every group of an update-only phase, and the optimizer state of a
+        phase that computes (its weights and gradient are the compute's)."""
+        if moves is None or not phase.updates or not self.streams:
+            return frozenset()
+        loads = frozenset(m.group for m in moves.loads)
+        return loads & {"optim"} if phase.computes else loads
 
 
-def stored_activation_bytes(cfg: DictConfig) -> int:
-    """What one TP rank stores of one buffered activation: its 1/TP slice."""
-    return activation_bytes(cfg) // cfg.execution.tensor_parallel
-
-
-def spill_bytes(cfg: DictConfig) -> int:
-    """The bytes one rank writes to disk (and reads back) each step with ``activation_offload=disk``: the ``x``
-    entry of every decoder layer's input (:func:`ipuft.engine.spill.spilled_rows`) for each micro-batch, its
-    TP slice; 0 otherwise."""
-    if cfg.execution.activation_offload != "disk":
-        return 0
-    return cfg.model.layers * cfg.gradient_accumulation * stored_activation_bytes(cfg)
+def step_shape(cfg: DictConfig) -> StepShape:
+    """The run's :class:`StepShape`."""
+    m, ex = cfg.model, cfg.execution
+    host_update = ex.optimizer_placement.value == "host"
+    return StepShape(
+        layers=m.layers, micro_batches=cfg.gradient_accumulation, tokens=ex.micro_batch_size * m.sequence_length,
+        hidden=m.hidden_size, itemsize=torch.empty((), dtype=compute_dtype(cfg)).element_size(),
+        tensor_parallel=ex.tensor_parallel, spills=ex.activation_offload == "disk",
+        streams=bool(ex.offload) and bool(ex.update_piece_bytes) and not host_update, host_update=host_update)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ipuft.components import ROLES, Component, ComponentBuilder, VariableSpec
+from ipuft.components import ROLES, Adapted, Component, ComponentBuilder, VariableSpec
 from ipuft.config.rules import check_plugins
 from ipuft.errors import ConfigError, PluginError, described
 from ipuft.optim import Optimizer
@@ -140,7 +140,7 @@ def _shard_specs(who: str, builder: ComponentBuilder, module: torch.nn.Module, v
     """The component's TP layout: its registered one or a plugin's answer; for an adapted component, that of its
     base variables (the ones not ``added``) and the adapter's for the rest (its ``adapter_shard_specs``)."""
     tp = cfg.execution.tensor_parallel
-    adapter = getattr(module, "adapter_shard_specs", None)
+    adapter = module.adapter_shard_specs if isinstance(module, Adapted) else None
     base = [v for v in variables if not v.added] if adapter is not None else variables
     answer = builder.shard_specs_for(base, tp, cfg)
     if answer is None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,12 +24,12 @@ from ipuft.components import IGNORE_INDEX
 from ipuft.data.batch import Batch
 from ipuft.engine.activations import ActivationBuffers, Spill
 from ipuft.engine.compute import StepState, UnitCompute
-from ipuft.engine.cuts import spill_bytes, streamed_groups
+from ipuft.engine.cuts import step_shape
 from ipuft.engine.gradients import squared_norm
 from ipuft.engine.model import ModelParts
 from ipuft.engine.placement import Placement
 from ipuft.engine.scaling import LossScale
-from ipuft.engine.spill import spilled_rows
+from ipuft.engine.spill import spill_root, spilled_rows
 from ipuft.engine.store import Tensors
 from ipuft.engine.stored import StoredModel
 from ipuft.engine.streaming import StreamedUpdate
@@ -127,11 +126,13 @@ class PhasedEngine:
         self.moves = {phase: self.program.moves(phase, bool(self.trainable[phase.role]), self.host_update)
                       for phase in self.program}
         self.scale = LossScale.from_config(cfg)
-        self.buffers = ActivationBuffers(self.store, cfg.execution.activation_offload, self.layout, self._spill())
+        self.shape = step_shape(cfg)
+        self.buffers = ActivationBuffers(self.store, cfg.execution.activation_offload, self.layout,
+                                         self._spill())
         self.compute = UnitCompute(self.model, self.buffers)
         self.update = UnitUpdate(self.model)
         # The groups each update streams to the device piece by piece rather than loading them whole.
-        self.streamed = {phase: streamed_groups(cfg, phase, self.moves[phase]) for phase in self.program}
+        self.streamed = {phase: self.shape.streamed_groups(phase, self.moves[phase]) for phase in self.program}
         self.streaming = StreamedUpdate(self.update)
         self.updates = 0  # optimizer steps taken; Adam's bias correction counts from 1
 
@@ -196,16 +197,13 @@ class PhasedEngine:
         )
 
     def _spill(self) -> Spill | None:
-        """What ``activation_offload=disk`` spills, and where: ``execution.spill_dir``, else ``output_dir``'s
-        ``spill/``, else the system's temporary directory's ``ipuft-spill/`` (a training run names its run
-        directory's: :func:`ipuft.run.rundir.spill_root`)."""
-        if self.cfg.execution.activation_offload != "disk":
+        """What ``activation_offload=disk`` spills, and where (:func:`ipuft.engine.spill.spill_root`; a training
+        run names its run directory for ``output_dir`` once it has made it)."""
+        if not self.shape.spills:
             return None
-        ex = self.cfg.execution
-        root = ex.spill_dir or (Path(self.cfg.output_dir) / "spill" if self.cfg.output_dir is not None
-                                else Path(tempfile.gettempdir()) / "ipuft-spill")
+        root = spill_root(self.cfg.execution.spill_dir, self.cfg.output_dir)
         rows = spilled_rows(m.activations for m in self.moves.values() if m is not None)
-        return Spill(Path(root), frozenset(rows), self.cfg.gradient_accumulation, spill_bytes(self.cfg),
+        return Spill(Path(root), frozenset(rows), self.cfg.gradient_accumulation, self.shape.spill_bytes,
                      self.layout.rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
     def close(self) -> None:

@@ -39,6 +39,18 @@ ENTRY = re.compile(r"x-\d+-\d+")  # the only names a spill directory's cleaning 
 Key = tuple[str, int, int]  # ("x", row, micro-batch)
 
 
+
+def spill_root(spill_dir: str | None, run_dir: str | Path | None) -> Path:
+    """Where ``activation_offload=disk`` spills activations: ``execution.spill_dir``, else the run directory's
+    ``spill/`` (rank 0's, once the run has made it; another rank's, ``output_dir``), else the system's temporary
+    directory's ``ipuft-spill/``. The one place this is decided (the engine and the training run ask it)."""
+    if spill_dir is not None:
+        return Path(spill_dir)
+    if run_dir is not None:
+        return Path(run_dir) / "spill"
+    return Path(tempfile.gettempdir()) / "ipuft-spill"
+
+
 def spilled_rows(activations: Iterable[dict[Op, OpActivations]]) -> set[int]:
     """The rows of ``x`` spilled to disk: those a forward op reads (and the unit's backward reads again); the
     head's input, read once right after it is made, stays in host memory."""

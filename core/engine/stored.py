@@ -16,6 +16,7 @@ import torch
 from omegaconf import DictConfig
 
 from ipuft.components import VariableSpec
+from ipuft.engine.cuts import step_shape
 from ipuft.engine.model import ModelParts
 from ipuft.engine.placement import Placement
 from ipuft.engine.store import Tensors, VariableStore, nbytes
@@ -33,11 +34,6 @@ from ipuft.optim import Optimizer
 from ipuft.parallel import Layout, active
 from ipuft.precision import Recipe, compute_dtype, recipe
 from ipuft.program import Unit
-
-
-def updates_on_host(cfg: DictConfig) -> bool:
-    """``execution.optimizer_placement=host``: updates run in host memory, where the variables live."""
-    return cfg.execution.optimizer_placement.value == "host"
 
 
 class StoredModel:
@@ -68,7 +64,7 @@ class StoredModel:
                                for role, names in self.trainable.items()}
         self.dtype = compute_dtype(cfg)
         self.recipe = recipe(cfg)
-        self.host_update = updates_on_host(cfg) and optimizer is not None
+        self.host_update = step_shape(cfg).host_update and optimizer is not None
         if cfg.execution.retain_host_memory:
             retain_freed_memory()
         self.store = VariableStore(self.device, offload=cfg.execution.offload)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ipuft.components import VariableSpec
+from ipuft.components import PeftExportable, VariableSpec
 from ipuft.errors import CheckpointError, PluginError
 from ipuft.io.checkpoint import WEIGHTS, open_tensors
 from ipuft.io.export_dir import staged_directory
@@ -39,7 +39,7 @@ def adapter_names(parts, layers: int) -> tuple[dict[str, str], dict]:
     config: dict = {}
     for unit in StepProgram(layers).units():
         module = parts.modules[unit.role]
-        if not hasattr(module, "peft_mapping"):
+        if not isinstance(module, PeftExportable):
             continue
         own = {v.name for v in parts.variables[unit.role]}
         for local, name in module.peft_mapping(unit.layer).items():
@@ -58,7 +58,7 @@ def adapter_stacks(parts, layers: int) -> dict[str, tuple]:
     out: dict[str, tuple] = {}
     for unit in StepProgram(layers).units():
         module = parts.modules[unit.role]
-        if not hasattr(module, "peft_stacked"):
+        if not isinstance(module, PeftExportable):
             continue
         shapes = {v.name: tuple(v.shape) for v in parts.variables[unit.role]}
         for peft, local in module.peft_stacked(unit.layer).items():

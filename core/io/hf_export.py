@@ -21,7 +21,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from ipuft.components import VariableSpec
+from ipuft.components import Merges, VariableSpec
 from ipuft.data.tokenizer import EOS, tokenizer_from_bytes
 from ipuft.errors import CheckpointError, PluginError, described
 from ipuft.families import HFConfigError, ModelFamily, check_config_fields
@@ -150,7 +150,7 @@ def write_hf(checkpoint: Path, manifest: dict, cfg: DictConfig, parts, family: M
     source = json.loads(files[SOURCE_CONFIG]) if SOURCE_CONFIG in files else None
     config = hf_config(cfg, family, eos_id, dtype, components, source)
     units = list(unit_mappings(parts.modules, cfg.model.layers))
-    merging = {unit for unit in units if hasattr(parts.modules[unit.role], "hf_merge")}
+    merging = {unit for unit in units if isinstance(parts.modules[unit.role], Merges)}
     shapes = {f"{unit}.{v.name}": tuple(v.shape) for unit in units for v in parts.variables[unit.role]}
     reader = open_tensors(checkpoint, WEIGHTS, manifest)
     needed = set(names) | {f"{u}.{v.name}" for u in merging for v in parts.variables[u.role]}

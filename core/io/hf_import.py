@@ -15,7 +15,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ipuft.components import VariableSpec
+from ipuft.components import HasFusedTensors, VariableSpec
 from ipuft.errors import CheckpointError, ConfigError, PluginError, described, shown
 from ipuft.families import HFConfigError, ModelFamily, ModelFamilyRegistry, check_config_fields, config_int
 from ipuft.io.checkpoint import checked
@@ -310,7 +310,7 @@ class HFWeights:
         (``modules["decoder"].hf_mapping``), and one tensor of it; None if they hold none."""
         sentinel = "1000000007"  # a layer index no name holds otherwise: where a name carries its layer
         decoder = modules["decoder"]
-        fused = decoder.hf_fused(int(sentinel)) if hasattr(decoder, "hf_fused") else ()
+        fused = decoder.hf_fused(int(sentinel)) if isinstance(decoder, HasFusedTensors) else ()
         patterns = {re.compile(re.escape(before) + r"(\d+)" + re.escape(after))
                     for hf in [*decoder.hf_mapping(int(sentinel)).values(), *(f.name for f in fused)]
                     if sentinel in hf for before, _, after in [hf.partition(sentinel)]}

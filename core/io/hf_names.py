@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from ipuft.components import FusedRows
+from ipuft.components import FusedRows, HasFusedTensors, HasHFConfig, Merges, exportable
 from ipuft.program import Unit
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ def unit_fused(modules: Mapping[str, torch.nn.Module], layers: int) -> dict[Unit
     ``hf_fused(layer)``; none where the component has no such method)."""
     def fused(role: str, layer: int | None) -> tuple[FusedRows, ...]:
         module = modules[role]
-        return tuple(module.hf_fused(layer)) if hasattr(module, "hf_fused") else ()
+        return tuple(module.hf_fused(layer)) if isinstance(module, HasFusedTensors) else ()
 
     out = {Unit("embeddings"): fused("embeddings", None)}
     for n in range(layers):
@@ -93,7 +93,7 @@ def export_names(modules: Mapping[str, torch.nn.Module], variables: Mapping[str,
 
     layers, kind = cfg.model.layers, family.title
     for role, module in modules.items():
-        if not getattr(module, "hf_exportable", True):
+        if not exportable(module):
             raise PluginError(f"model.{role}: {type(module).__name__} is not exportable to a Hugging Face {kind} "
                               f"(it sets hf_exportable = False)")
     names: dict[str, str] = {}
@@ -104,7 +104,7 @@ def export_names(modules: Mapping[str, torch.nn.Module], variables: Mapping[str,
         for spec in variables[role]:
             if spec.name in mapping:
                 continue
-            if not (spec.added and hasattr(modules[role], "hf_merge")):
+            if not (spec.added and isinstance(modules[role], Merges)):
                 raise PluginError(f"model.{role}: variable {spec.name} of {type(modules[role]).__name__} has no "
                                   f"Hugging Face name (hf_mapping){'' if spec.added else ' and is not added'}"
                                   f"{' and the component does not merge it (hf_merge)' if spec.added else ''}; "
@@ -137,7 +137,7 @@ def component_hf_config(modules: Mapping[str, torch.nn.Module], family: ModelFam
 
     out: dict = {}
     for role, module in modules.items():
-        contributed = module.hf_config() if hasattr(module, "hf_config") else {}
+        contributed = module.hf_config() if isinstance(module, HasHFConfig) else {}
         for key in family.component_keys.get(role, ()):
             if key not in contributed:
                 raise PluginError(f"model.{role}: {type(module).__name__} does not give config.json's {key} "

@@ -13,9 +13,8 @@ from collections import defaultdict
 import torch
 from omegaconf import DictConfig
 
-from ipuft.engine.cuts import spill_bytes, stored_activation_bytes
+from ipuft.engine.cuts import step_shape
 from ipuft.engine.model import ModelParts
-from ipuft.engine.stored import updates_on_host
 from ipuft.plan.flops import step_flops
 from ipuft.plan.measure import kv_cache_layers, packs_examples, unit_cost
 from ipuft.plan.memory import (
@@ -48,7 +47,7 @@ def traffic(cfg: DictConfig, parts: ModelParts, sizes: dict[str, dict[str, int]]
     ga = cfg.gradient_accumulation
     per_token = 3 if packs_examples(cfg) else 2  # input ids, labels, and the positions of packed examples
     h2d["data"] = per_token * ga * cfg.execution.micro_batch_size * cfg.model.sequence_length * TOKEN_BYTES
-    act = stored_activation_bytes(cfg)
+    act = step_shape(cfg).stored_activation_bytes
     for phase in parts.program:
         moves = phase_moves(cfg, parts, phase)
         if moves is None:
@@ -78,7 +77,7 @@ def estimate(cfg: DictConfig, parts: ModelParts, hooks: PluginHooks, inference_b
     host_vars = variables if cfg.execution.offload else 0
     acts = activation_peak_bytes(cfg)
     host_acts = acts if cfg.execution.activation_offload else 0
-    host_update = updates_on_host(cfg)
+    host_update = step_shape(cfg).host_update
     holds = phase_memory(cfg, parts, optimizer, sizes, costs)
     program = []
     for phase in parts.program:
@@ -121,7 +120,7 @@ def estimate(cfg: DictConfig, parts: ModelParts, hooks: PluginHooks, inference_b
         "activation_bytes": acts,
         "graph_bytes": graph_bytes(cfg, parts, costs),
         "host_bytes": host_vars + host_acts,
-        "disk_bytes": spill_bytes(cfg),  # activation_offload=disk: written and read back each step
+        "disk_bytes": step_shape(cfg).spill_bytes,  # activation_offload=disk: written and read back each step
         "device_peak_bytes": device_peak_estimate(cfg, parts, optimizer, sizes, costs),
         # On a CPU device its memory is the host's: what the phases add to the store (a load lends the stored
         # variables), and what the process keeps besides its tensors while it computes.

@@ -15,7 +15,6 @@ from omegaconf import DictConfig
 
 from ipuft.components import VariableSpec
 from ipuft.engine.cuts import (
-    activation_bytes,
     call_chunk,
     double_buffered,
     gradient_working_bytes,
@@ -23,14 +22,12 @@ from ipuft.engine.cuts import (
     one_pass,
     piece_elements,
     piece_multiple,
-    stored_activation_bytes,
-    streamed_groups,
+    step_shape,
     take_every,
     update_groups,
     writes_into_stored,
 )
 from ipuft.engine.model import ModelParts
-from ipuft.engine.stored import updates_on_host
 from ipuft.engine.variables import model_groups, placements
 from ipuft.kernels import compute_device
 from ipuft.optim import Optimizer
@@ -70,7 +67,8 @@ def group_bytes(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer) -> dic
     only where the program stores gradients, 0 elsewhere). ``trainable`` is the part of ``fwd`` that is trained
     (what an update-only phase moves)."""
     placed = placements(parts, rank_layout(cfg), bool(cfg.execution.rts), optimizer)
-    stored_groups = model_groups(parts.program, placed, optimizer, recipe(cfg) is Recipe.master, updates_on_host(cfg))
+    stored_groups = model_groups(parts.program, placed, optimizer, recipe(cfg) is Recipe.master,
+                                 step_shape(cfg).host_update)
     out = {}
     for unit, groups in stored_groups.items():
         sizes = dict.fromkeys(GROUPS, 0) | {group: specs_bytes(specs) for group, specs in groups.items()}
@@ -94,9 +92,9 @@ def activation_peak_bytes(cfg: DictConfig) -> int:
     in the forward, the row being read and the row being written (one row between them) and the writer's
     queue (a row, and the entry it writes); in the backward, the reader's row ahead and ``dx``'s row in flight
     with the gradient being made."""
-    everything = (cfg.model.layers + 1) * cfg.gradient_accumulation * stored_activation_bytes(cfg)
+    everything = (cfg.model.layers + 1) * cfg.gradient_accumulation * step_shape(cfg).stored_activation_bytes
     if cfg.execution.activation_offload == "disk":
-        return min(everything, (2 * cfg.gradient_accumulation + 1) * stored_activation_bytes(cfg))
+        return min(everything, (2 * cfg.gradient_accumulation + 1) * step_shape(cfg).stored_activation_bytes)
     return everything
 
 
@@ -112,7 +110,7 @@ def graph_bytes(cfg: DictConfig, parts: ModelParts, costs: dict[str, UnitCost]) 
 def phase_moves(cfg: DictConfig, parts: ModelParts, phase: Phase) -> PhaseMoves | None:
     """What ``phase`` moves under ``cfg`` (:meth:`~ipuft.program.StepProgram.moves`, as the engine asks it)."""
     trainable = any(v.trainable for v in parts.variables[phase.role])
-    return parts.program.moves(phase, trainable, updates_on_host(cfg))
+    return parts.program.moves(phase, trainable, step_shape(cfg).host_update)
 
 
 def phase_io(moves: PhaseMoves, unit: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
@@ -194,7 +192,7 @@ def phase_memory(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer, sizes
                  costs: dict[str, UnitCost], lent: bool = False) -> dict[str, PhaseMemory]:
     """Every phase's :class:`PhaseMemory`, by phase name (phases that move nothing hold nothing). ``lent``:
     count the variables a phase loads as nothing, as on a CPU device."""
-    host_update = updates_on_host(cfg)
+    host_update = step_shape(cfg).host_update
     wide = compute_dtype(cfg) != torch.float32
     transient = {role: update_transient_bytes(cfg, parts, optimizer, role) for role in parts.variables}
     placed = placements(parts, rank_layout(cfg), bool(cfg.execution.rts))
@@ -213,7 +211,7 @@ def phase_memory(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer, sizes
         if moves is None:
             out[phase.name] = PhaseMemory()
             continue
-        streamed = streamed_groups(cfg, phase, moves)
+        streamed = step_shape(cfg).streamed_groups(phase, moves)
         loads = phase_io(moves, unit)[0]
         loaded = sum(v for g, v in loads.items() if g not in streamed) if cfg.execution.offload and not lent else 0
         grads = unit["trainable"] + unit["lent"] if phase.computes_gradient else 0
@@ -257,10 +255,10 @@ def resident_activation_bytes(cfg: DictConfig) -> int:
     """The most bytes of buffered activations on the device while a phase computes: with activation offload one
     row in, one out and a gradient in flight (and their TP slices); else every buffered entry, and under TP the
     entries gathered from their slices."""
-    act = activation_bytes(cfg)
+    act = step_shape(cfg).activation_bytes
     tp = cfg.execution.tensor_parallel
     if cfg.execution.activation_offload:
-        return 3 * act + (3 * stored_activation_bytes(cfg) if tp > 1 else 0)
+        return 3 * act + (3 * step_shape(cfg).stored_activation_bytes if tp > 1 else 0)
     return activation_peak_bytes(cfg) + (3 * act if tp > 1 else 0)
 
 

@@ -80,27 +80,17 @@ def check_run_paths(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer) ->
                           f"takes {format_bytes(needed)}; free space or save elsewhere")
 
 
-def spill_root(cfg: DictConfig, out: Path | None) -> Path:
-    """Where ``activation_offload=disk`` spills activations: ``execution.spill_dir``, else the run directory's
-    ``spill/`` (``out``: rank 0's; another rank's, ``output_dir``'s), else the system's temporary directory's."""
-    if cfg.execution.spill_dir is not None:
-        return Path(cfg.execution.spill_dir)
-    if out is not None or cfg.output_dir is not None:
-        return Path(out if out is not None else cfg.output_dir) / "spill"
-    return Path(tempfile.gettempdir()) / "ipuft-spill"
-
-
 def check_spill_dir(cfg: DictConfig) -> None:
     """With ``activation_offload=disk`` and ``execution.spill_dir``: a writable directory (or one that can be
     made), whose file system has room for a step's spilled activations (each rank's on this machine)."""
     if cfg.execution.activation_offload != "disk" or cfg.execution.spill_dir is None:
         return
-    from ipuft.engine.cuts import spill_bytes
+    from ipuft.engine.cuts import step_shape
     from ipuft.units import format_bytes
 
     path = Path(cfg.execution.spill_dir)
     _check_writable_dir(path, "execution.spill_dir")
-    needed = spill_bytes(cfg) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    needed = step_shape(cfg).spill_bytes * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     free = shutil.disk_usage(_existing_ancestor(path)).free
     if free < needed:
         raise ConfigError(f"execution.spill_dir: {path} has {format_bytes(free)} free, but a step spills "

@@ -29,6 +29,7 @@ from ipuft.data.tokens import TokenDataset, data_source, validation_source
 from ipuft.engine.inference import dataset_loss
 from ipuft.engine.model import build_model
 from ipuft.engine.phased import StepResult
+from ipuft.engine.spill import spill_root
 from ipuft.errors import Stopped, TrainingError
 from ipuft.io.checkpoint import checkpoint_root
 from ipuft.loggers import Backends
@@ -44,7 +45,6 @@ from ipuft.run.rundir import (
     exclusive_run,
     metrics_file,
     run_directory,
-    spill_root,
 )
 from ipuft.run.runtime import build_engine
 from ipuft.run.schedule import learning_rate
@@ -124,7 +124,7 @@ def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[di
     out = run_directory(cfg) if main else None
     lock = exclusive_run(out, cfg) if main else nullcontext()
     if engine.buffers.spill is not None:  # activation_offload=disk: into the run directory unless spill_dir says
-        engine.buffers.spill.root = spill_root(cfg, out)
+        engine.buffers.spill.root = spill_root(cfg.execution.spill_dir, out or cfg.output_dir)
     root = checkpoint_root(cfg, out) if main else (None if cfg.checkpoint.save is None else Path("."))
     steps = cfg.training.steps
     tokens = cfg.training.global_batch_size * cfg.model.sequence_length

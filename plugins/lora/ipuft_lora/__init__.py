@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 from omegaconf import DictConfig
 
 from ipuft import hookimpl
+from ipuft.components import HasProjections
 from ipuft.config import ConfigSectionRegistry
 from ipuft.errors import ConfigError
 
@@ -73,7 +74,7 @@ def target_modules(cfg: DictConfig, decoder: str, module: nn.Module) -> dict[str
     """Each target's module path in decoder ``decoder`` (``module``), from the projections it declares; one line
     for a decoder that declares none or a target the family lacks."""
     o = options(cfg)
-    modules = getattr(module, "projections", None)
+    modules = module.projections if isinstance(module, HasProjections) else None
     if not isinstance(modules, dict) or not modules:
         raise ConfigError(f"model.adapter=lora adapts a decoder's projections, which model.decoder={decoder} does "
                           f"not declare (its module has no projections; set model.adapter=null to train every "

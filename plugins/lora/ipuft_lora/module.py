@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ipuft.components import Init, VariableSpec
+from ipuft.components import HasFusedTensors, Init, VariableSpec
 from ipuft.errors import PluginError
 from ipuft.ops import Linear, linear
 from ipuft.parallel import copy_to_tensor_parallel
@@ -118,7 +118,7 @@ class LoRAComponent:
         """Each fused Hugging Face tensor (:class:`ipuft.components.FusedRows`, Phi-3's ``qkv_proj``) that holds a
         targeted projection: its targeted paths, in row order. peft adapts the fused module as one."""
         names = super().hf_mapping(layer)
-        fused = self.hf_fused(layer) if hasattr(self, "hf_fused") else ()
+        fused = self.hf_fused(layer) if isinstance(self, HasFusedTensors) else ()
         out = {}
         for tensor in fused:
             paths = [p for part in tensor.parts for p in self.lora_paths if names[f"{p}.weight"] == part]
