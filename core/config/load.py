@@ -202,6 +202,10 @@ def load_config(
             if not getattr(exc, "full_key", None):
                 exc.full_key = key  # type: ignore[attr-defined]
             raise _explain(exc, schema, "override") from None
+    given = {key for key, _ in parsed}
+    if {"training.epochs", "training.steps"} <= given and cfg.training.epochs is not None:
+        raise ConfigError("override: training.epochs and training.steps: give one of them (with training.epochs "
+                          "the steps are ceil(epochs × rows / training.global_batch_size))")
     try:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as exc:

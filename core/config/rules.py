@@ -148,6 +148,13 @@ def derive_and_validate(cfg: DictConfig) -> None:
     _require(execution.loss_scaling_initial > 0, "execution.loss_scaling_initial", "must be > 0")
     _require(execution.loss_scaling_growth_interval > 0, "execution.loss_scaling_growth_interval", "must be > 0")
     _require(cfg.training.max_consecutive_skips > 0, "training.max_consecutive_skips", "must be > 0")
+    epochs = cfg.training.epochs
+    _require(epochs is None or (math.isfinite(epochs) and 0 < epochs <= 1 << 20), "training.epochs",
+             f"must be a number of passes over the data above 0 and at most {1 << 20} (null: training.steps), got "
+             f"{epochs}")
+    _require(epochs is None or cfg.data.path is not None, "training.epochs",
+             "counts passes over data.path's rows, and the built-in sample data (data.path=null) has no end; set "
+             "data.path, or training.steps instead")
     _require(0.0 <= optim.learning_rate.warmup_proportion <= 1.0, "training.optimizer.learning_rate.warmup_proportion",
              f"must be in [0, 1], got {optim.learning_rate.warmup_proportion}")
     _require(optim.gradient_clipping > 0, "training.optimizer.gradient_clipping",

@@ -126,6 +126,10 @@ class OptimizerConfig:
 @dataclass
 class TrainingConfig:
     steps: int = 1
+    # Passes over the data's rows (data.path, as packed: chunks or examples): with it, training.steps becomes
+    # ceil(epochs × rows / global_batch_size) and the learning-rate schedule and warm-up follow those steps (the
+    # last step may take its tail from the next pass's order); null: training.steps. A fraction is allowed.
+    epochs: Optional[float] = None
     global_batch_size: int = 32
     # Stop when this many optimizer steps in a row are skipped for a non-finite loss or gradient norm.
     max_consecutive_skips: int = 10

@@ -8,6 +8,7 @@ locks and repairs; :mod:`ipuft.run.resume` saves its checkpoints and resumes it 
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -16,11 +17,12 @@ import threading
 import time
 from contextlib import closing, contextmanager, nullcontext
 from dataclasses import asdict
+from fractions import Fraction
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from ipuft.config import to_yaml
@@ -96,6 +98,27 @@ def metrics_record(step: int, result: StepResult, lr: float, tokens: int, second
     return record
 
 
+def with_epochs(cfg: DictConfig, data: SampleData | TokenDataset) -> DictConfig:
+    """``cfg`` with ``training.steps`` the steps ``training.epochs`` passes over ``data``'s rows take,
+    ``ceil(epochs × rows / global_batch_size)`` (the epochs read as the decimal written, so that 0.1 of 320 rows
+    in batches of 32 is one step); ``cfg`` itself without epochs."""
+    if cfg.training.epochs is None:
+        return cfg
+    share = Fraction(str(cfg.training.epochs)) * len(data) / cfg.training.global_batch_size
+    out = copy.deepcopy(cfg)
+    OmegaConf.set_readonly(out, False)
+    out.training.steps = max(1, math.ceil(share))
+    OmegaConf.set_readonly(out, True)
+    return out
+
+
+def epoch(cfg: DictConfig, data: SampleData | TokenDataset, step: int) -> float | None:
+    """The passes over ``data``'s rows the first ``step`` steps have made (None for the endless sample data)."""
+    if not isinstance(data, TokenDataset):
+        return None
+    return step * cfg.training.global_batch_size / len(data)
+
+
 def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[dict]:
     """Train until ``training.steps``; return the metrics of the steps run.
 
@@ -106,8 +129,9 @@ def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[di
     the run. SIGINT or SIGTERM saves a checkpoint (when saving is on) and stops with exit code 130 or 143.
     """
     cfg = choose_layout(cfg, hooks)[0]  # execution.recompute/offload=auto (the CLI has chosen them already)
-    resumed = checkpoint_to_resume(cfg, hooks.registrations.config_sections)
     data = data_source(cfg)
+    cfg = with_epochs(cfg, data)  # training.epochs: the steps those passes take
+    resumed = checkpoint_to_resume(cfg, hooks.registrations.config_sections)
     files = run_files(cfg)  # the model's tokenizer and source config, checked now, carried in every checkpoint
     validation = validation_source(cfg, data) if cfg.training.eval_steps else None
     check_output_dir(cfg)
@@ -133,6 +157,9 @@ def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[di
             collective_errors(engine.layout), _Signals() as signals, _backends(cfg, out, hooks, main) as backends:
         if main:
             (out / "config.yaml").write_text(to_yaml(cfg))
+        if progress and main and cfg.training.epochs is not None:
+            tqdm.write(f"training.epochs={cfg.training.epochs:g}: {steps} steps of {cfg.training.global_batch_size} "
+                       f"rows over {len(data)} rows")
         bar = tqdm(range(start, steps), desc="train", unit="step", disable=not (progress and main),
                    dynamic_ncols=True, initial=start, total=steps)
         for step in bar:
@@ -141,6 +168,9 @@ def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[di
             began = time.perf_counter()
             result = engine.step(batch, lr)
             record = metrics_record(step + 1, result, lr, tokens, time.perf_counter() - began, flops)
+            passes = epoch(cfg, data, step + 1)
+            if passes is not None:
+                record["epoch"] = passes
             if validation is not None and ((step + 1) % cfg.training.eval_steps == 0 or step + 1 == steps):
                 scored = dataset_loss(engine.model, validation, cfg.execution.micro_batch_size)
                 record.update({f"validation_{k}": v for k, v in scored.items()})
@@ -150,7 +180,8 @@ def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[di
                 metrics.flush()
                 backends.log(step + 1, record)
             bar.set_postfix(loss=f"{result.loss:.3f}", gnorm=f"{result.grad_norm:.2f}", lr=f"{lr:.2e}",
-                            tok_s=f"{record['tokens_per_s']:.0f}")
+                            tok_s=f"{record['tokens_per_s']:.0f}",
+                            **({"epoch": f"{passes:.2f}"} if passes is not None else {}))
             skips = skips + 1 if result.skipped else 0
             if result.skipped and main:
                 tqdm.write(f"step {step + 1}: non-finite loss or gradient norm; update skipped (loss scale "
