@@ -394,6 +394,28 @@ def test_no_component_method_is_looked_up_by_name(make_config, hooks):
     assert not isinstance(gptj["decoder"], components.Adapted) and all(map(components.exportable, gptj.values()))
 
 
+def test_lora_names_no_other_plugins_modules(make_config, hooks):
+    """plugins/lora finds the projections it adapts through each decoder's declared ``projections``: no string
+    in its code (docstrings aside) is a module path of a shipped decoder, nor does it import one."""
+    from ipuft.engine.model import build_model
+
+    paths = set()
+    for overrides in ((), ("model.decoder=llama", "model.embeddings=llama", "model.head=llama")):
+        paths |= set(build_model(make_config(*overrides), hooks).modules["decoder"].projections.values())
+    assert {"attn.q_proj", "self_attn.q_proj", "mlp.gate_proj"} <= paths
+    for path in sorted((ROOT / "plugins" / "lora").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        docs = {id(n.body[0].value) for n in ast.walk(tree)
+                if isinstance(n, ast.Module | ast.ClassDef | ast.FunctionDef) and n.body
+                and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        strings = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                   and id(n) not in docs}
+        assert not {s for s in strings for p in paths if p in s}, path
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names} | \
+            {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert not {m for m in imported if m.startswith(("ipuft_decoder", "ipuft_llama", "ipuft_embeddings"))}, path
+
+
 def test_the_engine_reads_settings_not_the_config():
     """At most 10 functions in core/engine take the whole config (``cfg``): building the model and the stored
     model, the scheduler, and :func:`~ipuft.engine.cuts.step_shape`, which types what the cutting rules read
