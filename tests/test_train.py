@@ -162,7 +162,7 @@ def test_validation_loss_every_eval_steps_equals_ipuft_eval_on_the_same_rows(tmp
 def test_eval_steps_needs_validation_rows(tmp_path, capsys):
     code, _, err = cli(capsys, "train", "training.eval_steps=2", f"output_dir={tmp_path}/run")
     assert code == 2
-    assert err == ("ipuft: error: training.eval_steps: evaluates on data.validation_path or "
+    assert err == ("ipuft: error: training.eval_steps: evaluates on data.validation_path, data.validation_split or "
                    "data.validation_fraction; set one of them (or eval_steps=0)\n")
 
 

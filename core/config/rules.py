@@ -121,8 +121,15 @@ def derive_and_validate(cfg: DictConfig) -> None:
     _require(data.whole_examples is not True or data.packing, "data.whole_examples",
              "packs examples whole into rows, but data.packing=false keeps one example per row; set "
              "data.packing=true or drop it")
-    _require(not training.eval_steps or data.validation_path is not None or data.validation_fraction > 0,
-             "training.eval_steps", "evaluates on data.validation_path or data.validation_fraction; set one of "
+    named = [k for k in ("validation_path", "validation_split") if data[k] is not None] + \
+        (["validation_fraction"] if data.validation_fraction else [])
+    _require(len(named) <= 1, f"data.{named[0] if named else 'validation_path'}",
+             f"and data.{named[-1] if named else ''} both name the validation rows; give one of them")
+    _require(data.validation_split is None or data.path is not None, "data.validation_split",
+             "is a split of data.path's dataset, and data.path is null")
+    _require(not training.eval_steps or named,
+             "training.eval_steps", "evaluates on data.validation_path, data.validation_split or "
+             "data.validation_fraction; set one of "
              "them (or eval_steps=0)")
     _require(not (training.stochastic_rounding and training.master_weights), "training.stochastic_rounding",
              "and training.master_weights are two ways to update 16-bit weights; set at most one of them")

@@ -213,6 +213,10 @@ class DataConfig:
     # A local .jsonl/.json, .csv, .tsv, .parquet or .txt file, or "mnli-sample" (shipped with ipuft);
     # null: synthetic token sequences (no tokenizer needed).
     path: Optional[str] = None
+    # data.path a Hugging Face dataset (a save_to_disk directory, a directory of Parquet or Arrow shards, or a
+    # dataset's name in the local datasets cache; needs ipuft[datasets]): its split and subset (config name).
+    split: str = "train"
+    subset: Optional[str] = None
     format: DataFormat = DataFormat.template
     # A named template ("mnli") or a literal one with {field} placeholders; with a named template, the loss
     # of unpacked examples covers only the target.
@@ -263,6 +267,8 @@ class DataConfig:
     # Rows to evaluate on every training.eval_steps: a file like data.path (same format, template, packing
     # and tokenizer), read in order, each row once.
     validation_path: Optional[str] = None
+    # data.path a Hugging Face dataset: another split of it as the validation rows (say "test").
+    validation_split: Optional[str] = None
     # Keep the tokenized data in a memory-mapped cache (IPUFT_CACHE_DIR, else ~/.cache/ipuft), keyed by the
     # file's and the tokenizer's hashes and the settings above, so that a second run starts at once.
     cache: bool = True

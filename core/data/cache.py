@@ -16,6 +16,8 @@ import torch
 
 from ipuft.config.schema import DataFormat
 from ipuft.data.builder import Arrays
+from ipuft.data.hf_datasets import DatasetSource
+from ipuft.data.hf_datasets import digest as dataset_digest
 from ipuft.errors import CheckpointError
 from ipuft.io.checkpoint import sha256_file
 from ipuft.io.files import require_regular
@@ -47,7 +49,7 @@ class TokenCache:
         self.directory = directory
 
     @classmethod
-    def for_config(cls, cfg: DictConfig, path: Path, tokenizer: Tokenizer | None,
+    def for_config(cls, cfg: DictConfig, path: Path | DatasetSource, tokenizer: Tokenizer | None,
                    added: tuple = ()) -> TokenCache:
         """The entry of ``path`` as ``cfg`` and ``tokenizer`` tokenize it; ``added``: what else shapes the tokens
         that the keys alone do not fix: the ids the encoding adds around each example (the post-processor's, and
@@ -56,7 +58,8 @@ class TokenCache:
         data = cfg.data
         fields = {k: data.get(k) for k in ("instruction_template", "prompt_field", "input_field", "response_field",
                                            "messages_field")}
-        key = {"version": CACHE_VERSION, "data": sha256_file(path), "format": DataFormat(data.format).value,
+        source = dataset_digest(path) if isinstance(path, DatasetSource) else sha256_file(path)
+        key = {"version": CACHE_VERSION, "data": source, "format": DataFormat(data.format).value,
                "template": data.template, "text_field": data.text_field, "packing": bool(data.packing), **fields,
                "sequence_length": cfg.model.sequence_length, "added": json.loads(json.dumps(added)),
                "tokenizer": hashlib.sha256(tokenizer.to_str().encode()).hexdigest() if tokenizer else None}

@@ -12,6 +12,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from ipuft.data.hf_datasets import DatasetSource, read_dataset
 from ipuft.errors import DataError
 from ipuft.io.files import open_regular
 
@@ -19,25 +20,34 @@ SAMPLE_DATASET = "mnli-sample"
 READERS = (".jsonl", ".json", ".csv", ".tsv", ".parquet", ".txt")
 
 
-def resolve_data_path(path: str) -> Path:
-    """The file behind ``data.path``: ``"mnli-sample"`` is the MNLI-style sample shipped with ipuft."""
+def resolve_data_path(path: str, split: str = "train", subset: str | None = None) -> Path | DatasetSource:
+    """The file behind ``data.path`` (``"mnli-sample"`` is the MNLI-style sample shipped with ipuft), or the Hugging
+    Face dataset it names (:mod:`ipuft.data.hf_datasets`): a directory, or a name that is no path here, with no
+    data file's suffix (``dir.jsonl/`` stays a file's name that is not a regular file), with its ``split`` and
+    ``subset``."""
     if path == SAMPLE_DATASET:
         return Path(str(resources.files("ipuft.sample_data") / "mnli_sample.jsonl"))
     resolved = Path(path)
+    if resolved.suffix.lower() not in READERS and (resolved.is_dir() or not resolved.exists()):
+        return DatasetSource(path, split, subset)
     if not resolved.is_file():
         raise DataError(f"data.path: {path} does not exist" if not resolved.exists() else
                         f"data.path: {path} is not a regular file")
     return resolved
 
 
-def read_rows(path: str | Path, name: str | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
-    """``(row_number, row)`` for each row of a local file, numbered from 1, chosen by the suffix.
+def read_rows(path: str | Path | DatasetSource, name: str | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(row_number, row)`` for each row of a local file, numbered from 1, chosen by the suffix (or of a Hugging
+    Face dataset's split, :func:`ipuft.data.hf_datasets.read_dataset`).
 
     ``.jsonl``/``.json``: one JSON object per line (or one JSON array of objects), numbered by line;
     ``.csv``/``.tsv``: a header row, then records numbered from 1; ``.parquet``: records numbered from 1;
     ``.txt``: each non-empty line is a row ``{"text": line}``, numbered by line. ``name`` (default: the
     path) starts error messages.
     """
+    if isinstance(path, DatasetSource):
+        yield from read_dataset(path, name or str(path))
+        return
     path = Path(path)
     name = name or str(path)
     suffix = path.suffix.lower()

@@ -27,6 +27,7 @@ from ipuft.data.bounds import RenderBounds
 from ipuft.data.builder import PAD_ID, Arrays, Builder, Layout
 from ipuft.data.cache import TokenCache
 from ipuft.data.files import read_rows, resolve_data_path
+from ipuft.data.hf_datasets import DatasetSource
 from ipuft.data.synthetic import SampleData
 from ipuft.data.templates import instruction_template, resolve_template
 from ipuft.data.tokenizer import Specials, load_tokenizer, specials, tokenizer_source
@@ -135,7 +136,7 @@ class TokenDataset:
 
     @classmethod
     def from_config(cls, cfg: DictConfig, tokenizer: Tokenizer | None, path: str | None = None,
-                    shuffle: bool | None = None) -> TokenDataset:
+                    shuffle: bool | None = None, split: str | None = None) -> TokenDataset:
         """Read, tokenize and check ``data.path`` (or ``path``) as ``cfg.data`` says (format, template,
         packing; ``shuffle`` overrides ``data.shuffle``)."""
         data = cfg.data
@@ -145,7 +146,8 @@ class TokenDataset:
         if fmt is not DataFormat.tokens and tokenizer is None:
             raise DataError(f"data.tokenizer: format {fmt.value!r} needs a tokenizer; set data.tokenizer=DIR "
                             f"or model.hf_checkpoint=DIR")
-        resolved = resolve_data_path(path)
+        resolved = resolve_data_path(path, split or data.split, data.subset)
+        name = str(resolved) if isinstance(resolved, DatasetSource) else name
         added = specials(tokenizer, cfg) if tokenizer is not None else Specials()
         ends = data.add_eos and (fmt is DataFormat.instruction or (data.packing and fmt in TEXTS))
         if ends and added.eos is None:
@@ -393,9 +395,12 @@ def validation_source(cfg: DictConfig, data: SampleData | TokenDataset | None = 
     if cfg.data.validation_fraction:
         data = data if data is not None else data_source(cfg)
         return data.held_out
-    if cfg.data.validation_path is None:
+    if cfg.data.validation_path is None and cfg.data.validation_split is None:
         return None
     source = tokenizer_source(cfg) if DataFormat(cfg.data.format) is not DataFormat.tokens else None
+    if cfg.data.validation_split is not None:  # another split of data.path's dataset
+        return TokenDataset.from_config(cfg, None if source is None else load_tokenizer(*source),
+                                        shuffle=False, split=cfg.data.validation_split)
     return TokenDataset.from_config(cfg, None if source is None else load_tokenizer(*source),
                                     path=cfg.data.validation_path, shuffle=False)
 
