@@ -8,6 +8,7 @@ torch, which ``ipuft config show`` and every ``--help`` never need.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from enum import Enum
 from importlib import resources
@@ -318,6 +319,17 @@ def _dotted_keys(data: dict, prefix: str = "") -> list[str]:
     for key, value in data.items():
         keys += _dotted_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"]
     return keys
+
+
+def with_values(cfg: DictConfig, values: dict[str, Any]) -> DictConfig:
+    """A read-only copy of the resolved ``cfg`` with the dotted keys of ``values`` set (values the run derives
+    once the config is loaded: the layout ``auto`` chose, the steps ``training.epochs`` takes)."""
+    out = copy.deepcopy(cfg)
+    OmegaConf.set_readonly(out, False)
+    for key, value in values.items():
+        OmegaConf.update(out, key, value)
+    OmegaConf.set_readonly(out, True)
+    return out
 
 
 def to_yaml(cfg: DictConfig) -> str:

@@ -46,7 +46,7 @@ def read_rows(path: str | Path | DatasetSource, name: str | None = None) -> Iter
     path) starts error messages.
     """
     if isinstance(path, DatasetSource):
-        yield from read_dataset(path, name or str(path))
+        yield from read_dataset(path)
         return
     path = Path(path)
     name = name or str(path)

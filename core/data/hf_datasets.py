@@ -15,6 +15,7 @@ fingerprint and split (:func:`digest`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from collections.abc import Iterator
@@ -71,8 +72,10 @@ def _pick(datasets, loaded, source: DatasetSource):
     return loaded[source.split]
 
 
+@functools.lru_cache(maxsize=8)
 def load(source: DatasetSource):
-    """The dataset ``source`` names, one split of it, memory-mapped (a one-line :class:`DataError` otherwise)."""
+    """The dataset ``source`` names, one split of it, memory-mapped (a one-line :class:`DataError` otherwise);
+    loaded once per process (the token cache's key and the rows read the same one)."""
     datasets = _library()
     path = Path(source.location)
     if path.is_dir():
@@ -121,7 +124,7 @@ def _shards(datasets, path: Path, source: DatasetSource):
         raise DataError(f"data.path: {path}: its shards cannot be read ({_first_line(exc)})") from None
 
 
-def read_dataset(source: DatasetSource, name: str) -> Iterator[tuple[int, dict[str, Any]]]:
+def read_dataset(source: DatasetSource) -> Iterator[tuple[int, dict[str, Any]]]:
     """``(row_number, row)`` of each row of ``source``'s split, in order, numbered from 1."""
     yield from enumerate(load(source), 1)
 

@@ -127,8 +127,7 @@ class PhasedEngine:
                       for phase in self.program}
         self.scale = LossScale.from_config(cfg)
         self.shape = step_shape(cfg)
-        self.buffers = ActivationBuffers(self.store, cfg.execution.activation_offload, self.layout,
-                                         self._spill())
+        self.buffers = ActivationBuffers(self.store, cfg.execution.activation_offload, self.layout, self._spill())
         self.compute = UnitCompute(self.model, self.buffers)
         self.update = UnitUpdate(self.model)
         # The groups each update streams to the device piece by piece rather than loading them whole.

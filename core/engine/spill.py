@@ -39,7 +39,6 @@ ENTRY = re.compile(r"x-\d+-\d+")  # the only names a spill directory's cleaning 
 Key = tuple[str, int, int]  # ("x", row, micro-batch)
 
 
-
 def spill_root(spill_dir: str | None, run_dir: str | Path | None) -> Path:
     """Where ``activation_offload=disk`` spills activations: ``execution.spill_dir``, else the run directory's
     ``spill/`` (rank 0's, once the run has made it; another rank's, ``output_dir``), else the system's temporary

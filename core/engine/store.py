@@ -98,7 +98,7 @@ class VariableStore:
             home[name] = t.pin_memory() if self.pin else t
         self.entries[unit][group] = home
         if not self.offload:
-            self._ledger.acquire(nbytes(home.values()))
+            self.hold(nbytes(home.values()))
 
     def variable_bytes(self) -> int:
         """Bytes of every variable this rank stores, wherever they live."""
@@ -139,8 +139,7 @@ class VariableStore:
         ``names``, waits for the copy. A no-op elsewhere."""
         if self._copy_stream is None or (unit, group) in self._prefetched or group not in self.entries[unit]:
             return
-        # Everything enqueued so far, including earlier phases' stores into host memory, comes first.
-        self._copy_stream.wait_stream(torch.cuda.current_stream(self.compute))
+        self.after_compute()  # everything enqueued so far, earlier phases' stores into host memory included, first
         with section("copies"), torch.cuda.stream(self._copy_stream):
             out = {n: t.to(self.compute, non_blocking=True, copy=True) for n, t in self.entries[unit][group].items()
                    if names is None or n in names}
@@ -191,7 +190,7 @@ class VariableStore:
         """The phase is done with ``tensors``, which it loaded: with offload each was counted on the device when
         it came (copied or lent); without, they are the stored variables, counted for as long as they live."""
         if self.offload:
-            self._ledger.release(nbytes(tensors.values()))
+            self.free(nbytes(tensors.values()))
 
     # ---- moving and counting: every byte the engine holds on the device or moves is counted here ----
 
@@ -242,13 +241,12 @@ class VariableStore:
     def send(self, tensor: torch.Tensor, category: str, copy: bool = True) -> torch.Tensor:
         """A copy of ``tensor`` in host memory (pinned and asynchronous on CUDA), counted as :meth:`sent`;
         ``copy=False``: the tensor itself where it already is there (a CPU device)."""
+        out = tensor
         if copy or tensor.device.type != "cpu":
             with section("copies"):
-                tensor_ = host_copy(tensor, self.compute.type == "cuda")
-        else:
-            tensor_ = tensor
+                out = host_copy(tensor, self.compute.type == "cuda")
         self.sent(category, tensor.numel() * tensor.element_size())
-        return tensor_
+        return out
 
     def on_host(self):
         """Work in the block runs in host memory (:meth:`DeviceLedger.on_host`): not counted on the device."""

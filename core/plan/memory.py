@@ -92,9 +92,10 @@ def activation_peak_bytes(cfg: DictConfig) -> int:
     in the forward, the row being read and the row being written (one row between them) and the writer's
     queue (a row, and the entry it writes); in the backward, the reader's row ahead and ``dx``'s row in flight
     with the gradient being made."""
-    everything = (cfg.model.layers + 1) * cfg.gradient_accumulation * step_shape(cfg).stored_activation_bytes
-    if cfg.execution.activation_offload == "disk":
-        return min(everything, (2 * cfg.gradient_accumulation + 1) * step_shape(cfg).stored_activation_bytes)
+    shape = step_shape(cfg)
+    everything = (shape.layers + 1) * shape.micro_batches * shape.stored_activation_bytes
+    if shape.spills:
+        return min(everything, (2 * shape.micro_batches + 1) * shape.stored_activation_bytes)
     return everything
 
 
@@ -192,7 +193,8 @@ def phase_memory(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer, sizes
                  costs: dict[str, UnitCost], lent: bool = False) -> dict[str, PhaseMemory]:
     """Every phase's :class:`PhaseMemory`, by phase name (phases that move nothing hold nothing). ``lent``:
     count the variables a phase loads as nothing, as on a CPU device."""
-    host_update = step_shape(cfg).host_update
+    shape = step_shape(cfg)
+    host_update = shape.host_update
     wide = compute_dtype(cfg) != torch.float32
     transient = {role: update_transient_bytes(cfg, parts, optimizer, role) for role in parts.variables}
     placed = placements(parts, rank_layout(cfg), bool(cfg.execution.rts))
@@ -211,7 +213,7 @@ def phase_memory(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer, sizes
         if moves is None:
             out[phase.name] = PhaseMemory()
             continue
-        streamed = step_shape(cfg).streamed_groups(phase, moves)
+        streamed = shape.streamed_groups(phase, moves)
         loads = phase_io(moves, unit)[0]
         loaded = sum(v for g, v in loads.items() if g not in streamed) if cfg.execution.offload and not lent else 0
         grads = unit["trainable"] + unit["lent"] if phase.computes_gradient else 0
@@ -255,10 +257,10 @@ def resident_activation_bytes(cfg: DictConfig) -> int:
     """The most bytes of buffered activations on the device while a phase computes: with activation offload one
     row in, one out and a gradient in flight (and their TP slices); else every buffered entry, and under TP the
     entries gathered from their slices."""
-    act = step_shape(cfg).activation_bytes
-    tp = cfg.execution.tensor_parallel
+    shape = step_shape(cfg)
+    act, tp = shape.activation_bytes, shape.tensor_parallel
     if cfg.execution.activation_offload:
-        return 3 * act + (3 * step_shape(cfg).stored_activation_bytes if tp > 1 else 0)
+        return 3 * act + (3 * shape.stored_activation_bytes if tp > 1 else 0)
     return activation_peak_bytes(cfg) + (3 * act if tp > 1 else 0)
 
 

@@ -20,11 +20,11 @@ chose differently would not run one program.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
+from ipuft.config import with_values
 from ipuft.engine.model import build_model
 from ipuft.plan.estimate import estimate
 from ipuft.plan.fit import fits, machine_memory, needs
@@ -65,11 +65,7 @@ def _candidates(cfg: DictConfig) -> list[tuple[bool, bool]]:
 
 def resolved(cfg: DictConfig, recompute: bool, offload: bool) -> DictConfig:
     """A read-only copy of ``cfg`` with the layout set."""
-    out = copy.deepcopy(cfg)
-    OmegaConf.set_readonly(out, False)
-    out.execution.recompute, out.execution.offload = recompute, offload
-    OmegaConf.set_readonly(out, True)
-    return out
+    return with_values(cfg, {"execution.recompute": recompute, "execution.offload": offload})
 
 
 def choose_layout(cfg: DictConfig, hooks: PluginHooks, memory: dict | None = None,

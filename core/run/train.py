@@ -8,7 +8,6 @@ locks and repairs; :mod:`ipuft.run.resume` saves its checkpoints and resumes it 
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import os
@@ -22,10 +21,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from tqdm import tqdm
 
-from ipuft.config import to_yaml
+from ipuft.config import to_yaml, with_values
 from ipuft.data.synthetic import SampleData
 from ipuft.data.tokens import TokenDataset, data_source, validation_source
 from ipuft.engine.inference import dataset_loss
@@ -105,11 +104,7 @@ def with_epochs(cfg: DictConfig, data: SampleData | TokenDataset) -> DictConfig:
     if cfg.training.epochs is None:
         return cfg
     share = Fraction(str(cfg.training.epochs)) * len(data) / cfg.training.global_batch_size
-    out = copy.deepcopy(cfg)
-    OmegaConf.set_readonly(out, False)
-    out.training.steps = max(1, math.ceil(share))
-    OmegaConf.set_readonly(out, True)
-    return out
+    return with_values(cfg, {"training.steps": max(1, math.ceil(share))})
 
 
 def epoch(cfg: DictConfig, data: SampleData | TokenDataset, step: int) -> float | None:
