@@ -1,9 +1,12 @@
 """Hugging Face datasets as ``data.path`` (``ipuft[datasets]``), offline: a ``save_to_disk`` directory (a lone
-dataset, or a DatasetDict with splits) and a directory of Parquet shards give the same token rows as the same
-rows from a JSONL file, for the text, chat and tokens formats; a missing split or subset is one line naming
-what exists; ``data.validation_split`` scores another split; the token cache keys a dataset by its fingerprint."""
+dataset, or a DatasetDict with splits), a directory of Parquet shards and a dataset's name found in the local
+datasets cache give the same token rows as the same rows from a JSONL file, for the text, chat and tokens
+formats; a missing split or subset is one line naming what exists; ``data.validation_split`` scores another
+split; the token cache keys a dataset by its fingerprint."""
 
 import json
+import socket
+from typing import ClassVar
 
 import pytest
 import torch
@@ -42,6 +45,54 @@ def shards(path, rows, split="train"):
     return path
 
 
+def cached(name, subsets):
+    """``name`` (``owner/name``) in the local datasets cache as the library leaves a Hub dataset it has loaded
+    (``owner___name/<subset>/<version>/<commit>/``: each split's Arrow file and ``dataset_info.json``), for it to
+    find offline by name: ``subsets`` maps each subset to its splits' rows."""
+    from datasets.builder import Key
+
+    class Hub(datasets.ArrowBasedBuilder):
+        BUILDER_CONFIGS: ClassVar[list] = [datasets.BuilderConfig(subset) for subset in subsets]
+
+        def _info(self):
+            return datasets.DatasetInfo()
+
+        def _split_generators(self, dl_manager):
+            return [datasets.SplitGenerator(name=split, gen_kwargs={"rows": rows})
+                    for split, rows in subsets[self.config.name].items()]
+
+        def _generate_tables(self, rows):
+            yield Key(0, 0), pa.Table.from_pylist(rows)
+
+    for subset in subsets:
+        Hub(cache_dir=str(datasets.config.HF_DATASETS_CACHE), config_name=subset, dataset_name=name.split("/")[-1],
+            repo_id=name, hash="0123456789abcdef0123456789abcdef01234567").download_and_prepare()
+    return name
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    """A Hugging Face home of the test's own, offline by its environment, with ``datasets`` imported before it
+    was set (this module's import: the library's flags say online, as in a program that imported it first) and
+    every host name lookup refused and recorded: what the test asked of the network, to stay empty."""
+    home = tmp_path / "hf"
+    for var, value in (("HF_HOME", home), ("HF_DATASETS_CACHE", home / "datasets"), ("HF_HUB_OFFLINE", "1"),
+                       ("HF_DATASETS_OFFLINE", "1")):
+        monkeypatch.setenv(var, str(value))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", home / "datasets")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", False)
+    monkeypatch.chdir(tmp_path)  # a name is not a directory here
+    asked = []
+
+    def refused(host, *args, **kwargs):
+        asked.append(host)
+        raise OSError(f"no network in tests (asked for {host})")
+
+    monkeypatch.setattr(socket, "getaddrinfo", refused)
+    return asked
+
+
 def arrays(cfg, tokenizer):
     d = TokenDataset.from_config(cfg, tokenizer)
     return [None if t is None else t.clone() for t in (d.tokens, d.mask, d.offsets, d.rows)], len(d)
@@ -54,8 +105,8 @@ FORMATS = {
 }
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_a_saved_dataset_and_a_shard_directory_give_the_jsonl_rows(tmp_path, hooks, fmt):
+def formatted(tmp_path, hooks, fmt):
+    """``fmt``'s rows, its configuration of a ``data.path`` (with more overrides) and its tokenizer."""
     rows, overrides = FORMATS[fmt]
     tokenizer = None
     if fmt == "chat":
@@ -69,13 +120,36 @@ def test_a_saved_dataset_and_a_shard_directory_give_the_jsonl_rows(tmp_path, hoo
         return load_config("tiny", [f"data.path={path}", "model.sequence_length=16", "data.cache=false",
                                     *overrides, *more], hooks.registrations.config_sections)
 
-    reference, count = arrays(config(jsonl(tmp_path / "rows.jsonl", rows)), tokenizer)
-    assert count > 0
+    return rows, config, tokenizer
+
+
+def assert_same_rows(got, reference):
+    (a_arrays, a_count), (b_arrays, b_count) = got, reference
+    assert a_count == b_count > 0
+    for a, b in zip(a_arrays, b_arrays):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_saved_dataset_and_a_shard_directory_give_the_jsonl_rows(tmp_path, hooks, fmt):
+    rows, config, tokenizer = formatted(tmp_path, hooks, fmt)
+    reference = arrays(config(jsonl(tmp_path / "rows.jsonl", rows)), tokenizer)
     for source in (saved(tmp_path / "saved", rows), shards(tmp_path / "shards", rows)):
-        got, n = arrays(config(source), tokenizer)
-        assert n == count
-        for a, b in zip(got, reference):
-            assert (a is None and b is None) or torch.equal(a, b)
+        assert_same_rows(arrays(config(source), tokenizer), reference)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_cached_dataset_name_gives_the_jsonl_rows(tmp_path, hooks, offline_hub, fmt):
+    """``data.path=owner/name`` from the local datasets cache, offline, its subset and split picked: the rows of
+    that split of that subset, as a JSONL file of them gives; another subset and another split read theirs."""
+    rows, config, tokenizer = formatted(tmp_path, hooks, fmt)
+    name = cached(f"someone/{fmt.title()}Rows", {"full": {"train": rows[:1], "test": rows},
+                                                  "short": {"train": rows[:2]}})
+    assert_same_rows(arrays(config(name, "data.subset=full", "data.split=test"), tokenizer),
+                     arrays(config(jsonl(tmp_path / "rows.jsonl", rows)), tokenizer))
+    assert_same_rows(arrays(config(name, "data.subset=short"), tokenizer),
+                     arrays(config(jsonl(tmp_path / "short.jsonl", rows[:2])), tokenizer))
+    assert offline_hub == []
 
 
 def test_splits_subsets_and_the_validation_split(tmp_path, hooks):
@@ -105,14 +179,36 @@ def test_splits_subsets_and_the_validation_split(tmp_path, hooks):
     assert len(data_source(config(parts, "data.split=test"))) == len(TEXTS)
 
 
-def test_a_name_not_in_the_local_cache_is_one_line_and_nothing_is_downloaded(tmp_path, hooks, monkeypatch):
-    monkeypatch.chdir(tmp_path)
+def test_a_cached_name_without_the_split_or_subset_is_one_line_naming_those_there_are(tmp_path, hooks,
+                                                                                         offline_hub):
+    name = cached("someone/SplitRows", {"en": {"train": TEXTS[:5], "test": TEXTS[5:]}, "fr": {"train": TEXTS}})
+
+    def config(*more):
+        return load_config("tiny", [f"data.path={name}", "data.format=text", "data.tokenizer=sample",
+                                    "model.embedding.vocab_size=512", "model.sequence_length=64", "data.cache=false",
+                                    "data.packing=false", *more], hooks.registrations.config_sections)
+
+    assert len(data_source(config("data.subset=en", "data.split=test"))) == 2
+    with pytest.raises(DataError, match=r"^data.split: someone/SplitRows has no split 'validation'; "
+                                        r"its splits: train, test$"):
+        data_source(config("data.subset=en", "data.split=validation"))
+    with pytest.raises(DataError, match=r"^data.subset: someone/SplitRows has no subset 'de' in the local datasets "
+                                        r"cache; its subsets there: en, fr$"):
+        data_source(config("data.subset=de"))
+    with pytest.raises(DataError, match=r"^data.subset: someone/SplitRows has several subsets in the local "
+                                        r"datasets cache; set data.subset to one of: en, fr$"):
+        data_source(config())
+    assert offline_hub == []
+
+
+def test_a_name_not_in_the_local_cache_is_one_line_and_nothing_is_downloaded(tmp_path, hooks, offline_hub):
     cfg = load_config("tiny", ["data.path=nobody/no-such-dataset", "data.format=text", "data.tokenizer=sample",
                                "model.embedding.vocab_size=512", "data.cache=false"],
                       hooks.registrations.config_sections)
     with pytest.raises(DataError, match=r"^data.path: nobody/no-such-dataset is neither a file nor a directory, "
                                         r"and the local datasets cache cannot give it offline .*ipuft never downloads"):
         data_source(cfg)
+    assert offline_hub == []
     # A missing file keeps its own line; a directory that holds no dataset says what it lacks.
     missing = load_config("tiny", ["data.path=gone.jsonl", "data.format=text", "data.tokenizer=sample",
                                    "model.embedding.vocab_size=512"], hooks.registrations.config_sections)

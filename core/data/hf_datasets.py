@@ -51,7 +51,9 @@ def _library():
     except ImportError:
         raise DataError("data.path: reading a Hugging Face dataset needs the datasets library; "
                         "pip install ipuft[datasets]") from None
-    datasets.config.HF_DATASETS_OFFLINE = True
+    # The flag the library reads once imported (HF_HUB_OFFLINE in recent releases, HF_DATASETS_OFFLINE in older
+    # ones): an import ahead of this one read the environment without ours, and would ask the Hub, with retries.
+    datasets.config.HF_DATASETS_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
     datasets.disable_progress_bars()
     return datasets
 
@@ -91,12 +93,31 @@ def load(source: DatasetSource):
                 raise DataError(f"data.path: {path} is not a readable saved dataset ({_first_line(exc)})") from None
         return _shards(datasets, path, source)
     try:
-        return datasets.load_dataset(source.location, source.subset, split=source.split)
-    except Exception as exc:  # noqa: BLE001 (not cached, no such subset or split, a damaged cache)
+        loaded = datasets.load_dataset(source.location, source.subset)
+    except Exception as exc:  # noqa: BLE001 (not cached, no such subset, a damaged cache)
+        subsets = _cached_subsets(datasets, source.location)
+        if subsets and source.subset is None and len(subsets) > 1:
+            raise DataError(f"data.subset: {source.location} has several subsets in the local datasets cache; "
+                            f"set data.subset to one of: {', '.join(subsets)}") from None
+        if subsets and source.subset is not None and source.subset not in subsets:
+            raise DataError(f"data.subset: {source.location} has no subset {source.subset!r} in the local datasets "
+                            f"cache; its subsets there: {', '.join(subsets)}") from None
         missing = f"{source.location} is neither a file nor a directory"
         raise DataError(f"data.path: {missing}, and the local datasets cache cannot give it offline "
                         f"({_first_line(exc)}); ipuft never downloads: load it once with datasets.load_dataset "
                         f"where the network is reachable, or give a file or a directory") from None
+    return _pick(datasets, loaded, source)
+
+
+def _cached_subsets(datasets, name: str) -> list[str]:
+    """The subsets of ``name`` in the local datasets cache, as the library lays it out
+    (``owner___name/subset/version/hash/``); none where the name is not there."""
+    from datasets.naming import camelcase_to_snakecase
+
+    parts = name.split("/")
+    root = Path(datasets.config.HF_DATASETS_CACHE).expanduser() / "___".join([*parts[:-1],
+                                                                              camelcase_to_snakecase(parts[-1])])
+    return sorted({p.parts[-3] for p in root.glob("*/*/*") if p.is_dir()})
 
 
 def _shards(datasets, path: Path, source: DatasetSource):
