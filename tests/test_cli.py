@@ -64,7 +64,7 @@ def test_config_show_prints_the_6b_config(capsys):
         (["config", "show", "layers"], "argument 'layers' is not KEY=VALUE (for example training.steps=10)"),
         (["config", "show", "model.layerz=2"], "unknown config key model.layerz; valid keys in model: layers,"),
         (["config", "show", "model.layers=x"], "model.layers: Value 'x' of type 'str' could not be converted to Integer"),
-        (["config", "show", "--config", "huge"], "unknown preset 'huge'; presets: finetune, gptj-6b, llama3-8b, mistral-7b, phi4, qwen3-8b, small-cpu, tiny"),
+        (["config", "show", "--config", "huge"], "unknown preset 'huge'; presets: finetune, gemma3-12b, gptj-6b, llama3-8b, mistral-7b, phi4, qwen3-8b, small-cpu, tiny"),
         (["config", "show", "model.decoder=falcon"], "model.decoder: unknown decoder component 'falcon'; available: gptj, llama"),
         (["config", "show", "training.optimizer.name=lion"], "training.optimizer.name: unknown optimizer 'lion'; available: adamw"),
         (["train", "--config", "tiny", "model.head=mlp"], "model.head: unknown head component 'mlp'; available: gptj"),

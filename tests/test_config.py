@@ -97,7 +97,7 @@ def test_bad_config_is_one_clear_line(hooks, overrides, fragment):
 
 
 def test_unknown_preset_lists_presets(hooks):
-    with pytest.raises(ConfigError, match=r"unknown preset 'huge'; presets: finetune, gptj-6b, llama3-8b, mistral-7b, phi4, qwen3-8b, small-cpu, tiny"):
+    with pytest.raises(ConfigError, match=r"unknown preset 'huge'; presets: finetune, gemma3-12b, gptj-6b, llama3-8b, mistral-7b, phi4, qwen3-8b, small-cpu, tiny"):
         load_config("huge", [], hooks.registrations.config_sections)
 
 
@@ -134,7 +134,7 @@ def test_a_yaml_starts_from_a_base_preset_or_file(hooks, tmp_path):
     ({f"{i}.yaml": f"base: {i + 1}.yaml\n" for i in range(12)}, r"more than 8 presets start from one another"),
     ({"a.yaml": "base: /etc/ipuft.yaml\n"}, r"a base is a preset name or a path relative to .*, not an absolute path$"),
     ({"a.yaml": "base: ../outside.yaml\n"}, r"the base leaves .*, the directory of the file naming it"),
-    ({"a.yaml": "base: [tiny]\n"}, r"base must name a preset \(finetune, gptj-6b, .*\) or a \.yaml file, got "),
+    ({"a.yaml": "base: [tiny]\n"}, r"base must name a preset \(finetune, gemma3-12b, gptj-6b, .*\) or a \.yaml file, got "),
     ({"a.yaml": "base: missing.yaml\n"}, r"base missing\.yaml: preset file .*missing\.yaml does not exist$"),
     ({"a.yaml": "base: nope\n"}, r"base nope: unknown preset 'nope'; presets: finetune, "),
     ({"a.yaml": "base: b.yaml\n", "b.yaml": "model:\n  layerz: 2\n"}, r"unknown config key model\.layerz"),

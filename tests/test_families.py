@@ -412,3 +412,35 @@ def test_tensor_and_data_parallel_training_equal_one_process(hooks, tmp_path):
                                   "training.global_batch_size=4", *common]
     for results, _ in equal_to_one_process(hooks, configs, 5, tmp_path).values():
         assert results[0].grad_norm > 0.5  # clipping is active
+
+
+# Gemma 3 12B's config.json (google/gemma-3-12b-it's text_config, as the Hub's config.json gives it).
+GEMMA3_12B = {"model_type": "gemma3_text", "hidden_size": 3840, "intermediate_size": 15360, "num_hidden_layers": 48,
+              "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256, "vocab_size": 262208,
+              "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+              "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "sliding_window": 1024,
+              "sliding_window_pattern": 6, "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh",
+              "final_logit_softcapping": None, "attn_logit_softcapping": None, "attention_bias": False,
+              "pad_token_id": 0, "bos_token_id": 2, "eos_token_id": [1, 106], "tie_word_embeddings": True,
+              "max_position_embeddings": 131072}
+
+
+def test_the_gemma3_12b_preset_is_gemma_3_12b(capsys, hooks):
+    """The preset's shapes are the checkpoint's: the family reads Gemma 3 12B's config.json as the preset's
+    keys (none differs), and ipuft plan counts the parameters transformers' Gemma3ForCausalLM has at that
+    config (built on the meta device: 11,766,034,176)."""
+    import transformers
+    from cli_helpers import run_cli
+
+    from ipuft.config import load_config
+    from ipuft.io.hf_export import source_mismatches
+
+    cfg = load_config("gemma3-12b", sections=hooks.registrations.config_sections)
+    assert source_mismatches(cfg, hooks.registrations.families.get("gemma3_text"), GEMMA3_12B) == []
+    theirs = transformers.AutoConfig.for_model(**GEMMA3_12B)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(theirs)
+    count = sum(p.numel() for p in model.parameters())
+    code, out, err = run_cli(capsys, "plan", "--config", "gemma3-12b", "--json")
+    assert code == 0, err
+    assert json.loads(out)["parameters"] == count == 11_766_034_176
