@@ -6,6 +6,7 @@ line on stderr with exit code 2, never a traceback.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 import sys
@@ -212,29 +213,45 @@ def bench(hooks: PluginHooks, cfg, as_json: bool, profile: bool, steps: int, tra
 @click.option("--adapter", "adapter_out", default=None, metavar="OUT",
               help="A peft adapter directory to write (new, empty or an earlier adapter export) from a run with "
                    "model.adapter (LoRA): adapter_config.json and adapter_model.safetensors.")
+@click.option("--gguf", "gguf_out", default=None, metavar="OUT.gguf",
+              help="A GGUF file to write (new, or an earlier GGUF file, replaced) for llama.cpp, Ollama and LM "
+                   "Studio: the whole model, adapters merged in, with its tokenizer and chat template (Llama, "
+                   "Mistral, Qwen2/3, Gemma 3; needs pip install 'ipuft[gguf]').")
+@click.option("--gguf-type", type=click.Choice(["f32", "f16", "bf16", "q8_0"]), default="f16", show_default=True,
+              help="--gguf: the matrices' type (norms and biases stay f32; q8_0 rows not a multiple of 32 long: "
+                   "f16).")
 @click.option("--max-shard-size", default=DEFAULT_SHARD_BYTES, show_default=True, type=click.IntRange(min=1),
               help="Bytes per safetensors shard; larger models get an index.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
-              help="The exported weights' dtype (config.json's torch_dtype); default: the precision trained in.")
+              help="--hf and --adapter: the exported weights' dtype (config.json's torch_dtype); default: the "
+                   "precision trained in.")
 @click.pass_obj
-def export(hooks: PluginHooks, checkpoint: str, out: str | None, adapter_out: str | None, max_shard_size: int,
-           dtype: str | None) -> None:
-    """Write a checkpoint as a Hugging Face directory of its family (GPT-J, Llama, Mistral or Qwen2):
-    config.json and safetensors, and the checkpoint's tokenizer where it has one (--hf); its adapters as a
-    peft adapter for the base model (--adapter); or both.
+def export(hooks: PluginHooks, checkpoint: str, out: str | None, adapter_out: str | None, gguf_out: str | None,
+           gguf_type: str, max_shard_size: int, dtype: str | None) -> None:
+    """Write a checkpoint as a Hugging Face directory of its family (GPT-J, Llama, Mistral, Qwen2/3, OLMo 2,
+    Gemma 2/3, Phi-3): config.json and safetensors, and the checkpoint's tokenizer where it has one (--hf); its
+    adapters as a peft adapter for the base model (--adapter); as one GGUF file that llama.cpp and Ollama run
+    (--gguf); or several of these.
 
     \b
     Examples:
       ipuft export --checkpoint runs/a --hf out/model          # the whole model (LoRA merged in)
       ipuft export --checkpoint runs/a --adapter out/adapter   # PeftModel.from_pretrained(base, "out/adapter")
+      ipuft export --checkpoint runs/a --gguf out/a.gguf       # llama-cli -m out/a.gguf (llama.cpp)
     """
-    if out is None and adapter_out is None:
-        raise click.UsageError("export: give --hf OUT (the whole model), --adapter OUT (a peft adapter), or both")
-    if out is not None and adapter_out is not None:
-        hf, adapter = Path(out).resolve(), Path(adapter_out).resolve()
-        if hf.is_relative_to(adapter) or adapter.is_relative_to(hf):
-            raise click.UsageError(f"export: --hf {out} and --adapter {adapter_out} overlap; give each its own "
-                                   f"directory")
+    targets = {name: Path(path).resolve() for name, path in
+               (("--hf", out), ("--adapter", adapter_out), ("--gguf", gguf_out)) if path is not None}
+    if not targets:
+        raise click.UsageError("export: give --hf OUT (the whole model), --adapter OUT (a peft adapter), "
+                               "--gguf OUT.gguf (for llama.cpp), or several")
+    for first, second in itertools.combinations(targets, 2):
+        if targets[first].is_relative_to(targets[second]) or targets[second].is_relative_to(targets[first]):
+            given = {"--hf": out, "--adapter": adapter_out, "--gguf": gguf_out}
+            place = "file" if "--gguf" in (first, second) else "directory"
+            raise click.UsageError(f"export: {first} {given[first]} and {second} {given[second]} overlap; give "
+                                   f"each its own {place}")
+    if dtype is not None and out is None and adapter_out is None:
+        raise click.UsageError("export: --dtype is the type of --hf and --adapter; --gguf takes --gguf-type")
     if out is not None:
         from ipuft.run.export import export_hf
 
@@ -243,6 +260,10 @@ def export(hooks: PluginHooks, checkpoint: str, out: str | None, adapter_out: st
         from ipuft.run.export import export_adapter
 
         click.echo(f"wrote {export_adapter(checkpoint, adapter_out, hooks, dtype)}")
+    if gguf_out is not None:
+        from ipuft.run.export import export_gguf
+
+        click.echo(f"wrote {export_gguf(checkpoint, gguf_out, hooks, gguf_type)}")
 
 
 @cli.command("eval")

@@ -43,7 +43,7 @@ def lora_run(tmp_path_factory):
 # -- Exports -----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("option", ["--hf", "--adapter"])
+@pytest.mark.parametrize("option", ["--hf", "--adapter", "--gguf"])
 @pytest.mark.parametrize("place", ["checkpoint", "below-checkpoint", "run", "checkpoints-root", "link-into-run",
                                    "around-source"])
 def test_an_export_never_writes_into_a_checkpoint_or_run(capsys, tmp_path, lora_run, option, place):

@@ -404,7 +404,7 @@ def test_export_on_the_command_line_writes_an_adapter_or_says_what_is_wrong(caps
         names = list(f.keys())
         assert {f.get_tensor(k).dtype for k in names} == {torch.bfloat16} and len(names) == 2 * 4 * 2
     code, _, err = run_cli(capsys, "export", "--checkpoint", str(out))
-    assert code == 2 and "give --hf OUT (the whole model), --adapter OUT (a peft adapter), or both" in err
+    assert code == 2 and "give --hf OUT (the whole model), --adapter OUT (a peft adapter), --gguf OUT.gguf (for llama.cpp), or several" in err
     code, _, err = run_cli(capsys, "export", "--checkpoint", str(trained / "run"), "--adapter", str(tmp_path / "b"))
     assert code == 2 and err.startswith("ipuft: error: --adapter: checkpoint ") and err.count("\n") == 1
     assert "has no adapter (its model.adapter is null): export the whole model with --hf" in err

@@ -127,10 +127,11 @@ def hf_config(cfg: DictConfig, family: ModelFamily, eos_id: int | None, dtype: s
 
 
 def write_hf(checkpoint: Path, manifest: dict, cfg: DictConfig, parts, family: ModelFamily, out: str | Path,
-             shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: str = "float32") -> Path:
+             shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: str = "float32", option: str = "--hf") -> Path:
     """Write ``checkpoint`` (its verified ``manifest``, its config ``cfg`` and the model ``parts`` built from it,
     of ``family``) as a Hugging Face directory ``out``, its weights in ``dtype`` (``float32``, ``bfloat16`` or
-    ``float16``). :func:`ipuft.run.export.export_hf` opens the checkpoint and builds the model."""
+    ``float16``); ``option`` names the export in messages. :func:`ipuft.run.export.export_hf` opens the
+    checkpoint and builds the model."""
     from ipuft.io.safetensors import SafetensorsWriter
 
     torch_dtype = DTYPES[dtype]
@@ -178,7 +179,7 @@ def write_hf(checkpoint: Path, manifest: dict, cfg: DictConfig, parts, family: M
         shards[-1].append(spec)
         size += nbytes
         total += nbytes
-    with staged_directory(Path(out), "--hf", [checkpoint]) as tmp:
+    with staged_directory(Path(out), option, [checkpoint]) as tmp:
         weight_map = {}
         merged: dict[str, object] = {}  # a merging unit's exported tensors, read and merged together
 
