@@ -7,8 +7,8 @@ step at this width takes many minutes (about 44x float32's), and the store's 16-
 at small widths too (tests/test_precision.py, tests/test_tied.py)."""
 
 import json
-import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -27,6 +27,20 @@ PRECISIONS = {
     "bfloat16": (["model.precision=bfloat16", "training.stochastic_rounding=true"],
                  2 * PARAMETERS + 2 * (PARAMETERS - EMBEDDING) + 8 * PARAMETERS),
 }
+
+
+# ``ipuft ARGS`` with its own peak resident set (VmHWM) written to the file ARGV[1] when it ends. Not the child's
+# ru_maxrss: the kernel carries the forking process's high-water mark into it across exec, so a pytest worker
+# that once held 10 GiB (its earlier tests' heap) would show as this run's peak.
+PEAK = """import sys
+from ipuft.cli.main import main
+path, sys.argv = sys.argv[1], ["ipuft", *sys.argv[2:]]
+try:
+    main()
+finally:
+    hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+    open(path, "w").write(str(int(hwm.split()[1]) * 1024))
+"""
 
 
 def available_bytes() -> int:
@@ -58,13 +72,11 @@ def train_wide(config: list[str], stored: int, out, spills: bool = False) -> tup
     if available_bytes() < needed * 1.1:
         pytest.skip(f"this machine has {available_bytes() / 2**30:.1f} GiB available; the run needs "
                     f"{needed / 2**30:.1f}")
-    child = subprocess.Popen(["ipuft", "train", *config], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                             text=True)
-    _, status, usage = os.wait4(child.pid, 0)
-    err = child.stderr.read()
-    child.stderr.close()
-    assert os.waitstatus_to_exitcode(status) == 0, err
-    peak = usage.ru_maxrss * 1024
+    peak_file = out.parent / "peak"
+    child = subprocess.run([sys.executable, "-c", PEAK, str(peak_file), "train", *config], check=False,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    assert child.returncode == 0, child.stderr
+    peak = int(peak_file.read_text())
     assert 0.90 * needed <= peak <= needed, (peak / 2**30, needed / 2**30, peak / needed)
     return planned, json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
 
