@@ -27,23 +27,26 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ipuft.ops import Linear, WeightGradients, taking
+from ipuft.ops import Deferred, Linear, SliceMoves, WeightGradients, taking
 from ipuft.profiling import section
 from ipuft.widen import add_widened_, gradient_chunk
 
-# (tokens per chunk, 0 for unchunked; the upstream gradient the caller will seed the loss's backward with)
-_CHUNK: contextvars.ContextVar[tuple[int, float]] = contextvars.ContextVar("ipuft_head_chunks", default=(0, 1.0))
+# (tokens per chunk, 0 for unchunked; the upstream gradient the caller will seed the loss's backward with;
+# vocabulary slices the weight's gradient is made in, 0 or 1 for one)
+_CHUNK: contextvars.ContextVar[tuple[int, float, int]] = contextvars.ContextVar("ipuft_head_chunks",
+                                                                               default=(0, 1.0, 0))
 
 ROW_BLOCK_BYTES = 64 * 2**20  # the most bytes of one 16-bit block of a chunk's weight gradient, before it is added
 
 
 @contextlib.contextmanager
-def head_chunks(tokens: int, seed: float = 1.0) -> Iterator[None]:
+def head_chunks(tokens: int, seed: float = 1.0, slices: int = 0) -> Iterator[None]:
     """Heads' losses inside the block are computed ``tokens`` tokens at a time (0: all at once, autograd's own
     path). ``seed``: the upstream gradient the caller will backpropagate the loss with (the engine's loss scale
     over the micro-batches), which the loss's gradient is scaled by before it is rounded to a 16-bit compute
-    dtype, as autograd scales it (a float16 gradient would underflow unscaled)."""
-    token = _CHUNK.set((int(tokens), float(seed)))
+    dtype, as autograd scales it (a float16 gradient would underflow unscaled). ``slices`` above 1: the
+    weight's gradient is made that many vocabulary slices at a time (:class:`_SlicedGradient`)."""
+    token = _CHUNK.set((int(tokens), float(seed), int(slices)))
     try:
         yield
     finally:
@@ -72,13 +75,13 @@ def chunked_head_loss(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     all-reduces it, as :func:`ipuft.parallel.copy_to_tensor_parallel` does). ``softcap``: of the logits
     soft-capped as :func:`ipuft.parallel.softcapped` caps them (Gemma 2), its gradient through the cap taken by
     the ops autograd's backward of those three takes."""
-    chunk, seed = _CHUNK.get()
+    chunk, seed, slices = _CHUNK.get()
     if not torch.is_grad_enabled():  # the loss alone (an evaluation): no gradient is made
         x, weight, bias = x.detach(), weight.detach(), bias.detach() if bias is not None else None
     tp = _TensorParallel(tp_rank, tp_group, tensor_parallel)
     taken = taking(weight, bias)
     return _ChunkedHeadLoss.apply(x, weight, bias, labels, vocab_size, ignore_index, chunk, seed, tp, taken,
-                                  softcap)
+                                  softcap, slices)
 
 
 class _TensorParallel:
@@ -96,7 +99,7 @@ class _TensorParallel:
 
 class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, labels, vocab_size, ignore_index, chunk, seed, tp, taken, softcap):
+    def forward(ctx, x, weight, bias, labels, vocab_size, ignore_index, chunk, seed, tp, taken, softcap, slices):
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
         rows = weight.shape[0]
@@ -104,9 +107,11 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         count = keep.sum().clamp_min(1)  # no trained token: the loss 0, its gradient zero (not 0 / 0)
         first = tp.rank * rows
         grad_x = torch.empty_like(x) if need_x else None
-        sums = _Sums(weight, bias, need_w, need_b, taken)
+        sliced = need_w and slices > 1 and rows > 1  # the weight's gradient made by slices, later
+        sums = _Sums(weight, bias, need_w and not sliced, need_b, taken)
         total = x.new_zeros((), dtype=torch.float32)
         step = chunk or x.shape[0]
+        lses, scales = [], []  # sliced: each token's log-sum-exp and weight in the loss's gradient
         for start in range(0, x.shape[0], step):
             xc, yc, kc = x[start : start + step], labels[start : start + step], keep[start : start + step]
             logits = _padded(xc, lambda rows: F.linear(rows, weight, bias))
@@ -117,11 +122,18 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 padded = torch.arange(first, first + rows, device=x.device) >= vocab_size
                 logits = logits.masked_fill(padded, torch.finfo(logits.dtype).min)
             logits = logits.float()  # the 16-bit logits freed before the float32 work begins
+            if sliced and tp.size == 1:  # (before the log-softmax is written over the logits)
+                lses.append(torch.logsumexp(logits, dim=-1))
             loss, probs = _chunk_loss(logits, yc, kc, first, tp, need_x or need_w or need_b)
             total += loss
             if probs is None:
                 continue
-            g = _logits_gradient(probs, yc, kc, first, kc * (seed / count), tp).to(x.dtype)
+            scale = kc * (seed / count)
+            if sliced:
+                if tp.size > 1:
+                    lses.append(probs.shift.squeeze(-1) + probs.sums.log())
+                scales.append(scale)
+            g = _logits_gradient(probs, yc, kc, first, scale, tp).to(x.dtype)
             del probs, logits
             if softcap is not None:  # autograd's backward of the cap: MulBackward, TanhBackward, DivBackward
                 g = torch.ops.aten.tanh_backward(g * softcap, tanh).div_(softcap)
@@ -132,6 +144,9 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 else:
                     grad_x[start : start + step] = _padded(g, lambda rows: torch.mm(rows, weight))
             sums.add(g, xc)
+        if sliced:
+            sums.defer(_SlicedGradient.of(weight, bias, slices, step, softcap, first, vocab_size, taken),
+                       x.detach(), labels, torch.cat(lses), torch.cat(scales))
         ctx.sums, ctx.seed = sums, seed
         ctx.save_for_backward(grad_x)
         return total / count
@@ -143,7 +158,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         # nothing in the step) made zero gradients, which an upstream 0 keeps: the factor is then 1.
         factor = grad / ctx.seed if ctx.seed else torch.where(grad == 0, 1.0, torch.nan).to(grad.dtype)
         grad_w, grad_b = ctx.sums.result(factor)
-        return (grad_x * factor if grad_x is not None else None), grad_w, grad_b, *([None] * 8)
+        return (grad_x * factor if grad_x is not None else None), grad_w, grad_b, *([None] * 9)
 
 
 def _chunk_loss(logits: torch.Tensor, labels: torch.Tensor, keep: torch.Tensor, first: int,
@@ -156,7 +171,7 @@ def _chunk_loss(logits: torch.Tensor, labels: torch.Tensor, keep: torch.Tensor, 
     exponentials one by one into a few float32 lanes, which with a peaked distribution over 49152 rows loses the
     small terms and comes out about 8e-6 low per token, so the two differed by that; transformers' loss is
     F.cross_entropy's.) The second value (None without ``grad``) carries its row
-    sums as ``.sums`` under TP."""
+    sums as ``.sums`` (and the max they are shifted by as ``.shift``) under TP."""
     rows = logits.shape[-1]
     local = labels - first
     mine = (local >= 0) & (local < rows)
@@ -168,11 +183,12 @@ def _chunk_loss(logits: torch.Tensor, labels: torch.Tensor, keep: torch.Tensor, 
         work = torch.log_softmax(logits, dim=-1, out=logits)
         loss = -(work.gather(-1, at).squeeze(-1) * keep).sum()
         return loss, work.exp_() if grad else None
-    work = logits - tp.reduce(logits.max(dim=-1, keepdim=True).values, dist.ReduceOp.MAX)
+    shift = tp.reduce(logits.max(dim=-1, keepdim=True).values, dist.ReduceOp.MAX)
+    work = logits - shift
     target = tp.reduce(work.gather(-1, at).squeeze(-1) * mine)
     work.exp_()
     sums = tp.reduce(work.sum(dim=-1))
-    work.sums = sums
+    work.sums, work.shift = sums, shift
     return ((sums.log() - target) * keep).sum(), work if grad else None
 
 
@@ -201,6 +217,7 @@ class _Sums:
                  taken: WeightGradients | None) -> None:
         self.weight, self.bias, self.taken = weight, bias, taken
         self.w = self.b = None
+        self.sliced: _SlicedGradient | None = None
         if need_w:
             self.w = taken.accumulator(weight) if taken is not None else _zeros32(weight)
         if need_b:
@@ -220,12 +237,26 @@ class _Sums:
         if self.b is not None:
             self.b += g.sum(0, dtype=torch.float32)
 
+    def defer(self, sliced: _SlicedGradient, x: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
+              scales: torch.Tensor) -> None:
+        """The weight's gradient is ``sliced``'s, which this call's tokens are added to."""
+        self.sliced = sliced
+        sliced.add(self.taken.moves if self.taken is not None else _KEPT, x, labels, lse, scales)
+
     def result(self, factor: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The gradients autograd gets, ``factor`` the upstream gradient over the promised seed: none where the
         engine takes them (the factor is recorded, for the take to scale the sums by), else the sums scaled, in
         the leaves' dtypes."""
         out = []
+        if self.sliced is not None:
+            if self.taken is not None:
+                self.taken.scale(self.weight, factor)
+                out.append(None)
+            else:
+                out.append(self.sliced.gradient(self.weight, _KEPT, factor).to(self.weight.dtype))
         for leaf, total in ((self.weight, self.w), (self.bias, self.b)):
+            if self.sliced is not None and leaf is self.weight:
+                continue
             if total is None:
                 out.append(None)
             elif self.taken is not None:
@@ -254,3 +285,92 @@ def _padded(rows: torch.Tensor, matmul) -> torch.Tensor:
 
 def _zeros32(t: torch.Tensor) -> torch.Tensor:
     return torch.zeros(t.shape, dtype=torch.float32, device=t.device)
+
+
+_KEPT = SliceMoves()  # outside the engine: a sliced gradient's inputs stay where they are
+
+
+class _SlicedGradient(Deferred):
+    """A head weight's gradient made one vocabulary slice at a time, after every micro-batch's loss: for each
+    slice of rows, every kept token's logits over those rows (``x · W_sᵀ``, recomputed), their softmax from the
+    token's log-sum-exp over the whole vocabulary (taken in the loss), the loss's gradient as the unsliced
+    head makes it (the softmax times the token's weight, less it at the target; rounded to the compute dtype;
+    back through a soft-cap), and the slice's ``gᵀ · x`` summed in float32 over every micro-batch. Only one
+    slice's float32 sum exists at once, and the tokens' ``x`` wait where :class:`~ipuft.ops.SliceMoves` keeps
+    them (host memory, in the engine), so that a 262208-row vocabulary's 3.75 GiB gradient is never on the
+    device whole: each slice goes where the moves put it. The logits' matmul runs once more per token (a third
+    more of the head's work). The values are the unsliced head's to float32 rounding: the softmax is
+    ``exp(logits - lse)`` rather than the exponential of the log-softmax."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, slices: int, step: int,
+                 softcap: float | None, first: int, vocab_size: int) -> None:
+        self.weight, self.bias, self.step, self.softcap = weight, bias, step, softcap
+        self.first, self.vocab_size = first, vocab_size
+        self.rows = -(-weight.shape[0] // slices)
+        self.records: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    @classmethod
+    def of(cls, weight, bias, slices, step, softcap, first, vocab_size, taken: WeightGradients | None):
+        """The unit's one sliced gradient of ``weight`` (in ``taken``, over its micro-batches), or this call's."""
+        def make() -> _SlicedGradient:
+            return cls(weight, bias, slices, step, softcap, first, vocab_size)
+
+        return taken.deferred(weight, make) if taken is not None else make()
+
+    def add(self, moves: SliceMoves, x: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
+            scales: torch.Tensor) -> None:
+        self.records.append((moves.stash(x), labels, lse, scales))
+
+    def held(self) -> list[torch.Tensor]:
+        return [t for record in self.records for t in record[1:]]
+
+    @torch.no_grad()
+    def gradient(self, leaf: torch.Tensor, moves: SliceMoves, factor: torch.Tensor | None) -> torch.Tensor | None:
+        weight, bias = self.weight.detach(), self.bias.detach() if self.bias is not None else None
+        rows, hidden = weight.shape
+        out = moves.output(leaf)
+        for start in range(0, rows, self.rows):
+            stop = min(rows, start + self.rows)
+            w, b = weight[start:stop], bias[start:stop] if bias is not None else None
+            total = torch.zeros(stop - start, hidden, dtype=torch.float32, device=weight.device)
+            moves.hold(total.numel() * 4)
+            for stashed, labels, lse, scales in self.records:
+                x = moves.fetch(stashed)
+                for first in range(0, x.shape[0], self.step):
+                    window = slice(first, first + self.step)
+                    self._add(total, w, b, start, x[window], labels[window], lse[window], scales[window])
+                moves.done(x)
+            if factor is not None:
+                total.mul_(factor)
+            moves.put(leaf, out, start, total)
+            moves.hold(-total.numel() * 4)
+            del total
+        self.records.clear()
+        return out
+
+    def _add(self, total: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, start: int, x: torch.Tensor,
+             labels: torch.Tensor, lse: torch.Tensor, scales: torch.Tensor) -> None:
+        """Add one chunk of tokens' ``gᵀ · x`` over the slice of rows ``start …`` (``w``, ``b``) to ``total``."""
+        logits = _padded(x, lambda rows: F.linear(rows, w, b))
+        tanh = None
+        if self.softcap is not None:
+            tanh = logits.div_(self.softcap).tanh_()
+            logits = tanh * self.softcap
+        begin = self.first + start
+        if begin + w.shape[0] > self.vocab_size:  # a padded vocabulary block (TP): padded rows are no token's
+            padded = torch.arange(begin, begin + w.shape[0], device=x.device) >= self.vocab_size
+            logits = logits.masked_fill(padded, torch.finfo(logits.dtype).min)
+        g = logits.float().sub_(lse.unsqueeze(-1)).exp_().mul_(scales.unsqueeze(-1))
+        local = labels - begin
+        mine = (local >= 0) & (local < w.shape[0])
+        g.scatter_add_(-1, local.clamp(0, w.shape[0] - 1).unsqueeze(-1), -(scales * mine).unsqueeze(-1))
+        g = g.to(x.dtype)
+        if tanh is not None:
+            g = torch.ops.aten.tanh_backward(g * self.softcap, tanh).div_(self.softcap)
+        if g.dtype == torch.float32:
+            torch.addmm(total, g.t(), x, out=total)
+        else:
+            block = max(1, ROW_BLOCK_BYTES // (x.shape[-1] * x.element_size()))
+            for row in range(0, g.shape[-1], block):
+                add_widened_(total[row : row + block], torch.mm(g[:, row : row + block].t(), x),
+                             gradient_chunk(x.device))

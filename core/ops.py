@@ -53,12 +53,17 @@ class WeightGradients:
     """The ``(x, g)`` pairs of :func:`linear` calls whose weight (and bias) gradients are taken later, for the
     weight and bias leaves it was made with; the engine makes one for a unit's backward."""
 
-    def __init__(self, leaves: Iterable[torch.Tensor]) -> None:
+    def __init__(self, leaves: Iterable[torch.Tensor], moves: SliceMoves | None = None) -> None:
+        """``moves``: where a gradient made slice by slice (:meth:`deferred`) keeps its inputs and puts its
+        slices (default: where they are)."""
         self._leaves = {id(t) for t in leaves}
         self._pieces: dict[int, tuple[torch.Tensor, torch.Tensor | object | None, Pieces]] = {}
-        # Float32 sums some ops add their gradients into as they go (a chunked head's, ipuft.head_loss), kept
-        # over the unit's micro-batches until the last take, and the factors to scale them by.
-        self._sums: dict[int, tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]] = {}
+        # Float32 sums some ops add their gradients into as they go (a chunked head's, ipuft.head_loss), or
+        # gradients they make at the last take (deferred), kept over the unit's micro-batches until then, and the
+        # factors to scale them by.
+        self._sums: dict[int, tuple[torch.Tensor, torch.Tensor | Deferred, list[torch.Tensor]]] = {}
+        self.moves = moves or SliceMoves()
+        self.homed: list[torch.Tensor] = []  # the leaves whose deferred gradients moves put away themselves
 
     def accumulator(self, leaf: torch.Tensor) -> torch.Tensor:
         """A float32 sum of ``leaf``'s shape for an op to add its unscaled gradients into, over every micro-batch
@@ -67,14 +72,26 @@ class WeightGradients:
             self._sums[id(leaf)] = (leaf, torch.zeros(leaf.shape, dtype=torch.float32, device=leaf.device), [])
         return self._sums[id(leaf)][1]
 
+    def deferred(self, leaf: torch.Tensor, make: Callable[[], Deferred]) -> Deferred:
+        """The :class:`Deferred` gradient of ``leaf`` over every micro-batch until the last :meth:`take` (``make``
+        makes it at the first call), to which an op adds what it needs; its upstream factor recorded with
+        :meth:`scale`."""
+        if id(leaf) not in self._sums:
+            self._sums[id(leaf)] = (leaf, make(), [])
+        return self._sums[id(leaf)][1]
+
     def scale(self, leaf: torch.Tensor, factor: torch.Tensor) -> None:
         """One micro-batch's upstream factor for :meth:`accumulator`'s sum of ``leaf`` (the sum is scaled by it
         at the last take: every micro-batch of a unit must have the same, as the engine's seeds do)."""
         self._sums[id(leaf)][2].append(factor)
 
     def accumulated(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(leaf, float32 sum)`` of every :meth:`accumulator` so far."""
-        return [(leaf, total) for leaf, total, _ in self._sums.values()]
+        """``(leaf, float32 sum)`` of every :meth:`accumulator` so far (not the :meth:`deferred` gradients)."""
+        return [(leaf, total) for leaf, total, _ in self._sums.values() if isinstance(total, torch.Tensor)]
+
+    def deferred_held(self) -> list[torch.Tensor]:
+        """What the :meth:`deferred` gradients hold so far where they compute (for the ledger)."""
+        return [t for _, total, _ in self._sums.values() if not isinstance(total, torch.Tensor) for t in total.held()]
 
     def takes(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether the gradients of ``weight`` (and of ``bias``, when trainable) are taken here."""
@@ -126,14 +143,79 @@ class WeightGradients:
                 yield bias, torch.sum(g, 0, out=home(bias, g.dtype))
         while final and self._sums:
             _, (leaf, total, factors) = self._sums.popitem()
-            if factors and not is_fake(factors[0]):  # (the plan's measurement has no values to check)
-                factor = factors[0]
-                factors = torch.stack(factors)  # (all NaN alike: a step without a trained token, skipped)
-                if not bool((factors.eq(factor) | (factors.isnan() & factor.isnan())).all()):
-                    raise RuntimeError("a gradient summed over micro-batches had different upstream factors")
-                if float(factor) != 1.0:
-                    total.mul_(factor)
+            factor = _common_factor(factors)
+            if not isinstance(total, torch.Tensor):  # made now, slice by slice, each scaled by the factor
+                total = total.gradient(leaf, self.moves, factor)
+                if total is None:  # the moves put the slices where the gradient is kept
+                    self.homed.append(leaf)
+                    continue
+            elif factor is not None:
+                total.mul_(factor)
             yield leaf, total
+
+
+def _common_factor(factors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The one upstream factor every micro-batch recorded (None: none to apply, 1, or fake tensors in the plan's
+    measurement, which have no values to check)."""
+    if not factors or is_fake(factors[0]):
+        return None
+    factor = factors[0]
+    stacked = torch.stack(factors)  # (all NaN alike: a step without a trained token, skipped)
+    if not bool((stacked.eq(factor) | (stacked.isnan() & factor.isnan())).all()):
+        raise RuntimeError("a gradient summed over micro-batches had different upstream factors")
+    return None if float(factor) == 1.0 else factor
+
+
+class Deferred:
+    """A weight's gradient an op makes at the unit's last take rather than as it goes (a head's, one vocabulary
+    slice at a time: :mod:`ipuft.head_loss`)."""
+
+    def held(self) -> list[torch.Tensor]:
+        """The tensors it holds where it computes until it is made."""
+        raise NotImplementedError
+
+    def gradient(self, leaf: torch.Tensor, moves: SliceMoves, factor: torch.Tensor | None) -> torch.Tensor | None:
+        """The gradient of ``leaf`` scaled by ``factor`` (float32), or None where ``moves`` put it away."""
+        raise NotImplementedError
+
+
+class SliceMoves:
+    """Where a gradient made slice by slice keeps the inputs it needs between the micro-batches and puts its
+    slices. This default keeps them where they are and puts the slices into a float32 gradient it returns; the
+    engine's (:class:`ipuft.engine.sliced.StoredSlices`) keeps the inputs in host memory and writes each
+    finished slice into the stored gradient, so that the whole gradient is never on the device."""
+
+    def stash(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (one micro-batch's input) kept until the gradient is made."""
+        return t
+
+    def fetch(self, t: torch.Tensor) -> torch.Tensor:
+        """A stashed tensor where the gradient is computed (:meth:`done` with it after)."""
+        return t
+
+    def done(self, t: torch.Tensor) -> None:
+        """A fetched tensor is no longer used."""
+
+    def output(self, leaf: torch.Tensor) -> torch.Tensor | None:
+        """Where the slices go: a float32 tensor of ``leaf``'s shape, or None where :meth:`put` keeps them."""
+        return torch.zeros(leaf.shape, dtype=torch.float32, device=leaf.device)
+
+    def put(self, leaf: torch.Tensor, out: torch.Tensor | None, start: int, grad: torch.Tensor) -> None:
+        """Rows ``start …`` of ``leaf``'s gradient are ``grad`` (float32, scaled)."""
+        out[start : start + grad.shape[0]] = grad
+
+    def hold(self, n: int) -> None:
+        """``n`` bytes of working tensors made where the gradient is computed (negative: freed)."""
+
+    def rows_home(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """A float32 gradient an embedding's looked-up rows are added into where it lies (:meth:`add_rows`),
+        instead of a gradient made afresh: none by default."""
+        return None
+
+    def add_rows(self, weight: torch.Tensor, home: torch.Tensor, ids: torch.Tensor, g: torch.Tensor) -> None:
+        """Add the gradients ``g`` of the rows ``ids`` looked up into ``home``, in float32 (unrounded: the sum
+        over the step is rounded once, as a 16-bit table's :meth:`accumulator` is)."""
+        home.index_add_(0, ids, g.float())
 
 
 ROWS = object()  # what WeightGradients keeps for an embedding where a projection keeps its bias: ``x`` holds ids
@@ -257,7 +339,12 @@ class _Embedding(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (ids,) = ctx.saved_tensors
-        if ctx.leaf.dtype == torch.float32:
+        home = ctx.taken.moves.rows_home(ctx.leaf)
+        if home is not None:  # a gradient that lies elsewhere (a tied table's, in host memory): added in there
+            ctx.taken.moves.add_rows(ctx.leaf, home, ids.reshape(-1), grad.reshape(-1, grad.shape[-1]))
+            if not any(leaf is ctx.leaf for leaf in ctx.taken.homed):
+                ctx.taken.homed.append(ctx.leaf)
+        elif ctx.leaf.dtype == torch.float32:
             ctx.taken.add_rows(ctx.leaf, ids, grad)
         else:  # 16-bit: the rows added straight into a float32 sum over the micro-batches, rounded once
             ctx.taken.accumulator(ctx.leaf).index_add_(0, ids.reshape(-1), grad.reshape(-1, grad.shape[-1]).float())

@@ -36,7 +36,7 @@ _POSITIVE = (
 )  # fmt: skip
 _NON_NEGATIVE = (
     "training.steps", "training.eval_steps", "training.optimizer.learning_rate.maximum", "checkpoint.steps",
-    "execution.update_piece_bytes", "execution.head_chunk_tokens",
+    "execution.update_piece_bytes", "execution.head_chunk_tokens", "execution.head_vocab_slices",
 )  # fmt: skip
 # Finite and > 0: a zero or an infinity here makes every step NaN or a no-op.
 _POSITIVE_FINITE = (
@@ -53,6 +53,7 @@ _AT_MOST = {
     "training.eval_steps": 1 << 40,
     "execution.loss_scaling_growth_interval": 1 << 40,
     "execution.update_piece_bytes": 1 << 50, "execution.head_chunk_tokens": 1 << 30,
+    "execution.head_vocab_slices": 1 << 20,
 }  # fmt: skip
 
 
@@ -192,6 +193,9 @@ def derive_and_validate(cfg: DictConfig) -> None:
              f"is derived as training.global_batch_size / (execution.data_parallel × execution.micro_batch_size) "
              f"= {ga} here, not {cfg.gradient_accumulation}; set those instead")
     cfg.gradient_accumulation = ga
+    _require(execution.head_vocab_slices <= 1 or execution.head_chunk_tokens > 0, "execution.head_vocab_slices",
+             f"{execution.head_vocab_slices} slices the head's gradient of a loss computed by chunks of tokens; "
+             f"set execution.head_chunk_tokens above 0 with it (or head_vocab_slices=0)")
     if execution.rts is None:
         execution.rts = execution.data_parallel > 1 and execution.recompute is not False
     if execution.recompute is False:

@@ -192,6 +192,10 @@ class ExecutionConfig:
     # The head's loss and its gradient are computed this many tokens at a time (the float32 logits of one
     # chunk at once, not of a whole micro-batch); 0 computes all of a micro-batch's tokens at once.
     head_chunk_tokens: int = 512
+    # Above 1: the head's weight gradient is made this many vocabulary slices at a time after the micro-batches'
+    # losses, each slice summed over every micro-batch and written into the stored gradient, so that the whole
+    # float32 gradient is never on the device (the logits' matmul runs once more); 0 or 1: all at once.
+    head_vocab_slices: int = 0
 
 
 @dataclass

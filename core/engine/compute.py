@@ -32,6 +32,7 @@ from ipuft.data.batch import Batch
 from ipuft.engine.activations import ActivationBuffers, working_set
 from ipuft.engine.cuts import take_every, writes_into_stored
 from ipuft.engine.gradients import GradientSum
+from ipuft.engine.sliced import StoredSlices
 from ipuft.engine.store import Tensors, storage_bytes
 from ipuft.engine.stored import StoredModel
 from ipuft.head_loss import head_chunks
@@ -96,7 +97,7 @@ class UnitCompute:
         # A component may draw masks of its own (an adapter's dropout): ``uses_dropout`` says so.
         self.dropout = model.cfg.model.dropout_prob > 0 or any(isinstance(m, DrawsMasks) and m.uses_dropout
                                                               for m in model.modules.values())
-        self.head_chunk_tokens = model.cfg.execution.head_chunk_tokens
+        self.chunks = (model.cfg.execution.head_chunk_tokens, model.cfg.execution.head_vocab_slices)  # the head's
         self.graphs: dict[str, KeptGraphs] = {}
         self._counted: dict[str, int] = {}  # each unit's gradients' bytes counted on the device, until released
         self.graph_bytes = self.graph_peak = 0  # kept graphs' saved bytes now, and the step's peak
@@ -245,7 +246,8 @@ class UnitCompute:
         if graphs is not None:
             leaves = graphs.leaves  # the kept graphs accumulate into the leaves their forward bound
         micro_batches = st.batch.micro_batches
-        taken = WeightGradients(leaves.values()) if graphs is None else graphs.taken
+        slices = StoredSlices(self.model, phase, leaves, st)  # where a head's gradient by vocabulary slices goes
+        taken = WeightGradients(leaves.values(), slices) if graphs is None else graphs.taken
         every = take_every(micro_batches, st.batch.input_ids[0].numel())
         takes = -(-micro_batches // every)
         names = {id(p): n for n, p in leaves.items()}
@@ -270,7 +272,7 @@ class UnitCompute:
                     self._backward_kept_graph(io, graphs, mb, list(leaves.values()))
                 sums.add_autograd(mb, micro_batches)
                 count()
-                holding = storage_bytes([*taken.held(), *(total for _, total in taken.accumulated())])
+                holding = storage_bytes([*taken.held(), *taken.deferred_held(), *(t for _, t in taken.accumulated())])
                 self.store.hold(holding - held)
                 held = holding
                 if (mb + 1) % every and mb + 1 < micro_batches:
@@ -308,7 +310,7 @@ class UnitCompute:
                 args = (*args, st.batch.labels[mb])
                 seed = None
                 # A head computes its loss a chunk of tokens at a time (ipuft.head_loss), told the seed below.
-                stack.enter_context(head_chunks(self.head_chunk_tokens, st.loss_scale * st.weight(mb)))
+                stack.enter_context(head_chunks(self.chunks[0], st.loss_scale * st.weight(mb), self.chunks[1]))
             else:
                 seed = stack.enter_context(self.buffers.read(*upstream, mb, consume=True))
                 stack.enter_context(recompute())  # only the gradient of this forward is used

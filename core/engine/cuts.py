@@ -171,6 +171,7 @@ class StepShape:
     spills: bool  # activation_offload=disk
     streams: bool  # offload, an update on the device, and update_piece_bytes above 0
     host_update: bool  # optimizer_placement=host: updates run in host memory, where the variables live
+    host_tables: bool = False  # a tied table's gradient stays in host memory (see streamed_groups)
 
     @property
     def activation_bytes(self) -> int:
@@ -192,19 +193,27 @@ class StepShape:
     def streamed_groups(self, phase: Phase, moves: PhaseMoves | None) -> frozenset[str]:
         """The groups ``phase`` streams to its update piece by piece instead of loading them whole: where the
         update streams (:attr:`streams`), every group of an update-only phase, and the optimizer state of a
-        phase that computes (its weights and gradient are the compute's)."""
+        phase that computes (its weights and gradient are the compute's). With :attr:`host_tables`
+        (``execution.head_vocab_slices``, one DP rank), the gradient too of a phase that adds the other uses'
+        parts of tied tables to its own: it stays in host memory (:mod:`ipuft.engine.sliced`), where the head
+        wrote its part by slices, so that a tied table's float32 gradient is never whole on the device. (Under
+        DP the lookups' part would need a mean over the ranks there: the table's gradient is loaded instead.)"""
         if moves is None or not phase.updates or not self.streams:
             return frozenset()
         loads = frozenset(m.group for m in moves.loads)
-        return loads & {"optim"} if phase.computes else loads
+        if not phase.computes:
+            return loads
+        return loads & {"optim"} | ({"grad"} if self.host_tables and moves.carries else frozenset())
 
 
 def step_shape(cfg: DictConfig) -> StepShape:
     """The run's :class:`StepShape`."""
     m, ex = cfg.model, cfg.execution
     host_update = ex.optimizer_placement.value == "host"
+    streams = bool(ex.offload) and bool(ex.update_piece_bytes) and not host_update
     return StepShape(
         layers=m.layers, micro_batches=cfg.gradient_accumulation, tokens=ex.micro_batch_size * m.sequence_length,
         hidden=m.hidden_size, itemsize=torch.empty((), dtype=compute_dtype(cfg)).element_size(),
         tensor_parallel=ex.tensor_parallel, spills=ex.activation_offload == "disk",
-        streams=bool(ex.offload) and bool(ex.update_piece_bytes) and not host_update, host_update=host_update)
+        streams=streams, host_update=host_update,
+        host_tables=streams and ex.head_vocab_slices > 1 and ex.data_parallel == 1 and ex.recompute is not False)

@@ -72,8 +72,9 @@ class GradientSum:
                              excluded)
 
     def result(self) -> Tensors:
-        """The summed gradients: the float32 sums or rounded last parts (16-bit), or the leaves' ``.grad``."""
-        return self.sums if self.wide else {n: p.grad for n, p in self.leaves.items()}
+        """The summed gradients: the float32 sums or rounded last parts (16-bit), or the leaves' ``.grad``; none
+        for a leaf whose gradient went elsewhere (a head's by vocabulary slices, :mod:`ipuft.engine.sliced`)."""
+        return self.sums if self.wide else {n: p.grad for n, p in self.leaves.items() if p.grad is not None}
 
 
 def squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:

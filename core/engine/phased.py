@@ -29,6 +29,7 @@ from ipuft.engine.gradients import squared_norm
 from ipuft.engine.model import ModelParts
 from ipuft.engine.placement import Placement
 from ipuft.engine.scaling import LossScale
+from ipuft.engine.sliced import finish_tables
 from ipuft.engine.spill import spill_root, spilled_rows
 from ipuft.engine.store import Tensors
 from ipuft.engine.stored import StoredModel
@@ -132,6 +133,12 @@ class PhasedEngine:
         self.update = UnitUpdate(self.model)
         # The groups each update streams to the device piece by piece rather than loading them whole.
         self.streamed = {phase: self.shape.streamed_groups(phase, self.moves[phase]) for phase in self.program}
+        for phase, moves in self.moves.items():  # a table's gradient in host memory: the unit's only one
+            tied = {t.variable for t in moves.carries} if moves is not None else set()
+            if "grad" in self.streamed[phase] and tied and set(self.trainable[phase.role]) - tied:
+                raise ValueError(f"execution.head_vocab_slices: unit {phase.unit} trains "
+                                 f"{sorted(set(self.trainable[phase.role]) - tied)} besides its tied table; "
+                                 "set execution.head_vocab_slices=0")
         self.streaming = StreamedUpdate(self.update)
         self.updates = 0  # optimizer steps taken; Adam's bias correction counts from 1
 
@@ -233,7 +240,8 @@ class PhasedEngine:
                   if m.group not in streamed}
         # Tied variables: the owners' weights the unit computes with, and the other uses' gradients it adds.
         borrowed = self.model.borrow(phase.role) if moves.borrows else {}
-        carried = self.store.load(phase.unit, "grad", [t.variable for t in moves.carries]) if moves.carries else {}
+        carried = self.store.load(phase.unit, "grad", [t.variable for t in moves.carries]) \
+            if moves.carries and "grad" not in streamed else {}  # (streamed: it stays in host memory)
         grads = loaded.get("grad")
         if phase.computes:
             with self.model.gathered(phase.role, {**loaded["fwd"], **borrowed}) as weights:
@@ -266,8 +274,11 @@ class PhasedEngine:
                 self.compute.forward(phase, io[op], weights, st)
             elif op in (Op.LOSS_BACKWARD, Op.BACKWARD):
                 grads = self.compute.gradients(phase, io[op], weights, st, carried)
-                for tie in moves.lends:
-                    self.store.save(tie.owner, "grad", {tie.variable: grads.pop(tie.name)})
+                if moves.carries and "grad" in self.streamed[phase]:  # tied tables' gradients, in host memory
+                    grads.update(finish_tables(self.model, phase))
+                for tie in moves.lends:  # (one made by vocabulary slices is stored already: ipuft.engine.sliced)
+                    if tie.name in grads:
+                        self.store.save(tie.owner, "grad", {tie.variable: grads.pop(tie.name)})
                 self._add_to_norm(self.model.placed[phase.role], grads, st)
             elif op is Op.GLOBAL_NORM:
                 if self.layout.distributed:

@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from ipuft.engine.cuts import step_shape
 from ipuft.engine.model import ModelParts
 from ipuft.plan.flops import step_flops
-from ipuft.plan.measure import kv_cache_layers, packs_examples, unit_cost
+from ipuft.plan.measure import UnitCost, kv_cache_layers, packs_examples, unit_cost
 from ipuft.plan.memory import (
     CPU_RUNTIME_BYTES,
     activation_peak_bytes,
@@ -39,9 +39,11 @@ TOKEN_BYTES = torch.empty((), dtype=torch.int64).element_size()
 GENERATE_NEW_TOKENS = 64  # the inference view: prompts that fill the sequence but for this many new tokens
 
 
-def traffic(cfg: DictConfig, parts: ModelParts, sizes: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+def traffic(cfg: DictConfig, parts: ModelParts, sizes: dict[str, dict[str, int]],
+            costs: dict[str, UnitCost] | None = None) -> dict[str, dict[str, int]]:
     """Host↔device bytes of one optimizer step, per category: what :meth:`~ipuft.program.StepProgram.moves`
-    says each phase moves, summed as the engine's counters count it."""
+    says each phase moves, summed as the engine's counters count it, and (with the units' ``costs``) the inputs
+    a head's gradient by vocabulary slices keeps in host memory, sent once and brought back once a slice."""
     h2d: dict[str, int] = defaultdict(int)
     d2h: dict[str, int] = defaultdict(int)
     ga = cfg.gradient_accumulation
@@ -61,6 +63,13 @@ def traffic(cfg: DictConfig, parts: ModelParts, sizes: dict[str, dict[str, int]]
         if cfg.execution.activation_offload:
             h2d["activation"] += moves.activation_reads * ga * act
             d2h["activation"] += moves.activation_writes * ga * act
+        if moves.carries and "grad" in step_shape(cfg).streamed_groups(phase, moves):  # rows added in host memory
+            tokens = cfg.execution.micro_batch_size * cfg.model.sequence_length
+            d2h["grad"] += ga * tokens * (cfg.model.hidden_size * step_shape(cfg).itemsize + TOKEN_BYTES)
+        cost = costs.get(phase.role) if costs is not None and phase.computes_gradient else None
+        if cost is not None and cost.stash_bytes:
+            d2h["activation"] += ga * cost.stash_bytes
+            h2d["activation"] += ga * cost.stash_bytes * cost.stash_fetches
     return {"h2d": dict(h2d), "d2h": dict(d2h)}
 
 
@@ -72,7 +81,7 @@ def estimate(cfg: DictConfig, parts: ModelParts, hooks: PluginHooks, inference_b
     kv_layers = kv_cache_layers(parts, cfg)  # how each layer attends: its layer kind, and its cache
     costs = {role: unit_cost(parts, role, cfg, compute_device(cfg), kv_layers) for role in parts.modules}
     sizes = group_bytes(cfg, parts, optimizer)
-    moved = traffic(cfg, parts, sizes)
+    moved = traffic(cfg, parts, sizes, costs)
     variables = sum(stored_bytes(s) for s in sizes.values())
     host_vars = variables if cfg.execution.offload else 0
     acts = activation_peak_bytes(cfg)

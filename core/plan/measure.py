@@ -43,11 +43,12 @@ from torch.utils.flop_counter import (
 
 from ipuft.attention import decoder_layer, examples_apart
 from ipuft.components import recompute
+from ipuft.engine.cuts import step_shape
 from ipuft.engine.model import ModelParts
 from ipuft.engine.store import storage_bytes
 from ipuft.head_loss import head_chunks
 from ipuft.hostmem import heap_block_limit
-from ipuft.ops import WeightGradients, taking_weight_gradients
+from ipuft.ops import SliceMoves, WeightGradients, taking_weight_gradients
 from ipuft.precision import compute_dtype
 
 
@@ -162,7 +163,11 @@ class UnitCost:
     - ``accumulated_bytes``: the float32 sums some ops add their weight gradients into as they go, over every
       micro-batch (a chunked head's, :mod:`ipuft.head_loss`; counted in the peaks above), and
       ``accumulated_gradient_bytes`` the bytes of those weights' gradients in the weights' dtype (neither
-      autograd's nor taken).
+      autograd's nor taken);
+    - ``sliced_gradient_numel``: the elements of the weight gradients made by vocabulary slices into the stored
+      gradients (``execution.head_vocab_slices``, :mod:`ipuft.engine.sliced`), never whole on the device; the
+      inputs that work keeps in host memory, ``stash_bytes`` a micro-batch, each brought back
+      ``stash_fetches`` times (once a slice).
     """
 
     forward: int
@@ -177,6 +182,9 @@ class UnitCost:
     take_peak_bytes: int = 0
     accumulated_bytes: int = 0
     accumulated_gradient_bytes: int = 0
+    sliced_gradient_numel: int = 0
+    stash_bytes: int = 0
+    stash_fetches: int = 0
 
 
 def _saved_bytes(module, params, args) -> int:
@@ -217,10 +225,13 @@ def _layer_cost(parts: ModelParts, role: str, cfg: DictConfig, device: torch.dev
     mode = FakeTensorMode(allow_non_fake_inputs=True)  # a module's cached real tensors (a rotary table) are read
     module, params, args = fake_unit(parts, role, cfg, device, mode)
     with examples_apart(fake_positions(cfg, device, mode)), decoder_layer(layer):
-        return _unit_cost(module, params, args, mode, cfg)
+        # A tied table whose gradient stays in host memory (ipuft.engine.sliced): its lookups add rows there.
+        tables = {t.variable for t in parts.program.ties if t.owner.role == role and t.trainable} \
+            if step_shape(cfg).host_tables else set()
+        return _unit_cost(module, params, args, mode, cfg, tables)
 
 
-def _unit_cost(module, params, args, mode: FakeTensorMode, cfg: DictConfig) -> UnitCost:
+def _unit_cost(module, params, args, mode: FakeTensorMode, cfg: DictConfig, tables: set[str]) -> UnitCost:
     existing = [*params.values(), *args]
     leaves = [t for t in existing if t.requires_grad]
     with mode:
@@ -229,9 +240,12 @@ def _unit_cost(module, params, args, mode: FakeTensorMode, cfg: DictConfig) -> U
         forward = counted.get_total_flops()
         if not leaves:  # a frozen first unit: its backward does nothing
             return UnitCost(forward, 0, 0, 0, forward_live.peak, 0, 0, forward_live.heap_peak)
-        taken = WeightGradients(leaves)
+        slices = _MeasuredSlices({id(params[n]): torch.empty(params[n].shape, dtype=torch.float32, device="cpu")
+                                  for n in tables if n in params})
+        taken = WeightGradients(leaves, slices)
         homes = {id(leaf): torch.empty_like(leaf) for leaf in leaves}  # the stored gradients a take writes into
-        with LiveBytes([*existing, *homes.values()]) as live, head_chunks(cfg.execution.head_chunk_tokens):
+        chunks = head_chunks(cfg.execution.head_chunk_tokens, 1.0, cfg.execution.head_vocab_slices)
+        with LiveBytes([*existing, *homes.values(), *slices.tables.values()]) as live, chunks:
             with taking_weight_gradients(taken):
                 with recompute(), FlopCounterMode(display=False) as counted:
                     out = functional_call(module, params, args)
@@ -253,10 +267,39 @@ def _unit_cost(module, params, args, mode: FakeTensorMode, cfg: DictConfig) -> U
             moved = max(0, again - forward)
             backward, again = counted.get_total_flops() + moved, again - moved
             del grads
-        saved = _saved_bytes(module, params, args)
+        with head_chunks(cfg.execution.head_chunk_tokens, 1.0, cfg.execution.head_vocab_slices):
+            saved = _saved_bytes(module, params, args)  # (a head's loss by chunks saves no logits)
     return UnitCost(forward, backward, again, saved, forward_live.peak, max(backward_peak, take_peak), held,
                     max(forward_live.heap_peak, live.heap_peak), taken_bytes, take_peak, accumulated,
-                    accumulated_gradient)
+                    accumulated_gradient, sum(leaf.numel() for leaf in taken.homed), slices.stashed,
+                    slices.fetches)
+
+
+class _MeasuredSlices(SliceMoves):
+    """The engine's way with a gradient made by vocabulary slices (:class:`ipuft.engine.sliced.StoredSlices`),
+    measured: the slices go to the stored gradient, outside the device (dropped here), and the stashed inputs
+    are counted: their bytes per micro-batch, and how often each is brought back."""
+
+    def __init__(self, tables: dict[int, torch.Tensor]) -> None:
+        self.stashed = self.fetches = 0
+        self.tables = tables  # a tied table's gradient in host memory, by its weight's id
+
+    def rows_home(self, weight: torch.Tensor) -> torch.Tensor | None:
+        return self.tables.get(id(weight))
+
+    def stash(self, t: torch.Tensor) -> torch.Tensor:
+        self.stashed += t.numel() * t.element_size()
+        return t
+
+    def fetch(self, t: torch.Tensor) -> torch.Tensor:
+        self.fetches += 1
+        return t
+
+    def output(self, leaf: torch.Tensor) -> None:
+        return None
+
+    def put(self, leaf: torch.Tensor, out: torch.Tensor | None, start: int, grad: torch.Tensor) -> None:
+        pass
 
 
 def kv_cache_layers(parts: ModelParts, cfg: DictConfig) -> list[tuple[int, int | None]]:

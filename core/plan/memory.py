@@ -173,6 +173,19 @@ def streamed_update_bytes(cfg: DictConfig, optimizer: Optimizer, groups: dict[st
                 for k, (piece, transient) in enumerate(calls)), default=0)
 
 
+def sliced_gradient_bytes(cfg: DictConfig, parts: ModelParts, role: str, unit: dict[str, int], cost: UnitCost) -> int:
+    """The stored bytes of the gradient a unit of ``role`` makes by vocabulary slices straight into the stored
+    gradients (``execution.head_vocab_slices``, :mod:`ipuft.engine.sliced`: none of it whole on the device): a
+    tied table's float32 gradient, which the head lends (``unit``: :func:`group_bytes`'s), or the head's own."""
+    if not cost.sliced_gradient_numel:
+        return 0
+    if unit["lent"]:
+        return unit["lent"]
+    placed = placements(parts, rank_layout(cfg), bool(cfg.execution.rts))[role]
+    return next((p.stored_spec().nbytes for p in placed.values()
+                 if p.spec.trainable and p.local_numel == cost.sliced_gradient_numel), 0)
+
+
 @dataclass(frozen=True)
 class PhaseMemory:
     """What one phase holds on the compute device at its busiest, in bytes, beside the variables that stay
@@ -214,9 +227,11 @@ def phase_memory(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer, sizes
             out[phase.name] = PhaseMemory()
             continue
         streamed = shape.streamed_groups(phase, moves)
+        table = bool(moves.carries) and "grad" in streamed  # tied tables' gradients stay in host memory
         loads = phase_io(moves, unit)[0]
         loaded = sum(v for g, v in loads.items() if g not in streamed) if cfg.execution.offload and not lent else 0
-        grads = unit["trainable"] + unit["lent"] if phase.computes_gradient else 0
+        grads = unit["trainable"] + unit["lent"] - sliced_gradient_bytes(cfg, parts, phase.role, unit, cost) \
+            if phase.computes_gradient and not table else 0
         micro_batch = [cost.forward_peak_bytes] if Op.FORWARD in phase.ops else []
         fresh = grads  # the finished gradients beyond the stored ones
         if phase.computes_gradient:
@@ -241,7 +256,7 @@ def phase_memory(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer, sizes
                                + (summed if wide and dp > 1 else 0))
         # The tied variables' float32 sum beside its rounding (ipuft.engine.compute); in float32, their gradient,
         # which a take never writes into the stored one (that holds the other uses' parts, carried in).
-        if moves.carries and (wide or into_stored):
+        if moves.carries and (wide or into_stored) and not table:
             fresh += unit["carried"]
         compute = max(micro_batch) if phase.computes else 0
         # The update holds only the finished (16-bit) gradients; one in host memory holds nothing on the device.
