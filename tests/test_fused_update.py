@@ -167,6 +167,31 @@ def test_the_8bit_kernel_is_the_ops_bit_for_bit(dtype, block):
     assert int(states["kernel"][1]["m"].ne(0).sum()) > n // 2  # the codes really moved
 
 
+
+@needs_kernel
+@pytest.mark.parametrize("bad", [math.inf, math.nan])
+def test_the_8bit_kernel_keeps_the_ops_codes_of_a_non_finite_block(bad):
+    """A block whose moments are not finite (an infinite or NaN gradient: its absmax infinite or NaN, its
+    normalized values NaN): its codes and absmax, and the finite blocks' beside it, are the ops' bit for bit."""
+    block, n = 64, 4 * 64
+    opt = AdamW8bit(0.9, 0.999, 1e-6, 0.0, block)
+    grad = torch.randn(n, generator=torch.Generator().manual_seed(5)) * 1e-2
+    grad[block + 3] = bad
+    ctx = StepContext(lr=3e-3, step=1, global_norm=1.0, grad_factor=1.0)
+    out = {}
+    for way in ("ops", "kernel"):
+        w = torch.randn(n, generator=torch.Generator().manual_seed(6))
+        state = {k: torch.zeros(n, dtype=torch.uint8) for k in ("m", "v")}
+        state |= {k: torch.zeros(n // block) for k in ("m_absmax", "v_absmax")}
+        if way == "ops":
+            opt.step_unit(["h.0.mlp.weight"], [w], [grad.clone()], [state], ctx)
+        else:
+            assert opt.fused_step(["h.0.mlp.weight"], [w], [grad.clone()], [state], ctx, [None])
+        out[way] = {"w": w} | state
+    assert_same_bits(out["kernel"], out["ops"])
+    assert not out["kernel"]["m_absmax"][1].isfinite()
+
+
 def before(opt: AdamW, t: dict[str, torch.Tensor], ctx: StepContext) -> None:
     """The update before the kernel (``adamw``'s foreach chain as it was), on float32 ``t`` in place."""
     grad = t["g"] * ctx.grad_factor
