@@ -88,7 +88,7 @@ def test_an_engine_step_with_a_sliced_head_equals_the_whole(hooks, make_config, 
             assert int((apart > 0).sum()) <= max(2, t.numel() // 200), (unit, name)
 
 
-@pytest.mark.parametrize(("tied", "placement"), [(False, "device"), (True, "device"), (False, "host")])
+@pytest.mark.parametrize(("tied", "placement"), [(False, "device"), (True, "device"), (False, "host"), (True, "host")])
 def test_sliced_counters_equal_the_plan(hooks, make_config, tied, placement):
     """The head's inputs kept in host memory (sent once, brought back once a slice), the slices written into the
     stored gradients and a tied table's lookups sent to host memory are counted as the plan counts them: the

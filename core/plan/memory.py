@@ -258,6 +258,8 @@ def phase_memory(cfg: DictConfig, parts: ModelParts, optimizer: Optimizer, sizes
         # which a take never writes into the stored one (that holds the other uses' parts, carried in).
         if moves.carries and (wide or into_stored) and not table:
             fresh += unit["carried"]
+            if host_update and phase.computes_gradient:  # no update on the device to hold it: it is made here
+                micro_batch[-1] += unit["carried"]
         compute = max(micro_batch) if phase.computes else 0
         # The update holds only the finished (16-bit) gradients; one in host memory holds nothing on the device.
         update = 0
