@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ipuft.ops import Deferred, Linear, SliceMoves, WeightGradients, taking
+from ipuft.preference import active_pairs
 from ipuft.profiling import section
 from ipuft.widen import add_widened_, gradient_chunk
 
@@ -111,24 +112,28 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         sums = _Sums(weight, bias, need_w and not sliced, need_b, taken)
         total = x.new_zeros((), dtype=torch.float32)
         step = chunk or x.shape[0]
+        grad = need_x or need_w or need_b
+        pairs, weights = active_pairs(), None
+        if pairs is not None:  # preference data: each token's weight in the gradient from every token's loss
+            token = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+            for start in range(0, x.shape[0], step):
+                logits = _chunk_logits(x[start : start + step], weight, bias, softcap, first, vocab_size)[0]
+                token[start : start + step] = _chunk_loss(logits, labels[start : start + step],
+                                                          keep[start : start + step], first, tp, False)[0]
+                del logits
+            total, weights = pairs.token_weights(token, labels) if grad else (pairs.loss(token, labels), None)
         lses, scales = [], []  # sliced: each token's log-sum-exp and weight in the loss's gradient
-        for start in range(0, x.shape[0], step):
+        for start in range(0, x.shape[0], step) if pairs is None or grad else ():  # (pairs: only for a gradient)
             xc, yc, kc = x[start : start + step], labels[start : start + step], keep[start : start + step]
-            logits = _padded(xc, lambda rows: F.linear(rows, weight, bias))
-            if softcap is not None:  # cap · tanh(logits / cap): tanh's result kept for the gradient through it
-                tanh = logits.div_(softcap).tanh_()
-                logits = tanh * softcap
-            if first + rows > vocab_size:  # a padded vocabulary block (TP): padded columns never win
-                padded = torch.arange(first, first + rows, device=x.device) >= vocab_size
-                logits = logits.masked_fill(padded, torch.finfo(logits.dtype).min)
-            logits = logits.float()  # the 16-bit logits freed before the float32 work begins
+            logits, tanh = _chunk_logits(xc, weight, bias, softcap, first, vocab_size)
             if sliced and tp.size == 1:  # (before the log-softmax is written over the logits)
                 lses.append(torch.logsumexp(logits, dim=-1))
-            loss, probs = _chunk_loss(logits, yc, kc, first, tp, need_x or need_w or need_b)
-            total += loss
+            loss, probs = _chunk_loss(logits, yc, kc, first, tp, grad)
+            if pairs is None:
+                total += loss.sum()
             if probs is None:
                 continue
-            scale = kc * (seed / count)
+            scale = kc * (seed / count) if weights is None else weights[start : start + step] * seed
             if sliced:
                 if tp.size > 1:
                     lses.append(probs.shift.squeeze(-1) + probs.sums.log())
@@ -149,7 +154,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                        x.detach(), labels, torch.cat(lses), torch.cat(scales))
         ctx.sums, ctx.seed = sums, seed
         ctx.save_for_backward(grad_x)
-        return total / count
+        return total / count if pairs is None else total
 
     @staticmethod
     def backward(ctx, grad):
@@ -161,9 +166,25 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         return (grad_x * factor if grad_x is not None else None), grad_w, grad_b, *([None] * 9)
 
 
+def _chunk_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, softcap: float | None,
+                  first: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A chunk's float32 logits over this rank's block of the vocabulary (soft-capped; padded columns at the
+    dtype's least), and the cap's tanh (kept for the gradient through it; None without a cap)."""
+    rows = weight.shape[0]
+    logits = _padded(x, lambda r: F.linear(r, weight, bias))
+    tanh = None
+    if softcap is not None:  # cap · tanh(logits / cap): tanh's result kept for the gradient through it
+        tanh = logits.div_(softcap).tanh_()
+        logits = tanh * softcap
+    if first + rows > vocab_size:  # a padded vocabulary block (TP): padded columns never win
+        padded = torch.arange(first, first + rows, device=x.device) >= vocab_size
+        logits = logits.masked_fill(padded, torch.finfo(logits.dtype).min)
+    return logits.float(), tanh  # the 16-bit logits freed before the float32 work begins
+
+
 def _chunk_loss(logits: torch.Tensor, labels: torch.Tensor, keep: torch.Tensor, first: int,
                 tp: _TensorParallel, grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A chunk's summed loss over its kept tokens, and a float32 buffer ready for the logits' gradient: at TP=1
+    """A chunk's loss of each token (0 where not kept), and a float32 buffer ready for the logits' gradient: at TP=1
     the softmax as ``exp(log_softmax(logits))``; under TP the shifted exponentials ``exp(logits - max)``, the
     pieces summed over the group. Each is the arithmetic of the unchunked loss (``F.cross_entropy``,
     :func:`ipuft.parallel.vocab_parallel_cross_entropy`), so that a chunk's rows round as the whole micro-batch's
@@ -181,7 +202,7 @@ def _chunk_loss(logits: torch.Tensor, labels: torch.Tensor, keep: torch.Tensor, 
         # its sum) before it writes it, so the values are the out-of-place ones, and the chunk holds one
         # float32 [rows, vocabulary] buffer rather than two (llama3-8b: 250 MiB on its 3.55 GiB device peak).
         work = torch.log_softmax(logits, dim=-1, out=logits)
-        loss = -(work.gather(-1, at).squeeze(-1) * keep).sum()
+        loss = -(work.gather(-1, at).squeeze(-1) * keep)
         return loss, work.exp_() if grad else None
     shift = tp.reduce(logits.max(dim=-1, keepdim=True).values, dist.ReduceOp.MAX)
     work = logits - shift
@@ -189,7 +210,7 @@ def _chunk_loss(logits: torch.Tensor, labels: torch.Tensor, keep: torch.Tensor, 
     work.exp_()
     sums = tp.reduce(work.sum(dim=-1))
     work.sums, work.shift = sums, shift
-    return ((sums.log() - target) * keep).sum(), work if grad else None
+    return (sums.log() - target) * keep, work if grad else None
 
 
 def _logits_gradient(work: torch.Tensor, labels: torch.Tensor, keep: torch.Tensor, first: int,

@@ -23,6 +23,7 @@ from omegaconf import DictConfig
 
 from ipuft.errors import ConfigError, DistributedError, first_line
 from ipuft.head_loss import chunkable, chunked_head_loss, head_chunk_tokens
+from ipuft.preference import active_pairs
 from ipuft.profiling import section, timed
 
 # torch 2.13 renamed the flat collectives; older releases only have the second names.
@@ -289,8 +290,10 @@ def vocab_parallel_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor
     return logits.masked_fill(padded, torch.finfo(logits.dtype).min)
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """The mean cross-entropy over the tokens whose label is not ``ignore_index``, from each TP rank's
+def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
+                                 mean: bool = True) -> torch.Tensor:
+    """The mean cross-entropy over the tokens whose label is not ``ignore_index`` (``mean=False``: each token's,
+    0 where not trained), from each TP rank's
     vocabulary block of the logits (``logits[N, rows]``, float32; ``labels[N]``): the maximum, the sum of
     exponentials and the target logit are reduced over the TP group, so the full logits are never gathered.
     At TP=1 it is ``F.cross_entropy``'s value. Gradients flow through the paired collectives."""
@@ -303,6 +306,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ign
     target = reduce_from_tensor_parallel(target)
     keep = labels != ignore_index
     losses = (sum_exp.log() - target) * keep
+    if not mean:
+        return losses
     return losses.sum() / keep.sum().clamp_min(1)  # no trained token: 0, with a zero gradient
 
 
@@ -338,15 +343,21 @@ def vocab_parallel_head(project: Callable[[torch.Tensor], torch.Tensor], hidden:
     Inside :func:`ipuft.head_loss.head_chunks` (the engine's, ``execution.head_chunk_tokens``), a loss whose
     ``project`` is a plain linear projection is computed a chunk of tokens at a time with its gradient
     (:func:`ipuft.head_loss.chunked_head_loss`): the same loss and gradients without the logits of every token
-    at once."""
+    at once. Inside :func:`ipuft.preference.preference_pairs` the loss is the pairs' (:mod:`ipuft.preference`),
+    of each token's cross-entropy."""
     if labels is not None and head_chunk_tokens() and chunkable(project):
         x = copy_to_tensor_parallel(hidden) if tensor_parallel > 1 else hidden
         return chunked_head_loss(x.flatten(0, -2), project.weight, project.bias, labels.flatten(), vocab_size,
                                  ignore_index, _ACTIVE.tp_rank, _ACTIVE.tp_group, _ACTIVE.tensor_parallel, softcap)
+    pairs = active_pairs() if labels is not None else None
     if tensor_parallel == 1:
         logits = softcapped(project(hidden), softcap)
         if labels is None:
             return logits
+        if pairs is not None:  # preference data: the pairs' loss of each token's cross-entropy
+            labels = labels.flatten()
+            return pairs.loss(F.cross_entropy(logits.flatten(0, -2).float(), labels, ignore_index=ignore_index,
+                                              reduction="none"), labels)
         # F.cross_entropy's mean is its sum over the count (the same two roundings); over no trained token
         # (a micro-batch of prompts alone) 0 with a zero gradient, where the mean would be 0 / 0.
         labels = labels.flatten()
@@ -355,4 +366,8 @@ def vocab_parallel_head(project: Callable[[torch.Tensor], torch.Tensor], hidden:
     logits = vocab_parallel_logits(softcapped(project(copy_to_tensor_parallel(hidden)), softcap), vocab_size)
     if labels is None:
         return gather_from_tensor_parallel(logits)[..., :vocab_size]
+    if pairs is not None:
+        labels = labels.flatten()
+        return pairs.loss(vocab_parallel_cross_entropy(logits.flatten(0, -2).float(), labels, ignore_index, False),
+                          labels)
     return vocab_parallel_cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index)

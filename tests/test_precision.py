@@ -1,6 +1,7 @@
 """16-bit training: bfloat16 and float16 weights, updated by stochastic rounding or through float32 master
 weights, against float32 and against a plain single-module autograd reference of the same recipe."""
 
+import contextlib
 import math
 
 import pytest
@@ -249,7 +250,8 @@ def test_bfloat16_halves_the_weight_traffic(hooks, make_config):
 # -- the phased engine against a plain reference -------------------------------------------------------
 
 
-def plain_16bit_reference(cfg, modules, initial, step_batches, ties=None, frozen=lambda unit, name: False):
+def plain_16bit_reference(cfg, modules, initial, step_batches, ties=None, frozen=lambda unit, name: False,
+                          head=lambda batch, mb: contextlib.nullcontext()):
     """The whole model as one module (the components composed with ``functional_call``), torch autograd
     over each micro-batch, gradients summed in float32 and rounded once to the weights' dtype (the
     projections' weights over every micro-batch's tokens at once, see below), and the
@@ -257,7 +259,8 @@ def plain_16bit_reference(cfg, modules, initial, step_batches, ties=None, frozen
     the same counter-based bits (element i of a variable is element i: one process). ``ties`` maps a
     ``(unit, variable)`` that uses another's weight to its owner's: each use is a leaf of its own, and the
     owner's gradient is the float32 sum of every use's. ``frozen(unit, variable)``: the variables that take no
-    gradient and no update (a LoRA base)."""
+    gradient and no update (a LoRA base). ``head(batch, mb)``: a context the head's loss runs under (preference
+    pairs)."""
     from torch.func import functional_call
 
     o, a, S = cfg.training.optimizer, cfg.plugins.adamw, cfg.execution.loss_scaling
@@ -278,7 +281,8 @@ def plain_16bit_reference(cfg, modules, initial, step_batches, ties=None, frozen
                 h = functional_call(modules["embeddings"], leaves["embeddings"], (batch.input_ids[mb],))
                 for n in range(cfg.model.layers):
                     h = functional_call(modules["decoder"], leaves[f"decoder.{n}"], (h,))
-                loss = functional_call(modules["head"], leaves["head"], (h, batch.labels[mb]))
+                with head(batch, mb):
+                    loss = functional_call(modules["head"], leaves["head"], (h, batch.labels[mb]))
                 (loss * (S / ga)).backward()
                 step_loss += loss.item() / ga
                 for u, w in leaves.items():

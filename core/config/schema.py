@@ -34,12 +34,19 @@ class DataFormat(str, Enum):
     template = "template"  # rows are rendered through data.template
     instruction = "instruction"  # rows hold a prompt and a response (data.prompt_field, data.response_field)
     chat = "chat"  # rows hold messages, rendered through the checkpoint's chat template
+    preference = "preference"  # rows hold a prompt and a chosen and a rejected completion (TRL's columns)
 
 
 class Truncation(str, Enum):
     error = "error"  # an example longer than sequence_length + 1 is one error line
     drop = "drop"  # it is left out; preparation reports how many were
     truncate = "truncate"  # its first sequence_length + 1 tokens (and their loss mask) are kept
+
+
+class PreferenceLoss(str, Enum):
+    dpo = "dpo"  # the sigmoid loss of Direct Preference Optimization, against the reference's log-probs
+    ipo = "ipo"  # Identity Preference Optimization's squared loss, against the reference's
+    simpo = "simpo"  # SimPO: reference-free, of length-normalised log-probs, with a margin simpo_gamma
 
 
 class Schedule(str, Enum):
@@ -124,6 +131,17 @@ class OptimizerConfig:
 
 
 @dataclass
+class PreferenceConfig:
+    # data.format=preference: the loss of each pair (chosen and rejected completions of one prompt), its beta
+    # (the reward's scale; IPO's tau), SimPO's target margin gamma (in units of the reward), and the weight of
+    # an SFT term, the chosen completion's mean token cross-entropy, added to each pair's loss (RPO's alpha).
+    loss: PreferenceLoss = PreferenceLoss.dpo
+    beta: float = 0.1
+    simpo_gamma: float = 0.5
+    sft_weight: float = 0.0
+
+
+@dataclass
 class TrainingConfig:
     steps: int = 1
     # Passes over the data's rows (data.path, as packed: chunks or examples): with it, training.steps becomes
@@ -145,6 +163,7 @@ class TrainingConfig:
     stochastic_rounding: bool = False
     master_weights: bool = False
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
 
 
 @dataclass

@@ -13,16 +13,16 @@ set the same for theirs), each a context variable documented in its own module: 
 (:func:`ipuft.attention.decoder_layer`: its window, its rotary) in :meth:`UnitCompute.call`; in the backward,
 the weight gradients taken later (:func:`ipuft.ops.taking_weight_gradients`), the head's loss by chunks of tokens
 told the seed (:func:`ipuft.head_loss.head_chunks`) and a forward run only for its gradient
-(:func:`ipuft.components.recompute`). Nothing else changes what a component computes.
-Under data parallelism each unit's gradient is mean-reduced over the DP group once, after its micro-batch
-loop (reduce-scattered with RTS); see :mod:`ipuft.engine.placement` for the forms a variable takes.
+(:func:`ipuft.components.recompute`), and for preference data the pairs whose loss the head computes
+(:meth:`StepState.pairs`, :mod:`ipuft.preference`). Nothing else changes what a component computes.
+Under DP each unit's gradient is mean-reduced over the DP group once, after its micro-batch loop
+(reduce-scattered with RTS); :mod:`ipuft.engine.placement` has the forms a variable takes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import zlib
-from dataclasses import dataclass, field
 
 import torch
 
@@ -33,34 +33,12 @@ from ipuft.engine.activations import ActivationBuffers, working_set
 from ipuft.engine.cuts import take_every, writes_into_stored
 from ipuft.engine.gradients import GradientSum
 from ipuft.engine.sliced import StoredSlices
+from ipuft.engine.state import StepState
 from ipuft.engine.store import Tensors, storage_bytes
 from ipuft.engine.stored import StoredModel
 from ipuft.head_loss import head_chunks
 from ipuft.ops import WeightGradients, taking_weight_gradients
 from ipuft.program import Entry, OpActivations, Phase, Unit
-
-
-@dataclass
-class StepState:
-    """What one optimizer step's phases share: its batch (on the compute device), learning rate, loss scale and
-    update number, the micro-batches' losses, the squared global gradient norm as it is summed, each
-    micro-batch's positions (:func:`ipuft.engine.phased.micro_batch_positions`), and each micro-batch's weight
-    in the step's loss (``n_mb · DP / n``, :func:`ipuft.engine.phased.token_weights`)."""
-
-    batch: Batch
-    lr: float
-    loss_scale: float
-    update: int
-    norm_sq: torch.Tensor
-    positions: list[torch.Tensor | None] = field(default_factory=list)
-    losses: list[torch.Tensor] = field(default_factory=list)
-    weights: list[float] = field(default_factory=list)
-    grad_norm: float = float("nan")
-    skip: bool = False
-
-    def weight(self, mb: int) -> float:
-        """Micro-batch ``mb``'s weight in the step's loss (``1 / GA`` where no weights were given)."""
-        return self.weights[mb] if self.weights else 1.0 / self.batch.micro_batches
 
 
 class KeptGraphs:
@@ -82,7 +60,7 @@ class KeptGraphs:
 
 def _tokens(batch: Batch) -> list[torch.Tensor]:
     """The step's batch tensors, which live for the whole step: no graph's saved bytes."""
-    return [t for t in (batch.input_ids, batch.labels, batch.positions) if t is not None]
+    return [t for t in (batch.input_ids, batch.labels, batch.positions, batch.reference) if t is not None]
 
 
 class UnitCompute:
@@ -311,6 +289,8 @@ class UnitCompute:
                 seed = None
                 # A head computes its loss a chunk of tokens at a time (ipuft.head_loss), told the seed below.
                 stack.enter_context(head_chunks(self.chunks[0], st.loss_scale * st.weight(mb), self.chunks[1]))
+                if st.batch.reference is not None:  # preference data: the loss is the pairs' (ipuft.preference)
+                    st.pair_sums.append(stack.enter_context(st.pairs(mb)).sums)
             else:
                 seed = stack.enter_context(self.buffers.read(*upstream, mb, consume=True))
                 stack.enter_context(recompute())  # only the gradient of this forward is used

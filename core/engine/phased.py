@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 from ipuft.components import IGNORE_INDEX
 from ipuft.data.batch import Batch
 from ipuft.engine.activations import ActivationBuffers, Spill
-from ipuft.engine.compute import StepState, UnitCompute
+from ipuft.engine.compute import UnitCompute
 from ipuft.engine.cuts import step_shape
 from ipuft.engine.gradients import squared_norm
 from ipuft.engine.model import ModelParts
@@ -31,6 +31,7 @@ from ipuft.engine.placement import Placement
 from ipuft.engine.scaling import LossScale
 from ipuft.engine.sliced import finish_tables
 from ipuft.engine.spill import spill_root, spilled_rows
+from ipuft.engine.state import StepState
 from ipuft.engine.store import Tensors
 from ipuft.engine.stored import StoredModel
 from ipuft.engine.streaming import StreamedUpdate
@@ -38,6 +39,7 @@ from ipuft.engine.update import UnitUpdate
 from ipuft.engine.variables import Initializer
 from ipuft.optim import Optimizer
 from ipuft.parallel import Layout
+from ipuft.preference import PreferenceLoss, metrics, summed
 from ipuft.profiling import active as active_profile
 from ipuft.profiling import section
 from ipuft.program import Move, Op, Phase
@@ -65,6 +67,7 @@ class StepResult:
     phase_peak_bytes: dict[str, int] = field(default_factory=dict)  # each phase's peak above what it found
     spill_written_bytes: int = 0  # activation_offload=disk: bytes of activations written to disk this step
     spill_read_bytes: int = 0  # and read back
+    metrics: dict[str, float] = field(default_factory=dict)  # preference data: TRL's rewards and log-probs
 
 
 def token_weights(labels: torch.Tensor, layout: Layout | None = None) -> list[float]:
@@ -127,6 +130,7 @@ class PhasedEngine:
         self.moves = {phase: self.program.moves(phase, bool(self.trainable[phase.role]), self.host_update)
                       for phase in self.program}
         self.scale = LossScale.from_config(cfg)
+        self.preference = PreferenceLoss.of(cfg)  # data.format=preference: the pairs' loss, in the head
         self.shape = step_shape(cfg)
         self.buffers = ActivationBuffers(self.store, cfg.execution.activation_offload, self.layout, self._spill())
         self.compute = UnitCompute(self.model, self.buffers)
@@ -154,14 +158,19 @@ class PhasedEngine:
         self.updates += 1
         with section("copies"):
             positions = micro_batch_positions(batch)  # checked where the batch is (the host's, in a run)
+            if (batch.reference is None) != (self.preference is None):
+                raise ValueError("a batch of preference data (with reference log-probs) is for a run with "
+                                 "data.format=preference, and that run's batches must have them")
             batch = Batch(*(None if t is None else t.to(self.device)
-                            for t in (batch.input_ids, batch.labels, batch.positions)))
+                            for t in (batch.input_ids, batch.labels, batch.positions, batch.reference)))
             positions = [None if p is None else batch.positions[mb] for mb, p in enumerate(positions)]
-        moved = (batch.input_ids, batch.labels, batch.positions)
+        moved = (batch.input_ids, batch.labels, batch.positions, batch.reference)
         self.store.brought("data", sum(t.numel() * t.element_size() for t in moved if t is not None), held=False)
+        # Preference data: micro-batches of equal pairs weigh 1 / GA each (the step's loss the mean over pairs).
         state = StepState(batch, lr, self.scale.scale, self.updates,
                           torch.zeros((), dtype=torch.float32, device=self.device), positions=positions,
-                          weights=token_weights(batch.labels, self.layout))
+                          weights=[] if self.preference else token_weights(batch.labels, self.layout),
+                          preference=self.preference)
         phases = self.program.phases
         profile = active_profile()
         for i, phase in enumerate(phases):
@@ -177,11 +186,15 @@ class PhasedEngine:
             self.updates -= 1  # Adam's bias correction counts updates that happened
         self.scale.update(overflow=state.skip)
         # The step's loss: the mean over every trained token of the step (each micro-batch's mean by its weight).
-        weights = torch.tensor(state.weights, dtype=torch.float32, device=self.device)
+        weights = torch.tensor([state.weight(mb) for mb in range(batch.micro_batches)], dtype=torch.float32,
+                               device=self.device)
         loss = (torch.stack(state.losses).float() * weights).sum()
+        pair_sums = summed([r for sums in state.pair_sums for r in sums], self.device) if self.preference else None
         if self.layout.data_parallel > 1:
             with section("collectives"):
                 dist.all_reduce(loss, group=self.layout.dp_group)
+                if pair_sums is not None:
+                    dist.all_reduce(pair_sums, group=self.layout.dp_group)
             loss /= self.layout.data_parallel
         traffic = self.store.traffic().since(before)
         peak, phase_peaks = self.store.step_peaks()
@@ -200,6 +213,7 @@ class PhasedEngine:
             phase_peak_bytes=phase_peaks,
             spill_written_bytes=written,
             spill_read_bytes=read,
+            metrics=metrics(pair_sums) if pair_sums is not None else {},
         )
 
     def _spill(self) -> Spill | None:

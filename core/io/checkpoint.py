@@ -66,6 +66,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 SOURCE_CONFIG = "hf_config.json"
 SOURCE_FILES = (SOURCE_CONFIG, "generation_config.json")
 MODEL_FILES = TOKENIZER_FILES + SOURCE_FILES
+# A preference run's reference log-probabilities (:mod:`ipuft.run.reference`), carried by each of its checkpoints.
+REFERENCE = "reference_logps.safetensors"
 
 
 def checkpoint_root(cfg: DictConfig, run_dir: Path) -> Path | None:
@@ -199,8 +201,9 @@ def _write_files(contents: Contents, cfg: DictConfig, tmp: Path, step: int, file
     config["checkpoint"]["load"] = None  # a checkpoint's own config starts fresh, not from another one
     manifest["config.yaml"] = _write_small(tmp / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(config)).encode())
     for name, data in files.items():
-        if name not in MODEL_FILES:
-            raise ValueError(f"{name!r} is not one of a checkpoint's model files ({', '.join(MODEL_FILES)})")
+        if name not in (*MODEL_FILES, REFERENCE):
+            raise ValueError(f"{name!r} is not one of a checkpoint's model files ({', '.join(MODEL_FILES)}) or "
+                             f"{REFERENCE}")
         manifest[name] = _write_small(tmp / name, data)
     meta = {"format": FORMAT, "version": 1, "step": step, "units": list(contents.units),
             "optim_state": OPTIM in contents.files, "versions": _versions(), **(state or {})}
@@ -232,7 +235,7 @@ def find_checkpoint(path: str | Path) -> Path:
 
 
 REQUIRED = (WEIGHTS, STATE, "config.yaml", "meta.json")
-OPTIONAL = (OPTIM, *MODEL_FILES)
+OPTIONAL = (OPTIM, *MODEL_FILES, REFERENCE)
 _MANIFEST_LIMIT = 1 << 20  # bytes; a manifest of a few names is far smaller
 
 

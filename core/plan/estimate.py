@@ -36,6 +36,7 @@ from ipuft.plugins import PluginHooks
 from ipuft.precision import compute_dtype, recipe
 
 TOKEN_BYTES = torch.empty((), dtype=torch.int64).element_size()
+REFERENCE_BYTES = torch.empty((), dtype=torch.float32).element_size()
 GENERATE_NEW_TOKENS = 64  # the inference view: prompts that fill the sequence but for this many new tokens
 
 
@@ -49,6 +50,8 @@ def traffic(cfg: DictConfig, parts: ModelParts, sizes: dict[str, dict[str, int]]
     ga = cfg.gradient_accumulation
     per_token = 3 if packs_examples(cfg) else 2  # input ids, labels, and the positions of packed examples
     h2d["data"] = per_token * ga * cfg.execution.micro_batch_size * cfg.model.sequence_length * TOKEN_BYTES
+    if str(getattr(cfg.data.format, "value", cfg.data.format)) == "preference":  # each row's reference log-prob
+        h2d["data"] += ga * cfg.execution.micro_batch_size * REFERENCE_BYTES
     act = step_shape(cfg).stored_activation_bytes
     for phase in parts.program:
         moves = phase_moves(cfg, parts, phase)

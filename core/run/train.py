@@ -37,7 +37,9 @@ from ipuft.loggers import Backends
 from ipuft.parallel import Layout, collective_errors
 from ipuft.plan.flops import StepFlops, step_flops, utilisation
 from ipuft.plugins import PluginHooks
+from ipuft.preference import PreferenceLoss
 from ipuft.run.layout import choose_layout
+from ipuft.run.reference import preference_scores, prepare_reference
 from ipuft.run.resume import checkpoint_to_resume, restore, run_files, save
 from ipuft.run.rundir import (
     FINISHED,
@@ -93,7 +95,8 @@ def metrics_record(step: int, result: StepResult, lr: float, tokens: int, second
     record = {"step": step, "loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
               "tokens_per_s": tokens / seconds if seconds > 0 else 0.0, "step_time_s": seconds,
               **utilisation(flops, seconds if seconds > 0 else math.inf)}
-    record.update({k: v for k, v in asdict(result).items() if k not in ("loss", "grad_norm")})
+    record.update({k: v for k, v in asdict(result).items() if k not in ("loss", "grad_norm", "metrics")})
+    record.update(result.metrics)  # preference data: TRL's rewards/* and logps/*
     return record
 
 
@@ -139,6 +142,8 @@ def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[di
     engine = build_engine(cfg, hooks, parts, optimizer)
     flops = step_flops(cfg, parts, device=engine.device)
     start = restore(engine, cfg, resumed, data) if resumed is not None else 0
+    preference = PreferenceLoss.of(cfg)  # data.format=preference: the reference pass, or the resumed run's
+    prepare_reference(cfg, engine.model, data, validation, resumed, files)
     main = engine.layout.is_main
     out = run_directory(cfg) if main else None
     lock = exclusive_run(out, cfg) if main else nullcontext()
@@ -167,14 +172,18 @@ def train(cfg: DictConfig, hooks: PluginHooks, progress: bool = True) -> list[di
             if passes is not None:
                 record["epoch"] = passes
             if validation is not None and ((step + 1) % cfg.training.eval_steps == 0 or step + 1 == steps):
-                scored = dataset_loss(engine.model, validation, cfg.execution.micro_batch_size)
+                scored = dataset_loss(engine.model, validation, cfg.execution.micro_batch_size) \
+                    if preference is None else preference_scores(engine.model, validation,
+                                                                 cfg.execution.micro_batch_size, preference)
                 record.update({f"validation_{k}": v for k, v in scored.items()})
             records.append(record)
             if main:
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
                 backends.log(step + 1, record)
-            bar.set_postfix(loss=f"{result.loss:.3f}", gnorm=f"{result.grad_norm:.2f}", lr=f"{lr:.2e}",
+            pairs = {"margin": f"{result.metrics['rewards/margins']:.3f}",
+                     "acc": f"{result.metrics['rewards/accuracies']:.2f}"} if result.metrics else {}
+            bar.set_postfix(loss=f"{result.loss:.3f}", **pairs, gnorm=f"{result.grad_norm:.2f}", lr=f"{lr:.2e}",
                             tok_s=f"{record['tokens_per_s']:.0f}",
                             **({"epoch": f"{passes:.2f}"} if passes is not None else {}))
             skips = skips + 1 if result.skipped else 0

@@ -1,0 +1,317 @@
+"""Preference tuning (#40) on the phased engine: DPO, IPO and SimPO (with and without the SFT term) against a plain
+reference loop written here (transformers' logits, each pair's loss by hand, torch's AdamW after global-norm
+clipping), the head's loss whole and by chunks of tokens; GA=4 equals GA=1 on the same pairs; the reference
+pass equals transformers' log-probabilities of each row."""
+
+from __future__ import annotations
+
+import dist_workers
+import pytest
+import torch
+import torch.nn.functional as F
+from distributed import spawn
+from hf_reference import hf_state
+from llama_reference import hf_model, save_hf
+from test_engine import max_rel
+
+from ipuft.components import IGNORE_INDEX
+from ipuft.config import load_config
+from ipuft.data.batch import Batch
+from ipuft.preference import METRICS
+from ipuft.run.runtime import build_engine
+
+SEQ = 16
+PAIRS = 4  # a step's pairs: 8 rows
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    return save_hf(tmp_path_factory.mktemp("pref") / "llama", "llama", seed=3)[1]
+
+
+def pair_rows(seed: int, pairs: int = PAIRS) -> tuple[torch.Tensor, torch.Tensor]:
+    """``2 · pairs`` rows of ``SEQ`` tokens: pair ``i``'s chosen and rejected completions (rows ``2i``,
+    ``2i + 1``) of one prompt, of unequal lengths, the prompt and the padding out of the loss."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.zeros(2 * pairs, SEQ, dtype=torch.long)
+    labels = torch.full((2 * pairs, SEQ), IGNORE_INDEX, dtype=torch.long)
+    for i in range(pairs):
+        prompt = torch.randint(3, 101, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g)
+        for j in range(2):
+            completion = torch.randint(3, 101, (int(torch.randint(1, SEQ + 1 - len(prompt), (1,), generator=g)),),
+                                       generator=g)
+            row = torch.cat([prompt, completion])
+            ids[2 * i + j, : min(len(row), SEQ)] = row[:SEQ]
+            targets = row[1:]
+            trained = torch.arange(1, len(row)) >= len(prompt)
+            labels[2 * i + j, : len(targets)] = torch.where(trained, targets, IGNORE_INDEX)
+    return ids, labels
+
+
+def row_logps(model, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's summed completion log-probability under ``model`` (transformers' logits, by hand), and its
+    completion's token count."""
+    logits = model(ids).logits
+    logits = logits if logits.dtype == torch.float64 else logits.float()
+    logp = torch.log_softmax(logits, -1)
+    keep = labels != IGNORE_INDEX
+    token = logp.gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1) * keep
+    return token.sum(-1), keep.sum(-1)
+
+
+def pair_losses(kind: str, beta: float, gamma: float, sft: float, logp, count, ref):
+    """Each pair's loss, written out from the papers' formulas (TRL's forms)."""
+    if kind in ("ipo", "simpo"):
+        logp, ref = logp / count, ref / count
+    c, r = logp[0::2], logp[1::2]
+    if kind == "dpo":
+        loss = -F.logsigmoid(beta * ((c - ref[0::2]) - (r - ref[1::2])))
+    elif kind == "ipo":
+        loss = ((c - ref[0::2]) - (r - ref[1::2]) - 1 / (2 * beta)) ** 2
+    else:
+        loss = -F.logsigmoid(beta * (c - r) - gamma)
+    nll = -(logp[0::2] * count[0::2] if kind in ("ipo", "simpo") else logp[0::2]) / count[0::2]
+    return loss + sft * nll
+
+
+def cfg_of(hooks, src, kind, micro, *extra):
+    return load_config(None, [f"model.hf_checkpoint={src}", f"model.sequence_length={SEQ}", "data.format=preference",
+                              f"training.preference.loss={kind}", "training.preference.beta=0.5",
+                              f"training.global_batch_size={2 * PAIRS}", f"execution.micro_batch_size={micro}",
+                              "training.optimizer.gradient_clipping=0.3", "plugins.adamw.weight_decay=0.1",
+                              "plugins.adamw.eps=1e-6", *extra], hooks.registrations.config_sections)
+
+
+# (loss, SFT weight, head chunk tokens, head vocabulary slices): the head whole, by chunks, and its weight's
+# gradient by vocabulary slices (the tokens' weights deferred to the slices' pass).
+CASES = [("dpo", 0.0, 0, 0), ("dpo", 0.0, 5, 0), ("ipo", 0.0, 5, 0), ("simpo", 0.0, 5, 0), ("dpo", 0.7, 5, 0),
+         ("dpo", 0.0, 5, 3)]
+
+
+@pytest.mark.parametrize("kind,sft,chunk,slices", CASES)
+def test_three_steps_equal_a_plain_reference_loop(hooks, src, kind, sft, chunk, slices):
+    """Three steps (GA=2, clipping active, decay) of the engine and of transformers + torch AdamW with the loss
+    written by hand: losses within 1e-5, the gradient norm within 1e-5, TRL's metrics within 1e-5 of the
+    reference's, and every weight within 1e-5 (float32 rounding of sums over 101 logits and 16 tokens)."""
+    cfg = cfg_of(hooks, src, kind, 4, f"training.preference.sft_weight={sft}", f"execution.head_chunk_tokens={chunk}",
+                 f"execution.head_vocab_slices={slices}", "training.steps=3")
+    engine = build_engine(cfg, hooks)
+    hf = hf_model("llama", seed=3)
+    beta, gamma = 0.5, cfg.training.preference.simpo_gamma
+    groups = [{"params": [p for n, p in hf.named_parameters() if ("norm" in n or "bias" in n) == bare],
+               "weight_decay": 0.0 if bare else 0.1} for bare in (False, True)]  # ipuft's adamw: no decay there
+    adam = torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.999), eps=1e-6)
+    for step in range(3):
+        ids, labels = pair_rows(step)
+        with torch.no_grad():  # the reference: the starting model (here, the model before each step's update)
+            ref = row_logps(hf_model("llama", seed=3), ids, labels)[0] if kind != "simpo" else torch.zeros(len(ids))
+        batch = Batch(ids.view(2, 4, SEQ), labels.view(2, 4, SEQ), reference=ref.view(2, 4))
+        result = engine.step(batch, 1e-3)
+        adam.zero_grad()
+        logp, count = row_logps(hf, ids, labels)
+        losses = pair_losses(kind, beta, gamma, sft, logp, count, ref)
+        losses.mean().backward()
+        norm = torch.nn.utils.clip_grad_norm_(hf.parameters(), 0.3).item()
+        adam.step()
+        assert abs(result.loss - losses.mean().item()) <= 1e-5 * abs(losses.mean().item()), step
+        assert abs(result.grad_norm - norm) <= 1e-5 * norm and norm > 0.3, step
+        means = logp / count if kind in ("ipo", "simpo") else logp
+        rewards = beta * (means - (0 if kind == "simpo" else (ref / count if kind == "ipo" else ref)))
+        expect = {"rewards/chosen": rewards[0::2].mean(), "rewards/rejected": rewards[1::2].mean(),
+                  "rewards/margins": (rewards[0::2] - rewards[1::2]).mean(),
+                  "rewards/accuracies": (rewards[0::2] > rewards[1::2]).float().mean(),
+                  "logps/chosen": means[0::2].mean(), "logps/rejected": means[1::2].mean()}
+        assert set(result.metrics) == set(METRICS)
+        for name, value in expect.items():
+            assert abs(result.metrics[name] - value.item()) <= 1e-5 * max(1.0, abs(value.item())), (step, name)
+    ours = hf_state(engine.modules, 2, engine.model.full_weights())
+    for name, p in hf.named_parameters():
+        assert max_rel(ours[name], p.detach()) <= 1e-5, name
+
+
+@pytest.mark.parametrize("chunk", [0, 3])
+def test_ga4_equals_ga1_on_the_same_pairs(hooks, src, chunk):
+    """The same eight rows as GA=4 × one pair and GA=1 × four pairs: loss, norm, metrics and every weight after
+    two steps within float32 rounding (the step's loss is the mean over its pairs whatever the micro-batching)."""
+    runs = {}
+    for micro in (2, 8):
+        cfg = cfg_of(hooks, src, "dpo", micro, f"execution.head_chunk_tokens={chunk}", "training.steps=2")
+        engine = build_engine(cfg, hooks)
+        ga = 2 * PAIRS // micro
+        results = []
+        for step in range(2):
+            ids, labels = pair_rows(10 + step)
+            ref = torch.linspace(-30.0, -10.0, 2 * PAIRS)
+            results.append(engine.step(Batch(ids.view(ga, micro, SEQ), labels.view(ga, micro, SEQ),
+                                             reference=ref.view(ga, micro)), 2e-3))
+        runs[micro] = results, engine.model.full_weights()
+    (four, w4), (one, w1) = runs[2], runs[8]
+    for a, b in zip(four, one, strict=True):
+        assert abs(a.loss - b.loss) <= 1e-6 * abs(b.loss) and abs(a.grad_norm - b.grad_norm) <= 1e-5 * b.grad_norm
+        for name in METRICS:
+            assert abs(a.metrics[name] - b.metrics[name]) <= 1e-5 * max(1.0, abs(b.metrics[name])), name
+    for unit, w in w1.items():
+        for n, t in w.items():
+            assert max_rel(w4[unit][n], t) <= 1e-5, f"{unit}.{n}"
+
+
+def step_batch(step: int, micro: int, rank: int = 0, replicas: int = 1) -> Batch:
+    """DP rank ``rank``'s share of step ``step``'s eight rows (micro-batches ``rank, rank + replicas, ...``), each
+    row's reference log-prob a fixed value."""
+    ids, labels = pair_rows(20 + step)
+    ref = torch.linspace(-30.0, -10.0, 2 * PAIRS)
+    return Batch(*(t.view(-1, micro, *t.shape[1:])[rank::replicas] for t in (ids, labels)),
+                 reference=ref.view(-1, micro)[rank::replicas])
+
+
+def test_tensor_and_data_parallel_equal_one_process(hooks, src, tmp_path):
+    """DPO at TP=2 (the head's vocabulary split: each token's cross-entropy reduced over the group, whole and by
+    chunks) and DP=2 with RTS (each replica two pairs): three steps' losses, norms and metrics within 1e-5 of one
+    process, every weight within 1e-5, and every rank's traffic its plan."""
+    common = [f"model.hf_checkpoint={src}", f"model.sequence_length={SEQ}", "data.format=preference",
+              f"training.global_batch_size={2 * PAIRS}", "training.optimizer.gradient_clipping=0.3",
+              "plugins.adamw.eps=1e-4", "training.preference.sft_weight=0.2"]  # (eps: as test_llama's layouts)
+    configs = {"tp2": [*common, "execution.tensor_parallel=2", "execution.micro_batch_size=4"],
+               "tp2_chunks": [*common, "execution.tensor_parallel=2", "execution.micro_batch_size=4",
+                              "execution.head_chunk_tokens=5"],
+               "dp2_rts": [*common, "execution.data_parallel=2", "execution.rts=true", "execution.micro_batch_size=2"]}
+    spawn(2, dist_workers.preference_steps, configs, 3, str(tmp_path), tmp=tmp_path)
+    for name, overrides in configs.items():
+        single = [o for o in overrides if not o.startswith(("execution.tensor_parallel", "execution.data_parallel",
+                                                            "execution.rts"))]
+        cfg = load_config(None, single, hooks.registrations.config_sections)
+        engine = build_engine(cfg, hooks)
+        results = [engine.step(step_batch(s, cfg.execution.micro_batch_size), 2e-3) for s in range(3)]
+        got = torch.load(tmp_path / f"{name}.rank0.pt")
+        for a, b in zip(got["losses"], results, strict=True):
+            assert abs(a - b.loss) <= 1e-5 * abs(b.loss), name
+        for a, b in zip(got["norms"], results, strict=True):
+            assert abs(a - b.grad_norm) <= 1e-5 * b.grad_norm and b.grad_norm > 0.3, name
+        for a, b in zip(got["metrics"], results, strict=True):
+            for key in METRICS:
+                assert abs(a[key] - b.metrics[key]) <= 1e-5 * max(1.0, abs(b.metrics[key])), (name, key)
+        for unit, w in engine.model.full_weights().items():
+            for n, t in w.items():
+                assert max_rel(got["weights"][unit][n], t) <= 1e-5, f"{name} {unit}.{n}"
+        for rank in range(2):
+            mine = torch.load(tmp_path / f"{name}.rank{rank}.pt")
+            assert mine["traffic"] == mine["planned"], (name, rank)
+
+
+def peft_dpo_steps(model, engine=None) -> list[tuple]:
+    """Three DPO steps of peft's ``model`` (and of ``engine``, if given) on :func:`pair_rows`: per step the
+    engine's result (or None) and the reference loop's loss, norm and reward margin."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    adam = torch.optim.AdamW(trainable, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.1)
+    dtype = next(model.parameters()).dtype
+    out = []
+    for step in range(3):
+        ids, labels = pair_rows(step)
+        with torch.no_grad():
+            ref = row_logps(hf_model("llama", seed=3).to(dtype), ids, labels)[0]
+        result = None if engine is None else engine.step(
+            Batch(ids.view(2, 4, SEQ), labels.view(2, 4, SEQ), reference=ref.float().view(2, 4)), 1e-3)
+        adam.zero_grad()
+        logp, count = row_logps(model, ids, labels)
+        losses = pair_losses("dpo", 0.5, 0.0, 0.0, logp, count, ref)
+        losses.mean().backward()
+        norm = torch.nn.utils.clip_grad_norm_(trainable, 0.3).item()
+        adam.step()
+        rewards = 0.5 * (logp - ref)
+        out.append((result, losses.mean().item(), norm, (rewards[0::2] - rewards[1::2]).mean().item()))
+    return out
+
+
+def test_lora_dpo_equals_peft_with_the_same_loop(hooks, src):
+    """LoRA on every projection: three DPO steps (GA=2, clipping active, decay) of the engine and of peft's LoRA
+    with the same initial adapters, the same pairs and the loss written by hand: losses, norms and the reward
+    margin within 1e-5; every adapter as near peft's in float64 as peft's own in float32 is (test_lora's bound:
+    Adam divides near-cancelling moments, so float32 rounding comes back as whole relative differences), and the
+    base untouched. The reference is the starting model, which with B = 0 is the base."""
+    from test_lora import LLAMA_MODULES, adapters, lora, peft_model
+
+    cfg = cfg_of(hooks, src, "dpo", 4, "training.steps=3", *lora("q", "k", "v", "o", "gate", "up", "down"))
+    engine = build_engine(cfg, hooks)
+    base = {u: {n: t.clone() for n, t in w.items()} for u, w in engine.model.full_weights().items()}
+    exact = peft_model(hf_model("llama", seed=3).double(), LLAMA_MODULES, engine)
+    peft_dpo_steps(exact)
+    model = peft_model(hf_model("llama", seed=3), LLAMA_MODULES, engine)
+    for step, (result, loss, norm, margin) in enumerate(peft_dpo_steps(model, engine)):
+        assert abs(result.loss - loss) <= 1e-5 * abs(loss), step
+        assert abs(result.grad_norm - norm) <= 1e-5 * norm and norm > 0.3, step
+        assert abs(result.metrics["rewards/margins"] - margin) <= 1e-5, step
+
+    def named(m):
+        return {n.replace(".default.", "."): p.detach() for n, p in m.named_parameters() if p.requires_grad}
+
+    theirs, truth = named(model), named(exact)
+    peft_error = max(max_rel(theirs[n].double(), truth[n]) for n in truth)
+    for name, t in adapters(engine).items():
+        assert max_rel(t.double(), truth[name]) <= 1.5 * peft_error, name
+    for unit, w in engine.model.full_weights().items():
+        for n, t in w.items():
+            if "lora" not in n:
+                assert torch.equal(t, base[unit][n]), f"{unit}.{n}"
+
+
+def test_bfloat16_with_stochastic_rounding_equals_a_plain_bfloat16_reference(hooks, src):
+    """DPO in bfloat16 with stochastic rounding (the head by chunks, GA=4, clipping active): the engine against
+    test_precision's plain bfloat16 autograd reference of the same modules, its head under the same pairs, with
+    the same rounding bits, within the bounds :func:`test_precision.assert_16bit_close` justifies."""
+    from test_precision import BF16_SR, assert_16bit_close, plain_16bit_reference
+
+    from ipuft.preference import Pairs, preference_pairs
+    from ipuft.run.schedule import learning_rate
+
+    cfg = cfg_of(hooks, src, "dpo", 2, "training.steps=3", "execution.head_chunk_tokens=5", "execution.loss_scaling=64",
+                 "training.optimizer.learning_rate.maximum=3e-3", *BF16_SR)
+    engine = build_engine(cfg, hooks)
+    initial = {u: {n: t.clone() for n, t in w.items()} for u, w in engine.model.weights().items()}
+    step_batches = [step_batch(s, 2) for s in range(3)]
+    results = [engine.step(b, learning_rate(s, 3, cfg.training.optimizer.learning_rate))
+               for s, b in enumerate(step_batches)]
+
+    def head(batch, mb):
+        return preference_pairs(Pairs(engine.preference, batch.reference[mb]))
+
+    expected = plain_16bit_reference(cfg, engine.modules, initial, step_batches, head=head)
+    float32 = plain_16bit_reference(cfg, engine.modules, {u: {n: t.float() for n, t in w.items()}
+                                                          for u, w in initial.items()}, step_batches, head=head)[2]
+    assert results[0].grad_norm > 0.3
+    assert_16bit_close(cfg, results, engine.model.weights(), expected, float32, torch.bfloat16)
+
+
+class Rows:
+    """A stand-in for preference data's evaluation order: ``ids``/``labels`` rows in micro-batches."""
+
+    name = "rows"
+
+    def __init__(self, ids: torch.Tensor, labels: torch.Tensor) -> None:
+        self.ids, self.labels, self.reference = ids, labels, None
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def eval_batches(self, micro: int, replica: int = 0, replicas: int = 1):
+        for start in range(replica * micro, len(self), micro * replicas):
+            rows = slice(start, start + micro)
+            ref = torch.zeros(len(self))[rows] if self.reference is None else self.reference[rows]
+            yield Batch(self.ids[rows][None], self.labels[rows][None], reference=ref[None])
+
+
+@pytest.mark.parametrize("adapter", [False, True])
+def test_the_reference_pass_equals_transformers_log_probs(hooks, src, adapter):
+    """The reference pass (forward only, layer-major, micro-batches of 4 rows and a last one of 2) gives each
+    row's summed completion log-probability as transformers' logits do, within 1e-5; with LoRA the base's (the
+    adapters start at B = 0)."""
+    from test_lora import lora
+
+    from ipuft.run.reference import row_logps as reference_pass
+
+    cfg = cfg_of(hooks, src, "dpo", 4, *(lora("q", "v", "down") if adapter else ()))
+    engine = build_engine(cfg, hooks)
+    ids, labels = pair_rows(5, pairs=5)
+    got = reference_pass(engine.model, Rows(ids, labels), 4, engine.preference)
+    with torch.no_grad():
+        want = row_logps(hf_model("llama", seed=3), ids, labels)[0]
+    assert got.shape == (10,) and torch.allclose(got, want, rtol=1e-5, atol=0), (got - want).abs().max()
