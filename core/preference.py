@@ -2,13 +2,13 @@
 
 A micro-batch of preference data holds whole pairs: rows ``2i`` and ``2i + 1`` are pair ``i``'s chosen and
 rejected completions of one prompt, the prompt out of the loss (:class:`~ipuft.data.batch.Batch`). A row's
-log-probability ``logp`` is the sum of its completion tokens' log-probabilities; IPO and SimPO take their mean
-over the completion's tokens instead (as TRL's DPOTrainer does for ``ipo`` and its CPOTrainer for ``simpo``).
-With ``h`` the pair's margin and ``β`` ``training.preference.beta``:
+log-probability ``logp`` is the sum of its completion tokens' log-probabilities (SimPO: their mean). With
+``h`` the pair's margin, ``β`` ``training.preference.beta`` and ``n`` a completion's tokens:
 
 - ``dpo``: ``h = β · ((logp_c - ref_c) - (logp_r - ref_r))``, loss ``-log σ(h)``;
-- ``ipo``: ``h = (logp_c - ref_c) - (logp_r - ref_r)`` of the means, loss ``(h - 1 / (2β))²``;
-- ``simpo``: ``h = β · (logp_c - logp_r) - γ`` of the means (no reference), loss ``-log σ(h)``;
+- ``ipo``: ``h = (logp_c - ref_c) / n_c - (logp_r - ref_r) / n_r``, loss ``(h - 1 / (2β))²`` (the log-ratios per
+  token, as TRL's DPOTrainer and the IPO authors take them);
+- ``simpo``: ``h = β · (logp_c - logp_r) - γ`` of the means (no reference), loss ``-log σ(h)`` (TRL's CPOTrainer);
 
 plus ``sft_weight`` times the chosen completion's mean token cross-entropy. ``ref`` are the starting model's
 log-probabilities of the same rows (the reference pass, :mod:`ipuft.run.reference`). A micro-batch's loss is
@@ -20,7 +20,8 @@ whole), and :meth:`Pairs.loss` makes the pairs' loss of them. The chunked head n
 with respect to each token's cross-entropy before it makes the logits' gradient, ``w_t · (softmax - onehot)``:
 :meth:`Pairs.token_weights` gives it by autograd over this small graph (a sum per row, a loss per pair), so the
 coupling of a pair's two rows costs no second pass over the model, only the head's logits made once more.
-Rewards and log-probabilities are recorded as TRL names them (:data:`METRICS`).
+Rewards (``β`` times the log-ratio; SimPO: times logp) and log-probabilities are recorded as TRL
+names them (:data:`METRICS`).
 """
 
 from __future__ import annotations
@@ -63,10 +64,6 @@ class PreferenceLoss:
     def uses_reference(self) -> bool:
         return self.kind != "simpo"
 
-    @property
-    def means(self) -> bool:
-        """Whether a row's logp is the mean over its completion's tokens (IPO, SimPO), not the sum."""
-        return self.kind in ("ipo", "simpo")
 
 
 @dataclass
@@ -95,18 +92,17 @@ class Pairs:
         keep = (labels != IGNORE_INDEX).view(rows, -1)
         count = keep.sum(-1).clamp_min(1).to(torch.float32)
         summed = -token_losses.float().view(rows, -1).sum(-1)  # each row's log-probability
-        logp = summed / count if spec.means else summed
-        ref = self.reference.to(summed.device, torch.float32)
-        ref = ref / count if spec.means else ref
+        logp = summed / count if spec.kind == "simpo" else summed
         chosen, rejected = logp[0::2], logp[1::2]
         if spec.kind == "simpo":
             reward_c, reward_r = spec.beta * chosen, spec.beta * rejected
             losses = -F.logsigmoid(reward_c - reward_r - spec.gamma)
         else:
+            ref = self.reference.to(summed.device, torch.float32)
             ratio_c, ratio_r = chosen - ref[0::2], rejected - ref[1::2]
             reward_c, reward_r = spec.beta * ratio_c, spec.beta * ratio_r
-            if spec.kind == "ipo":
-                losses = (ratio_c - ratio_r - 1 / (2 * spec.beta)) ** 2
+            if spec.kind == "ipo":  # the log-ratios per completion token
+                losses = (ratio_c / count[0::2] - ratio_r / count[1::2] - 1 / (2 * spec.beta)) ** 2
             else:
                 losses = -F.logsigmoid(reward_c - reward_r)
         if spec.sft_weight:
