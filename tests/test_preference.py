@@ -61,16 +61,13 @@ def row_logps(model, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Ten
 
 def pair_losses(kind: str, beta: float, gamma: float, sft: float, logp, count, ref):
     """Each pair's loss, written out from the papers' formulas (TRL's forms)."""
-    if kind in ("ipo", "simpo"):
-        logp, ref = logp / count, ref / count
-    c, r = logp[0::2], logp[1::2]
+    nll = -logp[0::2] / count[0::2]
     if kind == "dpo":
-        loss = -F.logsigmoid(beta * ((c - ref[0::2]) - (r - ref[1::2])))
-    elif kind == "ipo":
-        loss = ((c - ref[0::2]) - (r - ref[1::2]) - 1 / (2 * beta)) ** 2
-    else:
-        loss = -F.logsigmoid(beta * (c - r) - gamma)
-    nll = -(logp[0::2] * count[0::2] if kind in ("ipo", "simpo") else logp[0::2]) / count[0::2]
+        loss = -F.logsigmoid(beta * ((logp[0::2] - ref[0::2]) - (logp[1::2] - ref[1::2])))
+    elif kind == "ipo":  # the log-ratios per completion token (TRL's, the IPO authors')
+        loss = ((logp[0::2] - ref[0::2]) / count[0::2] - (logp[1::2] - ref[1::2]) / count[1::2] - 1 / (2 * beta)) ** 2
+    else:  # SimPO: the mean log-probabilities
+        loss = -F.logsigmoid(beta * (logp[0::2] / count[0::2] - logp[1::2] / count[1::2]) - gamma)
     return loss + sft * nll
 
 
@@ -115,8 +112,8 @@ def test_three_steps_equal_a_plain_reference_loop(hooks, src, kind, sft, chunk, 
         adam.step()
         assert abs(result.loss - losses.mean().item()) <= 1e-5 * abs(losses.mean().item()), step
         assert abs(result.grad_norm - norm) <= 1e-5 * norm and norm > 0.3, step
-        means = logp / count if kind in ("ipo", "simpo") else logp
-        rewards = beta * (means - (0 if kind == "simpo" else (ref / count if kind == "ipo" else ref)))
+        means = logp / count if kind == "simpo" else logp
+        rewards = beta * (means - (0 if kind == "simpo" else ref))
         expect = {"rewards/chosen": rewards[0::2].mean(), "rewards/rejected": rewards[1::2].mean(),
                   "rewards/margins": (rewards[0::2] - rewards[1::2]).mean(),
                   "rewards/accuracies": (rewards[0::2] > rewards[1::2]).float().mean(),
@@ -315,3 +312,108 @@ def test_the_reference_pass_equals_transformers_log_probs(hooks, src, adapter):
     with torch.no_grad():
         want = row_logps(hf_model("llama", seed=3), ids, labels)[0]
     assert got.shape == (10,) and torch.allclose(got, want, rtol=1e-5, atol=0), (got - want).abs().max()
+
+
+def tokenized_pairs(path, pairs: int = 6, seed: int = 0):
+    """``pairs`` pre-tokenized rows (TRL's ``*_input_ids`` columns) written to ``path`` as JSON lines."""
+    import json
+
+    g = torch.Generator().manual_seed(seed)
+
+    def ids(low, high):
+        return torch.randint(3, 101, (int(torch.randint(low, high, (1,), generator=g)),), generator=g).tolist()
+
+    rows = [{"prompt_input_ids": ids(2, 6), "chosen_input_ids": ids(1, 8) + [2], "rejected_input_ids": ids(1, 8) + [2]}
+            for _ in range(pairs)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def run_train(hooks, src, data, out, *extra):
+    from ipuft.run.train import train
+
+    cfg = load_config(None, [f"model.hf_checkpoint={src}", f"model.sequence_length={SEQ}", f"data.path={data}",
+                             "data.format=preference", "data.packing=false", "training.global_batch_size=4",
+                             "execution.micro_batch_size=2", "training.optimizer.learning_rate.maximum=1e-3",
+                             f"output_dir={out}", *extra], hooks.registrations.config_sections)
+    return train(cfg, hooks, progress=False)
+
+
+def test_a_run_records_trls_metrics_and_resumes_bit_exact_with_its_reference(hooks, src, tmp_path):
+    """A DPO run from pre-tokenized rows: each step's record has TRL's metrics; the reference pass's log-probs are
+    transformers' of each row and travel in every checkpoint (checksummed); a run resumed from its step-2
+    checkpoint reads them (the pass is not run again: its model has trained) and ends bit-identical to the
+    uninterrupted run; the same checkpoint with a changed dataset is refused in one line, writing nothing."""
+    from safetensors.torch import load_file
+
+    from ipuft.errors import DataError
+    from ipuft.io.checkpoint import REFERENCE, verify
+    from ipuft.run import reference
+
+    data = tmp_path / "pairs.jsonl"
+    rows = tokenized_pairs(data)
+    full = run_train(hooks, src, data, tmp_path / "full", "training.steps=4")
+    assert [sorted(set(METRICS) - set(r)) for r in full] == [[]] * 4 and abs(full[0]["rewards/margins"]) < 1e-5
+    crashed = run_train(hooks, src, data, tmp_path / "crashed", "training.steps=4", "checkpoint.steps=2")
+    assert [r["loss"] for r in crashed] == [r["loss"] for r in full]
+    step2 = tmp_path / "crashed" / "checkpoints" / "step-00000002"
+    verify(step2)
+    stored = load_file(str(step2 / REFERENCE))["train"]
+    hf = hf_model("llama", seed=3)
+    with torch.no_grad():
+        for k, row in enumerate(rows):
+            prompt = row["prompt_input_ids"]
+            for j, completion in enumerate((row["chosen_input_ids"], row["rejected_input_ids"])):
+                ids = torch.tensor([prompt + completion])
+                logp = torch.log_softmax(hf(ids).logits[0, :-1].float(), -1)
+                want = logp[torch.arange(len(prompt) - 1, ids.shape[1] - 1), ids[0, len(prompt):]].sum()
+                assert abs(stored[2 * k + j] - want) <= 1e-5 * abs(want), (k, j)
+    calls = []
+    original = reference.row_logps
+    reference.row_logps = lambda *a: calls.append(a) or original(*a)
+    try:
+        resumed = run_train(hooks, src, data, tmp_path / "resumed", "training.steps=4", f"checkpoint.load={step2}")
+    finally:
+        reference.row_logps = original
+    assert calls == [] and [r["step"] for r in resumed] == [3, 4]
+    for key in ("loss", "grad_norm", *METRICS):
+        assert [r[key] for r in resumed] == [r[key] for r in full[2:]], key
+    a, b = (load_file(str(d / "checkpoints" / "step-00000004" / "model.safetensors")) for d in
+            (tmp_path / "full", tmp_path / "resumed"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    changed = tmp_path / "changed.jsonl"
+    tokenized_pairs(changed, seed=1)
+    with pytest.raises(DataError, match=r"^checkpoint.load: the train rows .* are not those .*reference log-prob"):
+        run_train(hooks, src, changed, tmp_path / "refused", "training.steps=4", f"checkpoint.load={step2}")
+    assert not (tmp_path / "refused").exists()
+
+
+def test_simpo_runs_without_a_reference(hooks, src, tmp_path):
+    """SimPO is reference-free: no reference pass, no reference file in its checkpoints, and its records carry
+    TRL's metrics of the length-normalised log-probabilities."""
+    from ipuft.io.checkpoint import REFERENCE
+
+    data = tmp_path / "pairs.jsonl"
+    tokenized_pairs(data)
+    records = run_train(hooks, src, data, tmp_path / "run", "training.steps=2", "training.preference.loss=simpo")
+    assert all(r["logps/chosen"] > -10 for r in records)  # a mean over tokens of 101: about -log(101) = -4.6
+    assert not (tmp_path / "run" / "checkpoints" / "step-00000002" / REFERENCE).exists()
+
+
+def test_the_plan_counts_the_reference_pass_and_its_bytes(hooks, src, capsys):
+    """``ipuft plan`` of a DPO run shows its reference pass (its micro-batches, 4 bytes a row kept) and counts each
+    row's reference log-prob in a step's data traffic; SimPO has no pass."""
+    import json
+
+    from cli_helpers import run_cli
+
+    base = [f"model.hf_checkpoint={src}", f"model.sequence_length={SEQ}", "data.format=preference",
+            "training.global_batch_size=8", "execution.micro_batch_size=4"]
+    code, out, _ = run_cli(capsys, "plan", *base, "--json")
+    plan = json.loads(out)
+    assert code == 0 and plan["reference_pass"] == {"micro_batch_size": 4, "host_bytes_per_row": 4}
+    assert plan["traffic"]["h2d"]["data"] == 2 * 8 * SEQ * 8 + 8 * 4  # ids and labels (int64), a float32 a row
+    code, out, _ = run_cli(capsys, "plan", *base)
+    assert code == 0 and "reference pass:       once, before step 1: forward only over every row, 4 rows" in out
+    code, out, _ = run_cli(capsys, "plan", *base, "training.preference.loss=simpo", "--json")
+    assert code == 0 and json.loads(out)["reference_pass"] is None

@@ -34,6 +34,7 @@ from ipuft.plan.memory import (
 )
 from ipuft.plugins import PluginHooks
 from ipuft.precision import compute_dtype, recipe
+from ipuft.preference import PreferenceLoss
 
 TOKEN_BYTES = torch.empty((), dtype=torch.int64).element_size()
 REFERENCE_BYTES = torch.empty((), dtype=torch.float32).element_size()
@@ -50,7 +51,7 @@ def traffic(cfg: DictConfig, parts: ModelParts, sizes: dict[str, dict[str, int]]
     ga = cfg.gradient_accumulation
     per_token = 3 if packs_examples(cfg) else 2  # input ids, labels, and the positions of packed examples
     h2d["data"] = per_token * ga * cfg.execution.micro_batch_size * cfg.model.sequence_length * TOKEN_BYTES
-    if str(getattr(cfg.data.format, "value", cfg.data.format)) == "preference":  # each row's reference log-prob
+    if PreferenceLoss.of(cfg) is not None:  # each row's reference log-prob
         h2d["data"] += ga * cfg.execution.micro_batch_size * REFERENCE_BYTES
     act = step_shape(cfg).stored_activation_bytes
     for phase in parts.program:
@@ -143,10 +144,22 @@ def estimate(cfg: DictConfig, parts: ModelParts, hooks: PluginHooks, inference_b
         "d2h_bytes_per_step": sum(moved["d2h"].values()),
         "traffic": moved,
         "flops_per_step": step_flops(cfg, parts, costs).as_dict(),
+        "reference_pass": reference_pass(cfg),
         "inference": inference_estimate(cfg, parts, inference_batch_size,
                                         max(1, cfg.model.sequence_length - GENERATE_NEW_TOKENS),
                                         min(GENERATE_NEW_TOKENS, cfg.model.sequence_length - 1) or 1, kv_layers),
     }
+
+
+def reference_pass(cfg: DictConfig) -> dict | None:
+    """A DPO or IPO run's reference pass (:mod:`ipuft.run.reference`): once, before the first step, a forward-only
+    pass over every training and validation row in micro-batches of ``execution.micro_batch_size`` rows (the
+    evaluation's pass, layer-major), whose result stays in host memory at ``REFERENCE_BYTES`` a row. None for
+    any other run."""
+    spec = PreferenceLoss.of(cfg)
+    if spec is None or not spec.uses_reference:
+        return None
+    return {"micro_batch_size": cfg.execution.micro_batch_size, "host_bytes_per_row": REFERENCE_BYTES}
 
 
 def inference_estimate(cfg: DictConfig, parts: ModelParts, batch_size: int, prompt_tokens: int,
