@@ -122,6 +122,18 @@ def derive_and_validate(cfg: DictConfig) -> None:
     _require(data.whole_examples is not True or data.packing, "data.whole_examples",
              "packs examples whole into rows, but data.packing=false keeps one example per row; set "
              "data.packing=true or drop it")
+    _require(data.max_prompt_tokens is None or data.max_prompt_tokens >= 1, "data.max_prompt_tokens",
+             f"must be null or a number of tokens >= 1, got {data.max_prompt_tokens}")
+    if str(getattr(data.format, "value", data.format)) == "preference":
+        mbs = execution.micro_batch_size  # (so training.global_batch_size, a multiple of it, is even too)
+        _require(mbs % 2 == 0, "execution.micro_batch_size", f"is {mbs}, but data.format=preference counts rows, "
+                 "two a pair (prompt + chosen, prompt + rejected, in one micro-batch); set an even number")
+        pref = training.preference
+        _require(0 < pref.beta < math.inf, "training.preference.beta", f"must be a finite number > 0, got {pref.beta}")
+        _require(0 <= pref.sft_weight < math.inf, "training.preference.sft_weight",
+                 f"must be a finite number >= 0, got {pref.sft_weight}")
+        _require(math.isfinite(pref.simpo_gamma), "training.preference.simpo_gamma",
+                 f"must be a finite number, got {pref.simpo_gamma}")
     named = [k for k in ("validation_path", "validation_split") if data[k] is not None] + \
         (["validation_fraction"] if data.validation_fraction else [])
     _require(len(named) <= 1, f"data.{named[0] if named else 'validation_path'}",

@@ -277,6 +277,9 @@ class DataConfig:
     # once) or truncate (its start kept). null: truncate for instruction and chat (as torchtune and TRL do),
     # error for tokens, text and template.
     truncation: Optional[Truncation] = None
+    # data.format=preference with data.truncation=truncate: keep a prompt's last this many tokens (null: all of it)
+    # before a completion is cut to fit the row.
+    max_prompt_tokens: Optional[int] = None
     # With packing, end each text or template example with the tokenizer's end-of-sequence token (its
     # tokenizer_config.json's eos_token), unless it already ends with it, so the model learns where documents
     # end; an instruction example's response ends with it packed or not (Stanford Alpaca's), in the loss. A

@@ -314,6 +314,8 @@ def layout_of(cfg: DictConfig) -> tuple[Layout, bool, Truncation]:
     for a row gets: see ``data.packing``, ``data.whole_examples`` and ``data.truncation`` (docs/data.md)."""
     data = cfg.data
     fmt = DataFormat(data.format)
+    if fmt is DataFormat.preference:  # one example a row, never packed (ipuft.data.preference)
+        return Layout.examples, True, Truncation(data.truncation or Truncation.truncate)
     whole = data.whole_examples if data.whole_examples is not None else fmt in MASKED
     layout = Layout.examples if not data.packing else Layout.whole if whole else Layout.chunks
     # Packed as chunks, a template's example trains on every token, as the reference's group_texts did.
@@ -398,6 +400,12 @@ def validation_source(cfg: DictConfig, data: SampleData | TokenDataset | None = 
     if cfg.data.validation_path is None and cfg.data.validation_split is None:
         return None
     source = tokenizer_source(cfg) if DataFormat(cfg.data.format) is not DataFormat.tokens else None
+    if DataFormat(cfg.data.format) is DataFormat.preference:
+        from ipuft.data.preference import PreferenceDataset
+
+        tokenizer = None if source is None else load_tokenizer(*source)
+        return PreferenceDataset.from_config(cfg, tokenizer, shuffle=False, split=cfg.data.validation_split,
+                                             path=cfg.data.validation_path)
     if cfg.data.validation_split is not None:  # another split of data.path's dataset
         return TokenDataset.from_config(cfg, None if source is None else load_tokenizer(*source),
                                         shuffle=False, split=cfg.data.validation_split)
@@ -411,7 +419,12 @@ def data_source(cfg: DictConfig) -> SampleData | TokenDataset:
     if cfg.data.path is None:
         return SampleData(cfg.model.embedding.vocab_size, cfg.model.sequence_length, cfg.data.seed)
     source = tokenizer_source(cfg) if DataFormat(cfg.data.format) is not DataFormat.tokens else None
-    dataset = TokenDataset.from_config(cfg, None if source is None else load_tokenizer(*source))
+    if DataFormat(cfg.data.format) is DataFormat.preference:  # pairs: ipuft.data.preference
+        from ipuft.data.preference import PreferenceDataset
+
+        dataset = PreferenceDataset.from_config(cfg, None if source is None else load_tokenizer(*source))
+    else:
+        dataset = TokenDataset.from_config(cfg, None if source is None else load_tokenizer(*source))
     if cfg.data.validation_fraction:
         dataset = dataset.split(cfg.data.validation_fraction, cfg.data.seed)
     return dataset

@@ -112,7 +112,7 @@ def with_epochs(cfg: DictConfig, data: SampleData | TokenDataset) -> DictConfig:
 
 def epoch(cfg: DictConfig, data: SampleData | TokenDataset, step: int) -> float | None:
     """The passes over ``data``'s rows the first ``step`` steps have made (None for the endless sample data)."""
-    if not isinstance(data, TokenDataset):
+    if isinstance(data, SampleData):
         return None
     return step * cfg.training.global_batch_size / len(data)
 
