@@ -81,17 +81,19 @@ def cfg_of(hooks, src, kind, micro, *extra):
 
 # (loss, SFT weight, head chunk tokens, head vocabulary slices): the head whole, by chunks, and its weight's
 # gradient by vocabulary slices (the tokens' weights deferred to the slices' pass).
-CASES = [("dpo", 0.0, 0, 0), ("dpo", 0.0, 5, 0), ("ipo", 0.0, 5, 0), ("simpo", 0.0, 5, 0), ("dpo", 0.7, 5, 0),
-         ("dpo", 0.0, 5, 3)]
+# The last: the layer-boundary activations spilled to disk (execution.activation_offload=disk).
+CASES = [("dpo", 0.0, 0, 0, False), ("dpo", 0.0, 5, 0, False), ("ipo", 0.0, 5, 0, False), ("simpo", 0.0, 5, 0, False),
+         ("dpo", 0.7, 5, 0, False), ("dpo", 0.0, 5, 3, False), ("ipo", 0.3, 5, 0, True)]
 
 
-@pytest.mark.parametrize("kind,sft,chunk,slices", CASES)
-def test_three_steps_equal_a_plain_reference_loop(hooks, src, kind, sft, chunk, slices):
+@pytest.mark.parametrize("kind,sft,chunk,slices,disk", CASES)
+def test_three_steps_equal_a_plain_reference_loop(hooks, src, tmp_path, kind, sft, chunk, slices, disk):
     """Three steps (GA=2, clipping active, decay) of the engine and of transformers + torch AdamW with the loss
     written by hand: losses within 1e-5, the gradient norm within 1e-5, TRL's metrics within 1e-5 of the
     reference's, and every weight within 1e-5 (float32 rounding of sums over 101 logits and 16 tokens)."""
     cfg = cfg_of(hooks, src, kind, 4, f"training.preference.sft_weight={sft}", f"execution.head_chunk_tokens={chunk}",
-                 f"execution.head_vocab_slices={slices}", "training.steps=3")
+                 f"execution.head_vocab_slices={slices}", "training.steps=3",
+                 *(["execution.activation_offload=disk", f"execution.spill_dir={tmp_path}"] if disk else []))
     engine = build_engine(cfg, hooks)
     hf = hf_model("llama", seed=3)
     beta, gamma = 0.5, cfg.training.preference.simpo_gamma
@@ -417,3 +419,34 @@ def test_the_plan_counts_the_reference_pass_and_its_bytes(hooks, src, capsys):
     assert code == 0 and "reference pass:       once, before step 1: forward only over every row, 4 rows" in out
     code, out, _ = run_cli(capsys, "plan", *base, "training.preference.loss=simpo", "--json")
     assert code == 0 and json.loads(out)["reference_pass"] is None
+
+
+def test_validation_rows_get_their_own_reference_and_trls_metrics(hooks, src, tmp_path):
+    """With held-out pairs and learning rate 0 the model stays the starting one, so that on its validation rows
+    (their reference computed by the same pass) each reward is 0 and the DPO loss log 2, within float32 rounding
+    of the reference pass against the evaluation; a wrong or missing validation reference would give β · logp."""
+    import math
+
+    data = tmp_path / "pairs.jsonl"
+    tokenized_pairs(data, pairs=8)
+    records = run_train(hooks, src, data, tmp_path / "run", "training.steps=2", "training.eval_steps=1",
+                        "data.validation_fraction=0.25", "training.optimizer.learning_rate.maximum=0.0")
+    for r in records:
+        assert r["validation_pairs"] == 2 and abs(r["validation_loss"] - math.log(2)) <= 1e-6
+        for key in METRICS:
+            assert abs(r[f"validation_{key}"]) <= (0 if key == "rewards/accuracies" else 1e-6) or "logps" in key, key
+        assert r["validation_logps/chosen"] < -5 and abs(r["rewards/margins"]) <= 1e-6
+
+
+def test_a_bad_pair_stops_the_run_in_one_line_and_writes_nothing(src, tmp_path, capsys):
+    from cli_helpers import run_cli
+
+    data = tmp_path / "pairs.jsonl"
+    data.write_text('{"prompt_input_ids": [5], "chosen_input_ids": [6], "rejected_input_ids": [6]}\n')
+    code, _, err = run_cli(capsys, "train", f"model.hf_checkpoint={src}", f"model.sequence_length={SEQ}",
+                           f"data.path={data}", "data.format=preference", "training.global_batch_size=2",
+                           "execution.micro_batch_size=2", f"output_dir={tmp_path / 'run'}")
+    assert code != 0 and err.splitlines()[-1] == (
+        f"ipuft: error: {data} row 1: chosen_input_ids and rejected_input_ids are the same tokens; a pair prefers "
+        "one of two")
+    assert "Traceback" not in err and not (tmp_path / "run").exists()
