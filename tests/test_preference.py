@@ -450,3 +450,25 @@ def test_a_bad_pair_stops_the_run_in_one_line_and_writes_nothing(src, tmp_path, 
         f"ipuft: error: {data} row 1: chosen_input_ids and rejected_input_ids are the same tokens; a pair prefers "
         "one of two")
     assert "Traceback" not in err and not (tmp_path / "run").exists()
+
+
+def test_a_checkpoint_without_config_takes_a_recipe_for_pairs(src, tmp_path, capsys):
+    """No --config: the finetune recipe, with whole pairs in a micro-batch (its one row becomes two) and TRL's
+    DPO learning rate instead of the SFT one, each said in the recipe line; the run trains and records TRL's
+    metrics."""
+    from cli_helpers import run_cli
+
+    data = tmp_path / "pairs.jsonl"
+    tokenized_pairs(data)
+    code, _, err = run_cli(capsys, "train", f"model.hf_checkpoint={src}", f"data.path={data}",
+                           "data.format=preference", "training.steps=1", "model.precision=float32",
+                           f"output_dir={tmp_path / 'run'}")
+    recipe = err.splitlines()[0]
+    assert code == 0 and recipe.startswith("ipuft: recipe finetune"), err
+    assert "execution.micro_batch_size=2 (whole pairs: two rows each)" in recipe
+    assert "training.optimizer.learning_rate.maximum=1e-06 (TRL's DPOTrainer's" in recipe
+    assert recipe.count("learning_rate.maximum") == 1
+    import json
+
+    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["lr"] <= 1e-6 and "rewards/accuracies" in record

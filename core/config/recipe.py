@@ -24,6 +24,7 @@ PRESET = "finetune"
 # more: attention's cost and the activations grow with it, and 2048 tokens hold most fine-tuning examples.
 MAX_SEQUENCE = 2048
 CHECKPOINT_KEYS = ("model.hf_checkpoint", "model.init_checkpoint")
+PREFERENCE_LEARNING_RATE = 1e-6  # data.format=preference: TRL's DPOTrainer's default
 # The preset's keys the line names.
 RECIPE_KEYS = (
     "training.optimizer.learning_rate.maximum", "training.optimizer.learning_rate.schedule",
@@ -43,8 +44,9 @@ def apply_recipe(cfg: DictConfig, typed: set[str], checkpoint_key: str, position
     """Set what the recipe takes from the checkpoint and the device (keys the user typed stay theirs), and return
     the line that says so. ``positions``: the Hugging Face checkpoint's positions key and value, if it has one;
     ``saved``: the config of the run ``model.init_checkpoint`` starts from."""
-    parts = [_sequence_length(cfg, typed, positions, saved), _precision(cfg, typed)]
-    preset = [f"{key}={plain(OmegaConf.select(cfg, key))}" for key in RECIPE_KEYS if key not in typed]
+    parts = [_sequence_length(cfg, typed, positions, saved), _precision(cfg, typed), *_pairs(cfg, typed)]
+    told = {part.split("=")[0] for part in parts}  # (a value the recipe set is said once, with its reason)
+    preset = [f"{key}={plain(OmegaConf.select(cfg, key))}" for key in RECIPE_KEYS if key not in typed | told]
     yours = [f"{key}={plain(OmegaConf.select(cfg, key))}" for key in RECIPE_KEYS if key in typed]
     if preset:
         parts.append(f"{', '.join(preset)} (the preset's)")
@@ -68,6 +70,22 @@ def _sequence_length(cfg: DictConfig, typed: set[str], positions: tuple[str, int
         return (f"{key}={cfg.model.sequence_length} (the run it starts from trained at {trained}; at most "
                 f"{MAX_SEQUENCE})")
     return f"{key}={cfg.model.sequence_length} (the preset's)"
+
+
+def _pairs(cfg: DictConfig, typed: set[str]) -> list[str]:
+    """Preference data: a micro-batch of one pair (two rows) where the preset's holds one row, and TRL's
+    DPOTrainer's learning rate (1e-6), the preset's SFT rate being far too high for DPO, unless typed."""
+    if str(getattr(cfg.data.format, "value", cfg.data.format)) != "preference":
+        return []
+    parts = []
+    if "execution.micro_batch_size" not in typed and cfg.execution.micro_batch_size % 2:
+        cfg.execution.micro_batch_size = 2 * cfg.execution.micro_batch_size
+        parts.append(f"execution.micro_batch_size={cfg.execution.micro_batch_size} (whole pairs: two rows each)")
+    key = "training.optimizer.learning_rate.maximum"
+    if key not in typed:
+        cfg.training.optimizer.learning_rate.maximum = PREFERENCE_LEARNING_RATE
+        parts.append(f"{key}={PREFERENCE_LEARNING_RATE:g} (TRL's DPOTrainer's, for data.format=preference)")
+    return parts
 
 
 def _precision(cfg: DictConfig, typed: set[str]) -> str:
