@@ -472,3 +472,19 @@ def test_a_checkpoint_without_config_takes_a_recipe_for_pairs(src, tmp_path, cap
 
     record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert record["lr"] <= 1e-6 and "rewards/accuracies" in record
+
+
+def test_the_step_flops_count_the_heads_pre_pass(hooks):
+    """The chunked head makes every token's loss once before the pairs' weights (one more logits matmul,
+    2 · tokens · hidden · vocabulary FLOPs a micro-batch): the plan's FLOPs of a DPO step exceed the same
+    step's on text data by exactly that (the work it does, not understated)."""
+    from ipuft.engine.model import build_model
+    from ipuft.plan.flops import step_flops
+
+    flops = {}
+    for fmt in ("text", "preference"):
+        cfg = load_config("tiny", ["model.sequence_length=16", "training.global_batch_size=8",
+                                   "execution.micro_batch_size=4", "model.embedding.vocab_size=101",
+                                   f"data.format={fmt}"], hooks.registrations.config_sections)
+        flops[fmt] = step_flops(cfg, build_model(cfg, hooks, hooks.registrations.build_optimizer(cfg))).model
+    assert flops["preference"] - flops["text"] == 2 * (2 * 4 * 16 * cfg.model.hidden_size * 101)

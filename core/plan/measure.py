@@ -50,6 +50,7 @@ from ipuft.head_loss import head_chunks
 from ipuft.hostmem import heap_block_limit
 from ipuft.ops import SliceMoves, WeightGradients, taking_weight_gradients
 from ipuft.precision import compute_dtype
+from ipuft.preference import Pairs, PreferenceLoss, preference_pairs
 
 
 def _register_cpu_attention_flops() -> None:
@@ -224,7 +225,9 @@ def unit_cost(parts: ModelParts, role: str, cfg: DictConfig, device: torch.devic
 def _layer_cost(parts: ModelParts, role: str, cfg: DictConfig, device: torch.device, layer: int | None) -> UnitCost:
     mode = FakeTensorMode(allow_non_fake_inputs=True)  # a module's cached real tensors (a rotary table) are read
     module, params, args = fake_unit(parts, role, cfg, device, mode)
-    with examples_apart(fake_positions(cfg, device, mode)), decoder_layer(layer):
+    spec = PreferenceLoss.of(cfg) if role == "head" else None  # pairs: the head's loss is theirs (a pre-pass)
+    pairs = Pairs(spec, torch.zeros(cfg.execution.micro_batch_size)) if spec is not None else None
+    with examples_apart(fake_positions(cfg, device, mode)), decoder_layer(layer), preference_pairs(pairs):
         # A tied table whose gradient stays in host memory (ipuft.engine.sliced): its lookups add rows there.
         tables = {t.variable for t in parts.program.ties if t.owner.role == role and t.trainable} \
             if step_shape(cfg).host_tables else set()
