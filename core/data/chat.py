@@ -30,10 +30,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ipuft.data.bounds import DEFAULT_BOUNDS, Overrun, RenderBounds, deadline
-from ipuft.data.tokenizer import token_name
+from ipuft.data.tokenizer import token_name, tokenizer_source
 from ipuft.errors import DataError, first_line
 
 if TYPE_CHECKING:
+    from omegaconf import DictConfig
     from tokenizers import Encoding
 
 ROLES = ("system", "user", "assistant")
@@ -442,3 +443,12 @@ def load_chat_template(override: str | None, home: Path | None, where: str, need
     place = f"{where} ({home})" if home is not None else "the run's tokenizer"
     raise DataError(f"{need}: {place} has no chat template (no chat_template.jinja, no chat_template in "
                     f"tokenizer_config.json); set data.chat_template to a Jinja template or a file holding one")
+
+
+def chat_template_of(cfg: DictConfig) -> ChatTemplate:
+    """The run's chat template (:func:`ipuft.data.chat.load_chat_template`): ``data.chat_template``, else the
+    tokenizer's directory's (or checkpoint's)."""
+    source = tokenizer_source(cfg)
+    home = Path(source[0]) if source is not None and Path(source[0]).is_dir() else None
+    return load_chat_template(cfg.data.chat_template, home, source[1] if source is not None else "data.tokenizer",
+                              bounds=RenderBounds.of(cfg.data))

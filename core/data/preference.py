@@ -17,7 +17,7 @@ A row of the file is one of (the same forms TRL's DPOTrainer takes):
 Each pair becomes two examples, prompt + chosen and prompt + rejected, the prompt out of the loss; examples are
 one to a row (``sequence_length + 1`` tokens, padded), and rows ``2i`` and ``2i + 1`` of a micro-batch are one
 pair's (:class:`~ipuft.data.batch.Batch`). Batch sizes count rows: pair ``k`` of the stream is rows ``2k`` and
-``2k + 1``, and a sampler over pairs (:class:`~ipuft.data.tokens.Sampler`) orders them. A pair too long for the
+``2k + 1``, and a sampler over pairs (:class:`~ipuft.data.sampler.Sampler`) orders them. A pair too long for the
 row is truncated (the prompt's last ``data.max_prompt_tokens`` kept where that is set, the completion's end cut),
 dropped or refused by ``data.truncation`` (null: truncate); a prompt that leaves no room for a completion token,
 an empty completion, chosen identical to rejected, a missing field or an id outside the vocabulary is one line
@@ -37,8 +37,9 @@ from ipuft.components import IGNORE_INDEX
 from ipuft.config.schema import Truncation
 from ipuft.data.batch import Batch
 from ipuft.data.builder import PAD_ID
+from ipuft.data.chat import chat_template_of
 from ipuft.data.files import read_rows, resolve_data_path
-from ipuft.data.tokens import Sampler, chat_template_of
+from ipuft.data.sampler import Sampler
 from ipuft.errors import DataError
 
 if TYPE_CHECKING:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,6 +27,7 @@ from ipuft.data.builder import PAD_ID, Arrays, Builder, Layout
 from ipuft.data.cache import TokenCache
 from ipuft.data.files import read_rows, resolve_data_path
 from ipuft.data.hf_datasets import DatasetSource
+from ipuft.data.sampler import Sampler
 from ipuft.data.synthetic import SampleData
 from ipuft.data.templates import instruction_template, resolve_template
 from ipuft.data.tokenizer import Specials, load_tokenizer, specials, tokenizer_source
@@ -43,50 +43,6 @@ ENCODE_CHUNK = 1024
 
 
 # -- Sampling ------------------------------------------------------------------------------------------
-
-
-class Sampler:
-    """The order in which rows are served: epochs concatenated into one endless stream of row indices.
-
-    Sample ``k`` of the stream is row ``order(k // size)[k % size]``, where an epoch's order is a
-    permutation drawn from ``seed + epoch`` when shuffling, and file order otherwise. Nothing else is
-    needed to find any sample, so the position of a run is just the number of samples it has consumed.
-    """
-
-    def __init__(self, size: int, shuffle: bool, seed: int) -> None:
-        self.size, self.shuffle, self.seed = size, shuffle, seed
-        self.samples_seen = 0
-        # A global batch touches at most two epochs; a few cached permutations make consecutive steps cheap.
-        self._order = lru_cache(maxsize=4)(self._epoch_order)
-
-    def _epoch_order(self, epoch: int) -> torch.Tensor:
-        if not self.shuffle:
-            return torch.arange(self.size)
-        return torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + epoch))
-
-    def indices(self, start: int, count: int) -> torch.Tensor:
-        """Row indices of samples ``start, ..., start + count - 1`` of the stream."""
-        parts, k, end = [], start, start + count
-        while k < end:
-            epoch, offset = divmod(k, self.size)
-            take = min(self.size - offset, end - k)
-            parts.append(self._order(epoch)[offset:offset + take])
-            k += take
-        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
-
-    def state_dict(self) -> dict[str, int]:
-        """The sampler's position: ``{"seed", "shuffle", "rows", "samples_seen"}``."""
-        return {"seed": self.seed, "shuffle": int(self.shuffle), "rows": self.size,
-                "samples_seen": self.samples_seen}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Restore a position saved by :meth:`state_dict`; the dataset must have the same number of rows."""
-        if int(state["rows"]) != self.size:
-            raise DataError(f"data: the saved data position is for a dataset of {state['rows']} rows; "
-                            f"this one has {self.size}")
-        self.seed, self.shuffle = int(state["seed"]), bool(state["shuffle"])
-        self.samples_seen = int(state["samples_seen"])
-        self._order.cache_clear()
 
 
 # -- The dataset ---------------------------------------------------------------------------------------
@@ -155,6 +111,8 @@ class TokenDataset:
                             "eos_token, no model.eos_token_ids, no <|endoftext|> in its vocabulary); set "
                             "data.add_eos=false, or give data.tokenizer a directory with tokenizer_config.json")
         eos = added.eos if ends else None
+        if fmt is DataFormat.chat:
+            from ipuft.data.chat import chat_template_of
         chat = chat_template_of(cfg) if fmt is DataFormat.chat else None
         layout, masked, truncation = layout_of(cfg)
         shapes = (added.prefix, added.suffix, eos, chat.text if chat else None, layout.value, masked, truncation.value,
@@ -323,19 +281,6 @@ def layout_of(cfg: DictConfig) -> tuple[Layout, bool, Truncation]:
     truncation = Truncation(data.truncation) if data.truncation is not None else \
         Truncation.truncate if fmt in MASKED else Truncation.error
     return layout, masked, truncation
-
-
-def chat_template_of(cfg: DictConfig):
-    """The run's chat template (:func:`ipuft.data.chat.load_chat_template`): ``data.chat_template``, else the
-    tokenizer's directory's (or checkpoint's)."""
-    from pathlib import Path
-
-    from ipuft.data.chat import load_chat_template
-
-    source = tokenizer_source(cfg)
-    home = Path(source[0]) if source is not None and Path(source[0]).is_dir() else None
-    return load_chat_template(cfg.data.chat_template, home, source[1] if source is not None else "data.tokenizer",
-                              bounds=RenderBounds.of(cfg.data))
 
 
 def _rendered(template, row: dict[str, Any], where: str, has_target: bool, bounds: RenderBounds
