@@ -69,11 +69,12 @@ def train_configs(rank: int, configs: dict[str, list[str]], steps: int, out: str
 def preference_steps(rank: int, configs: dict[str, list[str]], steps: int, out: str) -> None:
     """Preference steps of each config (no preset) on the pairs of :func:`test_preference.step_batch`; rank 0
     saves losses, norms, metrics and the gathered weights, every rank its traffic and the plan's."""
-    from test_preference import step_batch
+    from test_preference import Rows, pair_rows, step_batch
 
     from ipuft.config import load_config
     from ipuft.plan.estimate import estimate
     from ipuft.plugins import create_plugin_manager
+    from ipuft.run.reference import row_logps
     from ipuft.run.runtime import build_engine
 
     hooks = create_plugin_manager()
@@ -81,10 +82,11 @@ def preference_steps(rank: int, configs: dict[str, list[str]], steps: int, out: 
         cfg = load_config(None, overrides, hooks.registrations.config_sections)
         engine = build_engine(cfg, hooks)
         layout = engine.layout
+        reference = row_logps(engine.model, Rows(*pair_rows(5, pairs=5)), 4, engine.preference)  # the starting model's
         results = [engine.step(step_batch(s, cfg.execution.micro_batch_size, layout.dp_rank, layout.data_parallel),
                                2e-3) for s in range(steps)]
         record = {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
-                  "metrics": [r.metrics for r in results], "traffic": results[-1].traffic,
+                  "metrics": [r.metrics for r in results], "reference": reference, "traffic": results[-1].traffic,
                   "planned": estimate(cfg, engine.parts, hooks)["traffic"]}
         weights = engine.model.full_weights()
         engine.close()

@@ -165,8 +165,11 @@ def step_batch(step: int, micro: int, rank: int = 0, replicas: int = 1) -> Batch
 
 def test_tensor_and_data_parallel_equal_one_process(hooks, src, tmp_path):
     """DPO at TP=2 (the head's vocabulary split: each token's cross-entropy reduced over the group, whole and by
-    chunks) and DP=2 with RTS (each replica two pairs): three steps' losses, norms and metrics within 1e-5 of one
-    process, every weight within 1e-5, and every rank's traffic its plan."""
+    chunks) and DP=2 with RTS (each replica two pairs): the reference pass on every rank within 1e-6 of one
+    process's, three steps' losses, norms and metrics within 1e-5, every weight within 1e-5, and every rank's
+    traffic its plan."""
+    from ipuft.run.reference import row_logps as reference_pass
+
     common = [f"model.hf_checkpoint={src}", f"model.sequence_length={SEQ}", "data.format=preference",
               f"training.global_batch_size={2 * PAIRS}", "training.optimizer.gradient_clipping=0.3",
               "plugins.adamw.eps=1e-4", "training.preference.sft_weight=0.2"]  # (eps: as test_llama's layouts)
@@ -180,6 +183,7 @@ def test_tensor_and_data_parallel_equal_one_process(hooks, src, tmp_path):
                                                             "execution.rts"))]
         cfg = load_config(None, single, hooks.registrations.config_sections)
         engine = build_engine(cfg, hooks)
+        reference = reference_pass(engine.model, Rows(*pair_rows(5, pairs=5)), 4, engine.preference)
         results = [engine.step(step_batch(s, cfg.execution.micro_batch_size), 2e-3) for s in range(3)]
         got = torch.load(tmp_path / f"{name}.rank0.pt")
         for a, b in zip(got["losses"], results, strict=True):
@@ -195,6 +199,7 @@ def test_tensor_and_data_parallel_equal_one_process(hooks, src, tmp_path):
         for rank in range(2):
             mine = torch.load(tmp_path / f"{name}.rank{rank}.pt")
             assert mine["traffic"] == mine["planned"], (name, rank)
+            assert torch.allclose(mine["reference"], reference, rtol=1e-6, atol=0), (name, rank)
 
 
 def peft_dpo_steps(model, engine=None) -> list[tuple]:
