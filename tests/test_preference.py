@@ -303,16 +303,17 @@ class Rows:
             yield Batch(self.ids[rows][None], self.labels[rows][None], reference=ref[None])
 
 
-@pytest.mark.parametrize("adapter", [False, True])
-def test_the_reference_pass_equals_transformers_log_probs(hooks, src, adapter):
-    """The reference pass (forward only, layer-major, micro-batches of 4 rows and a last one of 2) gives each
-    row's summed completion log-probability as transformers' logits do, within 1e-5; with LoRA the base's (the
-    adapters start at B = 0)."""
+@pytest.mark.parametrize("adapter,chunk", [(False, 0), (False, 7), (True, 512)])
+def test_the_reference_pass_equals_transformers_log_probs(hooks, src, adapter, chunk):
+    """The reference pass (forward only, layer-major, micro-batches of 4 rows and a last one of 2; the head whole
+    or by chunks of 7 tokens) gives each row's summed completion log-probability as transformers' logits do,
+    within 1e-5; with LoRA the base's (the adapters start at B = 0)."""
     from test_lora import lora
 
     from ipuft.run.reference import row_logps as reference_pass
 
-    cfg = cfg_of(hooks, src, "dpo", 4, *(lora("q", "v", "down") if adapter else ()))
+    cfg = cfg_of(hooks, src, "dpo", 4, f"execution.head_chunk_tokens={chunk}",
+                 *(lora("q", "v", "down") if adapter else ()))
     engine = build_engine(cfg, hooks)
     ids, labels = pair_rows(5, pairs=5)
     got = reference_pass(engine.model, Rows(ids, labels), 4, engine.preference)

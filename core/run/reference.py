@@ -3,12 +3,13 @@
 DPO and IPO compare the model's log-probabilities of each pair with the starting model's. Rather than keep a
 second copy of the model (the peers' ``ref_model``; TRL's ``precompute_ref_log_probs`` computes them once), the
 run computes them once, before its first step, by a forward-only pass of the engine's own model (layer-major,
-one micro-batch at a time, as the evaluation runs: :class:`~ipuft.engine.inference.LayerMajor`), over the
-training rows and the validation rows. With ``model.adapter=lora`` the adapters start at zero (``B = 0``), so
-that this model is the base model. The log-probabilities are stored in :data:`~ipuft.io.checkpoint.REFERENCE`,
-which every checkpoint of the run carries (checksummed by its manifest) with each dataset's fingerprint
-(:meth:`~ipuft.data.preference.PreferenceDataset.fingerprint`): a resumed run reads them and never computes them
-again (its model has trained since), and a dataset changed under the run is refused. SimPO has no reference.
+one micro-batch at a time, as the evaluation runs: :class:`~ipuft.engine.inference.LayerMajor`; the head by
+chunks of tokens, as in training), over the training rows and the validation rows. With ``model.adapter=lora``
+the adapters start at zero (``B = 0``), so that this model is the base model. The log-probabilities are stored
+in :data:`~ipuft.io.checkpoint.REFERENCE`, which every checkpoint of the run carries (checksummed by its
+manifest) with each dataset's fingerprint (:meth:`~ipuft.data.preference.PreferenceDataset.fingerprint`): a
+resumed run reads them and never computes them again (its model has trained since), and a dataset changed under
+the run is refused. SimPO has no reference.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from safetensors.torch import save as save_safetensors
 
 from ipuft.engine.inference import LayerMajor
 from ipuft.errors import CheckpointError, DataError
+from ipuft.head_loss import head_chunks
 from ipuft.io.checkpoint import REFERENCE, read_verified
 from ipuft.preference import SUMS, Pairs, PreferenceLoss, metrics, preference_pairs, summed
 
@@ -37,7 +39,7 @@ def row_logps(model, dataset, micro_batch_size: int, spec: PreferenceLoss) -> to
     for batch in dataset.eval_batches(micro_batch_size):
         for mb in range(batch.micro_batches):
             pairs = Pairs(spec, torch.zeros(batch.input_ids.shape[1]))
-            with preference_pairs(pairs):
+            with preference_pairs(pairs), _head_chunks(model):
                 runner.loss_sum(batch.input_ids[mb], batch.labels[mb])
             out.append(torch.cat(pairs.logps).float().cpu())
     logps = torch.cat(out)
@@ -54,7 +56,7 @@ def preference_scores(model, dataset, micro_batch_size: int, spec: PreferenceLos
     for batch in dataset.eval_batches(micro_batch_size, layout.dp_rank, layout.data_parallel):
         for mb in range(batch.micro_batches):
             pairs = Pairs(spec, batch.reference[mb])
-            with preference_pairs(pairs):
+            with preference_pairs(pairs), _head_chunks(model):
                 runner.loss_sum(batch.input_ids[mb], batch.labels[mb])
             records.extend(pairs.sums)
     total = summed(records, model.device)
@@ -62,6 +64,12 @@ def preference_scores(model, dataset, micro_batch_size: int, spec: PreferenceLos
         dist.all_reduce(total, group=layout.dp_group)
     n = max(float(total[SUMS.index("pairs")]), 1.0)
     return {"loss": float(total[SUMS.index("loss")]) / n, **metrics(total), "pairs": int(n)}
+
+
+def _head_chunks(model):
+    """The head's loss by the run's chunks of tokens (``execution.head_chunk_tokens``), as in training: the
+    logits of a whole micro-batch (Llama 3's 128256 columns) never exist at once in these passes either."""
+    return head_chunks(model.cfg.execution.head_chunk_tokens)
 
 
 def prepare_reference(cfg, model, data, validation, resumed: Path | None, files: dict[str, bytes]) -> None:
