@@ -147,8 +147,8 @@ def format_plan(result: dict) -> str:
         lines.append(f"  {direction} by kind:        {parts}")
     if (ref := result.get("reference_pass")) is not None:
         lines.append(f"reference pass:       once, before step 1: forward only over every row, "
-                     f"{ref['micro_batch_size']} rows at a time (as eval); {ref['host_bytes_per_row']} bytes a row "
-                     f"kept in host memory")
+                     f"{ref['micro_batch_size']} rows at a time, the head by chunks; "
+                     f"{ref['host_bytes_per_row']} bytes a row kept in host memory")
     flops = result["flops_per_step"]
     lines.append(f"compute / step:       {format_flops(flops['model'])} model (forward and backward)"
                  + (f" + {format_flops(flops['recompute'])} recomputed" if flops["recompute"] else ""))
