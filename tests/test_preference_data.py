@@ -191,3 +191,19 @@ def test_the_config_rules_of_a_preference_run(hooks, src, override, message):
             "execution.micro_batch_size=2"]
     with pytest.raises(ConfigError, match=message):
         load_config(None, [*base, override], hooks.registrations.config_sections)
+
+
+def test_trls_implicit_prompt_is_the_conversations_common_start(hooks, src, tmp_path):
+    """Conversations that begin with the same messages (TRL's implicit prompt; UltraFeedback's binarized rows,
+    whose text prompt is then unused) give the explicit form's ids; sharing no first message is one line."""
+    user = {"role": "user", "content": "w5 w6"}
+    chosen, rejected = {"role": "assistant", "content": "w7 w8"}, {"role": "assistant", "content": "w9"}
+    explicit = dataset(hooks, src, tmp_path, [{"prompt": [user], "chosen": [chosen], "rejected": [rejected]}])
+    for row in ({"chosen": [user, chosen], "rejected": [user, rejected]},
+                {"prompt": "w5 w6", "chosen": [user, chosen], "rejected": [user, rejected]}):
+        implicit = dataset(hooks, src, tmp_path, [row], name="implicit.jsonl")
+        for k in range(2):
+            assert torch.equal(implicit.row(k)[0], explicit.row(k)[0]) and torch.equal(implicit.row(k)[1],
+                                                                                      explicit.row(k)[1])
+    with pytest.raises(DataError, match=r"row 1: chosen and rejected are conversations that share no first message"):
+        dataset(hooks, src, tmp_path, [{"chosen": [chosen], "rejected": [rejected]}])

@@ -8,7 +8,9 @@ A row of the file is one of (the same forms TRL's DPOTrainer takes):
   the tokenizer's post-processor wraps one text: Llama 3's bos first), and the completion ends with the
   tokenizer's eos, as TRL ends it;
 - conversational: ``prompt`` a list of ``{role, content}`` messages, ``chosen`` and ``rejected`` lists of the
-  messages that answer it (usually one assistant turn). The prompt is rendered by the chat template with the
+  messages that answer it (usually one assistant turn); or, TRL's implicit prompt, ``chosen`` and ``rejected``
+  whole conversations whose common first messages are the prompt (UltraFeedback's binarized rows, whose text
+  ``prompt`` is then not used). The prompt is rendered by the chat template with the
   generation prompt; a completion is what rendering the whole conversation adds after it (ended as the template
   ends a turn), encoded as a rendered chat is, with nothing added;
 - pre-tokenized: ``{"prompt_input_ids", "chosen_input_ids", "rejected_input_ids"}``, lists of ids taken as they
@@ -197,6 +199,9 @@ class _Pairs:
         self.seen += 1
         if all(f in row for f in IDS):
             prompt, chosen, rejected = (_ids(row[f], f"{where}: {f}") for f in IDS)
+        elif isinstance(row.get("chosen"), list) and isinstance(row.get("rejected"), list) \
+                and not isinstance(row.get("prompt"), list):
+            prompt, chosen, rejected = self._conversation(*_implicit_prompt(row, where), where)
         elif all(f in row for f in FIELDS):
             prompt, chosen, rejected = self._encoded(row, where)
         else:
@@ -295,6 +300,20 @@ class _Pairs:
                                              "to fit (data.truncation=truncate)")):
             if count:
                 sys.stderr.write(f"ipuft: note: {self.name}: {count} of {self.seen} pairs are {what}\n")
+
+
+def _implicit_prompt(row: dict[str, Any], where: str) -> tuple[list, list, list]:
+    """TRL's implicit prompt: conversations ``chosen`` and ``rejected`` that begin with the same messages (the
+    prompt, as in UltraFeedback's binarized rows, whose ``prompt`` is then its text alone) as ``(prompt, chosen,
+    rejected)`` message lists, the prompt their longest common start."""
+    chosen, rejected = row["chosen"], row["rejected"]
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+        shared += 1
+    if shared == 0:
+        raise DataError(f"{where}: chosen and rejected are conversations that share no first message, and the row has "
+                        f"no prompt message list; give prompt as a list of messages, or start both with the prompt")
+    return chosen[:shared], chosen[shared:], rejected[shared:]
 
 
 def _ids(value: Any, where: str) -> list[int]:
