@@ -89,9 +89,10 @@ def _build() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(target))
     p, i64, i32, u32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint32
     lib.ipuft_adamw.argtypes = [i64, p, i32, p, i32, p, p, ctypes.POINTER(Hyper), u32, i64, p, i32, i64]
-    lib.ipuft_adamw8bit.argtypes = [i64, p, i32, p, i32, p, p, p, p, p, p, p, p, p, p, i64, ctypes.POINTER(Hyper),
-                                    u32, i64, p, i32, i64]
-    lib.ipuft_adamw.restype = lib.ipuft_adamw8bit.restype = i32
+    lib.ipuft_adamw8bit.argtypes = [i64, p, i32, p, i32, p, p, p, p, p, p, p, p, i64, ctypes.POINTER(Hyper), u32,
+                                    i64, p, i32, i64]
+    lib.ipuft_encode8.argtypes = [i64, p, p, p]
+    lib.ipuft_adamw.restype = lib.ipuft_adamw8bit.restype = lib.ipuft_encode8.restype = i32
     return lib
 
 
@@ -149,22 +150,30 @@ def adamw_(weight: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.T
                           ctypes.byref(hyper), key, first, idx, _threads(n), 1024)
 
 
+def encode8_(codes: torch.Tensor, x: torch.Tensor, tables: tuple[torch.Tensor, ...]) -> None:
+    """``codes`` (uint8) of the normalized float32 ``x`` as the kernel encodes them: by a map's table of buckets
+    (the last of its :class:`~ipuft_optim_adamw8bit.quantize.Codebook`'s ``tables``)."""
+    assert x.dtype == torch.float32 and codes.dtype == torch.uint8 and x.is_contiguous() and codes.is_contiguous()
+    assert codes.numel() == x.numel()
+    library().ipuft_encode8(x.numel(), x.data_ptr(), codes.data_ptr(), tables[3].data_ptr())
+
+
 def adamw8bit_(weight: torch.Tensor, grad: torch.Tensor, codes: dict[str, torch.Tensor],
                absmax: dict[str, torch.Tensor], tables: dict[str, tuple[torch.Tensor, ...]], block: int,
                hyper: Hyper, rounding: tuple[int, int | torch.Tensor] | None = None) -> None:
     """:func:`adamw_` with block-wise 8-bit moments: uint8 ``codes`` and float32 ``absmax`` (one per block; the
-    piece starts on a block boundary) of ``m`` and ``v``, each map's ``tables`` ``(values, base, bound)`` (see
-    :class:`ipuft_optim_adamw8bit.quantize.Codebook`): dequantized, updated and quantized again per block."""
+    piece starts on a block boundary) of ``m`` and ``v``, each map's ``tables`` ``(values, base, bound, words)``
+    (see :class:`ipuft_optim_adamw8bit.quantize.Codebook`): dequantized, updated and quantized again per block."""
     n = weight.numel()
     key, first, idx = _rounding(rounding, n)
     assert 1 <= block <= MAX_BLOCK and grad.numel() == n and grad.is_contiguous()
     for k in ("m", "v"):
         assert codes[k].numel() == n and codes[k].dtype == torch.uint8 and codes[k].is_contiguous()
         assert absmax[k].numel() == -(-n // block) and absmax[k].dtype == torch.float32 and absmax[k].is_contiguous()
-    (mv, mb, mo), (vv, vb, vo) = tables["m"], tables["v"]
+    (m_values, *_, m_words), (v_values, *_, v_words) = tables["m"], tables["v"]
     done = library().ipuft_adamw8bit(
         n, weight.data_ptr(), MODES[weight.dtype], grad.data_ptr(), MODES[grad.dtype], codes["m"].data_ptr(),
         codes["v"].data_ptr(),
-        absmax["m"].data_ptr(), absmax["v"].data_ptr(), mv.data_ptr(), vv.data_ptr(), mb.data_ptr(), mo.data_ptr(),
-        vb.data_ptr(), vo.data_ptr(), block, ctypes.byref(hyper), key, first, idx, _threads(n), 1024)
+        absmax["m"].data_ptr(), absmax["v"].data_ptr(), m_values.data_ptr(), v_values.data_ptr(), m_words.data_ptr(),
+        v_words.data_ptr(), block, ctypes.byref(hyper), key, first, idx, _threads(n), 1024)
     assert done == 0

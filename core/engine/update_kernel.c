@@ -8,6 +8,15 @@ typedef struct {
     float factor, beta1, one_minus_beta1, beta2, one_minus_beta2, sqrt_bias2, eps, floor, decay, step;
 } hyper_t;
 
+/* Whole AVX-512 registers for the bfloat16 loop, where the compiler would take half of them (-march=native on some
+   CPUs prefers 256 bits): with stochastic rounding 1.6x faster on an AVX-512 Xeon (bench/update.py, 2026-12-07);
+   the float32 loop and the 8-bit update's gathers gain nothing from them. */
+#if defined(__AVX512F__) && defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define WIDE_VECTORS __attribute__((target("prefer-vector-width=512")))
+#else
+#define WIDE_VECTORS
+#endif
+
 enum { W_FLOAT32 = 0, W_BFLOAT16_SR = 1, W_FLOAT16_SR = 2 };
 
 typedef struct {
@@ -19,8 +28,7 @@ typedef struct {
     void *m, *v;                      /* float32, or uint8 codes */
     float *m_absmax, *v_absmax;       /* 8-bit: one per block */
     const float *m_values, *v_values; /* 8-bit: the 256 values of each map */
-    const uint8_t *m_base, *v_base;   /* 8-bit: per float32 bucket, the bounds below it */
-    const float *m_bound, *v_bound;   /* 8-bit: the bound inside each bucket (+inf if none) */
+    const uint32_t *m_codes, *v_codes; /* 8-bit: each map's table of buckets (see encode) */
     int64_t block;
     const hyper_t *h;
     uint32_t key;
@@ -114,6 +122,27 @@ static inline int consecutive_high(const job_t *j, uint32_t high0, uint32_t *hig
     return 1;
 }
 
+/* bfloat16 weights, counters from `first` within one 2^32 span (their high half `high`): the branches hoisted, so
+   that it vectorises (the same arithmetic and bits as adamw_range's general loop); not inlined, which would drop
+   its vector width. */
+WIDE_VECTORS __attribute__((noinline)) static void adamw_bf16_consecutive(const job_t *j, const hyper_t *hp,
+                                                                          uint32_t high) {
+    const hyper_t h = *hp;
+    float *m = j->m, *v = j->v;
+    uint16_t *w = j->weight;
+    uint32_t low = (uint32_t)(j->first + j->lo), key = j->key;
+    if (j->grad_mode == W_FLOAT32) {
+        const float *grad = j->grad;
+        for (int64_t i = j->lo; i < j->hi; i++, low++)
+            w[i] = sr_bf16(adam(&h, bf16_value(w[i]), grad[i], m + i, v + i), mix32(mix32(low ^ key) ^ high));
+    } else {
+        const uint16_t *grad = j->grad;
+        for (int64_t i = j->lo; i < j->hi; i++, low++)
+            w[i] = sr_bf16(adam(&h, bf16_value(w[i]), bf16_value(grad[i]), m + i, v + i),
+                           mix32(mix32(low ^ key) ^ high));
+    }
+}
+
 static void *adamw_range(void *arg) {
     const job_t *j = arg;
     const hyper_t h = *j->h;
@@ -127,20 +156,7 @@ static void *adamw_range(void *arg) {
     }
     uint32_t high;
     if (j->mode == W_BFLOAT16_SR && consecutive_high(j, high0, &high)) {
-        /* bfloat16 weights, counters from `first` within one 2^32 span: the branches hoisted, so that it
-           vectorises (the same arithmetic and bits as the general loop below) */
-        uint16_t *w = j->weight;
-        uint32_t low = (uint32_t)(j->first + j->lo), key = j->key;
-        if (j->grad_mode == W_FLOAT32) {
-            const float *grad = j->grad;
-            for (int64_t i = j->lo; i < j->hi; i++, low++)
-                w[i] = sr_bf16(adam(&h, bf16_value(w[i]), grad[i], m + i, v + i), mix32(mix32(low ^ key) ^ high));
-        } else {
-            const uint16_t *grad = j->grad;
-            for (int64_t i = j->lo; i < j->hi; i++, low++)
-                w[i] = sr_bf16(adam(&h, bf16_value(w[i]), bf16_value(grad[i]), m + i, v + i),
-                               mix32(mix32(low ^ key) ^ high));
-        }
+        adamw_bf16_consecutive(j, &h, high);
         return NULL;
     }
     for (int64_t i = j->lo; i < j->hi; i++) {
@@ -150,9 +166,33 @@ static void *adamw_range(void *arg) {
     return NULL;
 }
 
-static inline uint8_t encode(float x, const uint8_t *base, const float *bound) {
-    uint32_t bucket = (as_bits(x) >> 15) & 0x1FFFFu;
-    return (uint8_t)(base[bucket] + (x > bound[bucket]));
+/* A normalized value's 8-bit code: the number of its map's 255 bounds below it (the nearest value's index), found
+   in a table over the float32 *buckets* of magnitude 2^-23 to 1 (the floats that share their top 17 bits: sign,
+   exponent and 8 bits of mantissa; positive ones first, then negative), a word each: the bounds below the bucket
+   (bits 16-23) and the low 15 bits of the one bound inside it (bits 0-15, mirrored in negative buckets, where a
+   larger value has smaller bits; 0x7FFF if none). No bound of either map lies within 2^-23 of 0, so every smaller
+   magnitude counts as the first bucket; NaN and +-inf (never a normalized value: inf/inf is NaN) are 255, as the
+   torch ops' tables give them. Branch-free and read by a computed index, so the compiler vectorises it with
+   gathers from a table (47 KiB) that stays in the cache: one read an element where the whole tables (640 KiB,
+   two reads) missed it. */
+#define LOW_BUCKET ((127u - 23u) << 8)  /* 2^-23's bucket */
+#define SIDE_BUCKETS (23 * 256 + 1)     /* 2^-23 up to 1.0's bucket */
+
+static inline uint8_t encode(uint32_t bits, const uint32_t *table) {  /* bits: the float32's */
+    uint32_t a = bits & 0x7FFFFFFFu, neg = (uint32_t)((int32_t)bits >> 31);
+    int32_t q = (int32_t)(a >> 15) - (int32_t)LOW_BUCKET;
+    q = q < 0 ? 0 : q;
+    q = q > SIDE_BUCKETS - 1 ? SIDE_BUCKETS - 1 : q;
+    uint32_t word = table[q + (int32_t)(neg & SIDE_BUCKETS)];
+    uint32_t code = (word >> 16) + (((bits ^ neg) & 0x7FFFu) > (word & 0xFFFFu));
+    return (uint8_t)(a >= 0x7F800000u ? 255u : code);
+}
+
+/* The codes of count floats given by their bits (restrict and not inlined: the stores alias nothing, so it
+   vectorises). */
+__attribute__((noinline)) static void encode_block(const uint32_t *restrict bits, const uint32_t *restrict table,
+                                                   uint8_t *restrict codes, int64_t count) {
+    for (int64_t k = 0; k < count; k++) codes[k] = encode(bits[k], table);
 }
 
 #define MAX_BLOCK 4096
@@ -162,24 +202,22 @@ static void *adamw8bit_range(void *arg) {
     const hyper_t h = *j->h;
     uint32_t high0 = mix32(j->key ^ 0x9E3779B9u);
     uint8_t *mc = j->m, *vc = j->v;
-    float m[MAX_BLOCK], v[MAX_BLOCK];
+    union { float f[MAX_BLOCK]; uint32_t u[MAX_BLOCK]; } mb, vb;  /* a block's moments, read as bits to encode */
+    float *m = mb.f, *v = vb.f;
     for (int64_t start = j->lo; start < j->hi; start += j->block) {
         int64_t b = start / j->block, count = j->hi - start < j->block ? j->hi - start : j->block;
         float ms = j->m_absmax[b], vs = j->v_absmax[b], mmax, vmax;
+        for (int64_t k = 0; k < count; k++) {
+            m[k] = j->m_values[mc[start + k]] * ms;
+            v[k] = j->v_values[vc[start + k]] * vs;
+        }
         if (j->mode == W_FLOAT32 && j->grad_mode == W_FLOAT32) {  /* float32 weights: no branch, so it vectorises */
             float *w = (float *)j->weight + start;
             const float *grad = (const float *)j->grad + start;
-            const uint8_t *mi = mc + start, *vi = vc + start;
-            for (int64_t k = 0; k < count; k++) {
-                m[k] = j->m_values[mi[k]] * ms;
-                v[k] = j->v_values[vi[k]] * vs;
-            }
             for (int64_t k = 0; k < count; k++) w[k] = adam(&h, w[k], grad[k], m + k, v + k);
         } else {
             for (int64_t k = 0; k < count; k++) {
                 int64_t i = start + k;
-                m[k] = j->m_values[mc[i]] * ms;
-                v[k] = j->v_values[vc[i]] * vs;
                 float w = adam(&h, load(j->weight, j->mode, i), load(j->grad, j->grad_mode, i), m + k, v + k);
                 store_weight(j, i, w, high0);
             }
@@ -196,11 +234,9 @@ static void *adamw8bit_range(void *arg) {
         memcpy(&mmax, &mbits, 4); memcpy(&vmax, &vbits, 4);
         j->m_absmax[b] = mmax; j->v_absmax[b] = vmax;
         float md = mmax > 0 ? mmax : 1.0f, vd = vmax > 0 ? vmax : 1.0f;
-        for (int64_t k = 0; k < count; k++) { m[k] /= md; v[k] /= vd; }  /* vectorises; the lookups do not */
-        for (int64_t k = 0; k < count; k++) {
-            mc[start + k] = encode(m[k], j->m_base, j->m_bound);
-            vc[start + k] = encode(v[k], j->v_base, j->v_bound);
-        }
+        for (int64_t k = 0; k < count; k++) { m[k] /= md; v[k] /= vd; }
+        encode_block(mb.u, j->m_codes, mc + start, count);
+        encode_block(vb.u, j->v_codes, vc + start, count);
     }
     return NULL;
 }
@@ -238,16 +274,20 @@ int ipuft_adamw(int64_t n, void *weight, int mode, const void *grad, int grad_mo
     return run(&job, threads, grain, adamw_range);
 }
 
+/* The codes of n normalized floats by a map's table (for tests). */
+int ipuft_encode8(int64_t n, const float *x, uint8_t *codes, const uint32_t *table) {
+    for (int64_t k = 0; k < n; k++) codes[k] = encode(as_bits(x[k]), table);
+    return 0;
+}
+
 int ipuft_adamw8bit(int64_t n, void *weight, int mode, const void *grad, int grad_mode, uint8_t *m, uint8_t *v,
                     float *m_absmax, float *v_absmax, const float *m_values, const float *v_values,
-                    const uint8_t *m_base, const float *m_bound, const uint8_t *v_base, const float *v_bound,
-                    int64_t block, const hyper_t *h, uint32_t key, int64_t first, const int64_t *idx,
-                    int threads, int64_t grain) {
+                    const uint32_t *m_codes, const uint32_t *v_codes, int64_t block, const hyper_t *h,
+                    uint32_t key, int64_t first, const int64_t *idx, int threads, int64_t grain) {
     if (block > MAX_BLOCK || block < 1) return -1;
     job_t job = {.n = n, .weight = weight, .mode = mode, .grad = grad, .grad_mode = grad_mode, .m = m, .v = v,
-                 .m_absmax = m_absmax,
-                 .v_absmax = v_absmax, .m_values = m_values, .v_values = v_values, .m_base = m_base,
-                 .v_base = v_base, .m_bound = m_bound, .v_bound = v_bound, .block = block, .h = h, .key = key,
+                 .m_absmax = m_absmax, .v_absmax = v_absmax, .m_values = m_values, .v_values = v_values,
+                 .m_codes = m_codes, .v_codes = v_codes, .block = block, .h = h, .key = key,
                  .first = first, .idx = idx, .lo = 0, .hi = n};
     return run(&job, threads, grain < block ? block : grain / block * block, adamw8bit_range);
 }
