@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from cli_helpers import run_cli as cli
 from hf_reference import hf_gptj
 
+from ipuft import parallel
 from ipuft.config import load_config
 
 SAMPLE_TOKENIZER = resources.files("ipuft.sample_data") / "tokenizer.json"
@@ -28,15 +29,22 @@ def hf_dir(tmp_path):
     return model, out
 
 
-def test_eval_loss_equals_transformers_on_a_tokens_file(capsys, tmp_path, hf_dir):
+@pytest.mark.parametrize("chunk", [0, 7])
+def test_eval_loss_equals_transformers_on_a_tokens_file(capsys, tmp_path, hf_dir, chunk, monkeypatch):
+    """Whole logits, or the head's loss by chunks of 7 tokens as training takes it (the logits of a micro-batch
+    over Llama 3's vocabulary are GiBs): the same loss as transformers'."""
+    calls, chunked = [], parallel.chunked_head_loss
+    monkeypatch.setattr(parallel, "chunked_head_loss", lambda *a, **k: calls.append(a[0].shape[0]) or chunked(*a, **k))
     model, src = hf_dir
     rows = torch.randint(0, 512, (5, 33), generator=torch.Generator().manual_seed(0))
     data = tmp_path / "tokens.jsonl"
     data.write_text("".join(json.dumps({"input_ids": r.tolist()}) + "\n" for r in rows))
     code, out, err = cli(capsys, "eval", "--config", "tiny", f"model.hf_checkpoint={src}", "model.sequence_length=32",
                          "model.embedding.vocab_size=512",
-                         f"data.path={data}", "data.format=tokens", "execution.micro_batch_size=2", "--json")
+                         f"data.path={data}", "data.format=tokens", "execution.micro_batch_size=2",
+                         f"execution.head_chunk_tokens={chunk}", "--json")
     assert code == 0, err
+    assert calls == ([64, 64, 32] if chunk else [])  # each micro-batch's tokens, by chunks inside
     result = json.loads(out)
     with torch.no_grad():
         logits = model(rows[:, :-1]).logits

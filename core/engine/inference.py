@@ -26,6 +26,7 @@ from ipuft.attention import decoder_layer, examples_apart
 from ipuft.components import IGNORE_INDEX, bound
 from ipuft.errors import ConfigError, DataError
 from ipuft.generate import KVCache, LayerKVCache
+from ipuft.head_loss import head_chunks
 from ipuft.program import Op, Phase
 
 if TYPE_CHECKING:
@@ -161,10 +162,13 @@ class LayerMajor:
                  positions: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
         """The sum of the token losses (float64, on the device) and the number of tokens that count, over
         ``input_ids[B, T]`` (its examples' ``positions``, when packed) and its already shifted ``labels[B, T]``
-        (``IGNORE_INDEX``: not counted)."""
+        (``IGNORE_INDEX``: not counted). The head's loss goes by the run's chunks of tokens
+        (``execution.head_chunk_tokens``), as in training: a micro-batch's logits over the whole vocabulary
+        (Llama 3's 128256 columns, 2 GiB a 4096-token row in float32) never exist at once."""
         hidden = self.hidden(input_ids, positions=positions)
         labels = labels.to(self.device)
-        with torch.no_grad(), evaluating(self.model.modules), self._unit(self.head_phase) as module:
+        with torch.no_grad(), evaluating(self.model.modules), head_chunks(self.model.cfg.execution.head_chunk_tokens), \
+                self._unit(self.head_phase) as module:
             mean = module(hidden, labels)
         self._done_with(hidden)
         count = int((labels != IGNORE_INDEX).sum())

@@ -24,7 +24,6 @@ from safetensors.torch import save as save_safetensors
 
 from ipuft.engine.inference import LayerMajor
 from ipuft.errors import CheckpointError, DataError
-from ipuft.head_loss import head_chunks
 from ipuft.io.checkpoint import REFERENCE, read_verified
 from ipuft.preference import SUMS, Pairs, PreferenceLoss, metrics, preference_pairs, summed
 
@@ -39,7 +38,7 @@ def row_logps(model, dataset, micro_batch_size: int, spec: PreferenceLoss) -> to
     for batch in dataset.eval_batches(micro_batch_size):
         for mb in range(batch.micro_batches):
             pairs = Pairs(spec, torch.zeros(batch.input_ids.shape[1]))
-            with preference_pairs(pairs), _head_chunks(model):
+            with preference_pairs(pairs):
                 runner.loss_sum(batch.input_ids[mb], batch.labels[mb])
             out.append(torch.cat(pairs.logps).float().cpu())
     logps = torch.cat(out)
@@ -56,7 +55,7 @@ def preference_scores(model, dataset, micro_batch_size: int, spec: PreferenceLos
     for batch in dataset.eval_batches(micro_batch_size, layout.dp_rank, layout.data_parallel):
         for mb in range(batch.micro_batches):
             pairs = Pairs(spec, batch.reference[mb])
-            with preference_pairs(pairs), _head_chunks(model):
+            with preference_pairs(pairs):
                 runner.loss_sum(batch.input_ids[mb], batch.labels[mb])
             records.extend(pairs.sums)
     total = summed(records, model.device)
@@ -64,12 +63,6 @@ def preference_scores(model, dataset, micro_batch_size: int, spec: PreferenceLos
         dist.all_reduce(total, group=layout.dp_group)
     n = max(float(total[SUMS.index("pairs")]), 1.0)
     return {"loss": float(total[SUMS.index("loss")]) / n, **metrics(total), "pairs": int(n)}
-
-
-def _head_chunks(model):
-    """The head's loss by the run's chunks of tokens (``execution.head_chunk_tokens``), as in training: the
-    logits of a whole micro-batch (Llama 3's 128256 columns) never exist at once in these passes either."""
-    return head_chunks(model.cfg.execution.head_chunk_tokens)
 
 
 def prepare_reference(cfg, model, data, validation, resumed: Path | None, files: dict[str, bytes]) -> None:
