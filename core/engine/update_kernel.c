@@ -122,6 +122,14 @@ static inline int consecutive_high(const job_t *j, uint32_t high0, uint32_t *hig
     return 1;
 }
 
+/* float32 weights, written plainly (restrict and not inlined: no aliasing check) so that it vectorises */
+__attribute__((noinline)) static void adam_float32(const hyper_t *restrict hp, float *restrict w,
+                                                   const float *restrict grad, float *restrict m, float *restrict v,
+                                                   int64_t count) {
+    const hyper_t h = *hp;
+    for (int64_t i = 0; i < count; i++) w[i] = adam(&h, w[i], grad[i], m + i, v + i);
+}
+
 /* bfloat16 weights, counters from `first` within one 2^32 span (their high half `high`): the branches hoisted, so
    that it vectorises (the same arithmetic and bits as adamw_range's general loop); not inlined, which would drop
    its vector width. */
@@ -148,10 +156,9 @@ static void *adamw_range(void *arg) {
     const hyper_t h = *j->h;
     uint32_t high0 = mix32(j->key ^ 0x9E3779B9u);
     float *m = j->m, *v = j->v;
-    if (j->mode == W_FLOAT32 && j->grad_mode == W_FLOAT32) {  /* written plainly so that it vectorises */
-        float *w = j->weight;
-        const float *grad = j->grad;
-        for (int64_t i = j->lo; i < j->hi; i++) w[i] = adam(&h, w[i], grad[i], m + i, v + i);
+    if (j->mode == W_FLOAT32 && j->grad_mode == W_FLOAT32) {
+        adam_float32(&h, (float *)j->weight + j->lo, (const float *)j->grad + j->lo, m + j->lo, v + j->lo,
+                     j->hi - j->lo);
         return NULL;
     }
     uint32_t high;
@@ -197,6 +204,27 @@ __attribute__((noinline)) static void encode_block(const uint32_t *restrict bits
 
 #define MAX_BLOCK 4096
 
+/* A block of float32 weights: its moments decoded and updated into m and v, the largest bits of |m| and v into
+   most (restrict and not inlined, so that it vectorises). */
+__attribute__((noinline)) static void adam8_float32(const hyper_t *restrict hp, float *restrict w,
+                                                    const float *restrict grad, const uint8_t *restrict mi,
+                                                    const uint8_t *restrict vi, const float *restrict m_values,
+                                                    const float *restrict v_values, float ms, float vs,
+                                                    float *restrict m, float *restrict v, uint32_t *restrict most,
+                                                    int64_t count) {
+    const hyper_t h = *hp;
+    uint32_t mbits = 0, vbits = 0;
+    for (int64_t k = 0; k < count; k++) {
+        float mk = m_values[mi[k]] * ms, vk = v_values[vi[k]] * vs;
+        w[k] = adam(&h, w[k], grad[k], &mk, &vk);
+        m[k] = mk; v[k] = vk;
+        uint32_t a = as_bits(mk) & 0x7FFFFFFFu, c = as_bits(vk) & 0x7FFFFFFFu;
+        mbits = a > mbits ? a : mbits;
+        vbits = c > vbits ? c : vbits;
+    }
+    most[0] = mbits; most[1] = vbits;
+}
+
 static void *adamw8bit_range(void *arg) {
     const job_t *j = arg;
     const hyper_t h = *j->h;
@@ -207,29 +235,26 @@ static void *adamw8bit_range(void *arg) {
     for (int64_t start = j->lo; start < j->hi; start += j->block) {
         int64_t b = start / j->block, count = j->hi - start < j->block ? j->hi - start : j->block;
         float ms = j->m_absmax[b], vs = j->v_absmax[b], mmax, vmax;
-        for (int64_t k = 0; k < count; k++) {
-            m[k] = j->m_values[mc[start + k]] * ms;
-            v[k] = j->v_values[vc[start + k]] * vs;
-        }
-        if (j->mode == W_FLOAT32 && j->grad_mode == W_FLOAT32) {  /* float32 weights: no branch, so it vectorises */
-            float *w = (float *)j->weight + start;
-            const float *grad = (const float *)j->grad + start;
-            for (int64_t k = 0; k < count; k++) w[k] = adam(&h, w[k], grad[k], m + k, v + k);
-        } else {
-            for (int64_t k = 0; k < count; k++) {
-                int64_t i = start + k;
-                float w = adam(&h, load(j->weight, j->mode, i), load(j->grad, j->grad_mode, i), m + k, v + k);
-                store_weight(j, i, w, high0);
-            }
-        }
         /* The largest |m| and v as the largest bit patterns of non-negative floats (which order as the floats
            do, and put any NaN above +inf: NaN propagates, as amax does); an integer maximum vectorises where a
            float one that keeps NaN does not. v is >= 0 or NaN (a -0 is 0 here too). */
         uint32_t mbits = 0, vbits = 0;
-        for (int64_t k = 0; k < count; k++) {
-            uint32_t a = as_bits(m[k]) & 0x7FFFFFFFu, c = as_bits(v[k]) & 0x7FFFFFFFu;
-            mbits = a > mbits ? a : mbits;
-            vbits = c > vbits ? c : vbits;
+        if (j->mode == W_FLOAT32 && j->grad_mode == W_FLOAT32) {  /* float32 weights: one loop that vectorises */
+            uint32_t most[2];
+            adam8_float32(&h, (float *)j->weight + start, (const float *)j->grad + start, mc + start, vc + start,
+                          j->m_values, j->v_values, ms, vs, m, v, most, count);
+            mbits = most[0]; vbits = most[1];
+        } else {
+            for (int64_t k = 0; k < count; k++) {
+                int64_t i = start + k;
+                float mk = j->m_values[mc[i]] * ms, vk = j->v_values[vc[i]] * vs;
+                float w = adam(&h, load(j->weight, j->mode, i), load(j->grad, j->grad_mode, i), &mk, &vk);
+                store_weight(j, i, w, high0);
+                m[k] = mk; v[k] = vk;
+                uint32_t a = as_bits(mk) & 0x7FFFFFFFu, c = as_bits(vk) & 0x7FFFFFFFu;
+                mbits = a > mbits ? a : mbits;
+                vbits = c > vbits ? c : vbits;
+            }
         }
         memcpy(&mmax, &mbits, 4); memcpy(&vmax, &vbits, 4);
         j->m_absmax[b] = mmax; j->v_absmax[b] = vmax;
