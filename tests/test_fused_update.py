@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -152,9 +154,11 @@ def test_the_kernel_encodes_every_float_next_to_a_bound_as_the_codebook(signed):
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dtype", "grad_dtype"), [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                   (torch.bfloat16, torch.float32)],
+                         ids=["float32", "bf16-sr", "bf16-sr-float32-grad"])
 @pytest.mark.parametrize("block", [64, 256])
-def test_the_8bit_kernel_is_the_ops_bit_for_bit(dtype, block):
+def test_the_8bit_kernel_is_the_ops_bit_for_bit(dtype, grad_dtype, block):
     """Codes, absmax, weights: the same as dequantize → ``adamw``'s ops → quantize, over three steps, a short
     last block included, in pieces cut on block boundaries; norms' float32 moments go through ``adamw_``."""
     opt = AdamW8bit(0.9, 0.999, 1e-6, 0.1, block)
@@ -168,7 +172,7 @@ def test_the_8bit_kernel_is_the_ops_bit_for_bit(dtype, block):
         states[way] = (w.clone(), state)
     for step in (1, 2, 3):
         ctx = StepContext(lr=3e-3, step=step, global_norm=1.0, grad_factor=0.5)
-        grad = (torch.randn(n, generator=torch.Generator().manual_seed(step)) * 1e-2).to(dtype)  # as the engine's
+        grad = (torch.randn(n, generator=torch.Generator().manual_seed(step)) * 1e-2).to(grad_dtype)
         weight, state = states["ops"]
         view = weight if dtype == torch.float32 else weight.float()
         opt.step_unit(["h.0.mlp.weight"], [view], [grad.float() * 0.5], [state], ctx)
@@ -292,6 +296,40 @@ def test_the_engine_updates_with_the_kernel(hooks, make_config, monkeypatch, rec
         for unit, tensors in want.items():
             for name, t in tensors.items():
                 assert torch.equal(got[unit][name], t), f"{unit}.{name}"
+
+
+@needs_kernel
+def test_the_kernel_runs_on_torchs_openmp_threads():
+    """Built with OpenMP, the kernel's ranges run on the runtime torch's ops run on: one libgomp in the process,
+    so torch's threads (which spin for milliseconds after each op) are the kernel's, not rivals for the cores."""
+    if not fused.library().ipuft_openmp():
+        pytest.skip("this compiler builds the kernel without OpenMP: it starts threads of its own")
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        pytest.skip("no /proc/self/maps to read the loaded libraries from")
+    assert len({line.split()[-1] for line in maps.read_text().splitlines() if "libgomp" in line}) == 1
+
+
+@needs_kernel
+def test_a_compiler_without_openmp_builds_threads_of_the_kernels_own(monkeypatch, tmp_path):
+    """Where the compiler refuses ``-fopenmp``, the build without it: the same update bit for bit, over threads
+    it starts itself."""
+    real = shutil.which(os.environ.get("CC", "cc"))
+    wrapper = tmp_path / "cc"
+    wrapper.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && { echo "cc: error: -fopenmp" >&2; '
+                       f'exit 1; }}; done\nexec {real} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", str(wrapper))
+    monkeypatch.setenv("IPUFT_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(fused, "_state", {})
+    assert fused.library().ipuft_openmp() == 0
+    opt = AdamW(0.9, 0.999, 1e-6, weight_decay=0.1)
+    ctx = StepContext(lr=3e-3, step=2, global_norm=1.0, grad_factor=0.5)
+    ops, kernel = case(torch.bfloat16, THREADED), case(torch.bfloat16, THREADED)
+    ops_update(opt, "h.0.mlp.weight", ops, ctx, 0)
+    fused.adamw_(kernel["w"], kernel["g"], kernel["m"], kernel["v"],
+                 opt.scalars("h.0.mlp.weight", ctx, ctx.grad_factor), (KEY, 0))
+    assert_same_bits(kernel, ops)
 
 
 def test_without_a_compiler_the_ops_update_and_one_line_says_so(monkeypatch, capsys, tmp_path):

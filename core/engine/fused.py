@@ -4,8 +4,9 @@ the system's C compiler on first use and cached, called through :mod:`ctypes`.
 The update of a piece is otherwise a chain of torch ops, each a pass over its tensors: the loss-scale and
 clipping factor, the two moments, the denominator, decay, the weight, and for 16-bit weights a float32 copy
 and stochastic rounding's dozen int32 passes. The kernel reads each element's weight, gradient and moments
-once, computes all of that in registers (vectorised by the compiler, split over the CPU's intra-op threads)
-and writes the weight and the moments once: the speed of memory. It does, element for element, exactly the
+once, computes all of that in registers (vectorised by the compiler, split over torch's own OpenMP threads where
+the compiler has OpenMP, else threads of its own) and writes the weight and the moments once: the speed of
+memory. It does, element for element, exactly the
 float32 operations of ``adamw``'s torch-op update (:meth:`ipuft_optim_adam.adamw.AdamW.step`) and the rounding
 of :func:`ipuft.precision.stochastic_round_` with the same random bits, each an IEEE operation rounded
 once (no contraction into fused multiply-adds, no fast-math), so its results equal the ops' bit for bit
@@ -75,24 +76,31 @@ def _build() -> ctypes.CDLL:
     if shutil.which(compiler) is None:
         raise OSError(f"no C compiler ({compiler!r} is not on PATH)")
     source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + repr((compiler, FLAGS, _machine())).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"update-{digest}.so"
-    if not target.exists():
+    failed = ""
+    for extra in (["-fopenmp"], []):  # OpenMP where the compiler has it: torch's threads (see run() in the source)
+        digest = hashlib.sha256(source + repr((compiler, FLAGS + extra, _machine())).encode()).hexdigest()[:16]
+        target = _cache_dir() / f"update-{digest}.so"
+        if target.exists():
+            break
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True,
-                                  check=False)
-            if done.returncode:
-                raise OSError(f"{compiler} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
-            os.replace(built, target)
+            done = subprocess.run([compiler, *FLAGS, *extra, str(SOURCE), "-o", str(built)], capture_output=True,
+                                  text=True, check=False)
+            if not done.returncode:
+                os.replace(built, target)
+                break
+            failed = (done.stderr.strip().splitlines() or ["?"])[-1]
+    else:
+        raise OSError(f"{compiler} failed: {failed}")
     lib = ctypes.CDLL(str(target))
     p, i64, i32, u32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint32
     lib.ipuft_adamw.argtypes = [i64, p, i32, p, i32, p, p, ctypes.POINTER(Hyper), u32, i64, p, i32, i64]
     lib.ipuft_adamw8bit.argtypes = [i64, p, i32, p, i32, p, p, p, p, p, p, p, p, i64, ctypes.POINTER(Hyper), u32,
                                     i64, p, i32, i64]
     lib.ipuft_encode8.argtypes = [i64, p, p, p]
-    lib.ipuft_adamw.restype = lib.ipuft_adamw8bit.restype = lib.ipuft_encode8.restype = i32
+    lib.ipuft_openmp.argtypes = []
+    lib.ipuft_adamw.restype = lib.ipuft_adamw8bit.restype = lib.ipuft_encode8.restype = lib.ipuft_openmp.restype = i32
     return lib
 
 
