@@ -6,6 +6,7 @@ run by the engine; and a machine without a compiler gets the ops, told so in one
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import os
 import shutil
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import run_cli
 from test_engine import EQUIVALENCE, make_engine, run_engine
 
 from ipuft.engine import fused
@@ -296,6 +298,32 @@ def test_the_engine_updates_with_the_kernel(hooks, make_config, monkeypatch, rec
         for unit, tensors in want.items():
             for name, t in tensors.items():
                 assert torch.equal(got[unit][name], t), f"{unit}.{name}"
+
+
+@needs_kernel
+@pytest.mark.parametrize("recipe", [("model.precision=bfloat16", "training.stochastic_rounding=true"),
+                                    ("training.optimizer.name=adamw8bit",)], ids=["bf16-sr", "adamw8bit"])
+def test_a_150_step_run_has_the_ops_loss_curve(capsys, tmp_path, monkeypatch, recipe):
+    """150 steps of the tiny preset, clipping active: with the kernel every step's loss and gradient norm are the
+    torch ops' exactly (the same arithmetic: the same curve, not a near one)."""
+    curves, calls = {}, []
+    for name in ("adamw_", "adamw8bit_"):
+        real = getattr(fused, name)
+        monkeypatch.setattr(fused, name, lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
+    for kernel in (True, False):
+        calls.clear()
+        monkeypatch.setitem(fused._state, "lib", fused.library() if kernel else None)
+        out = tmp_path / f"kernel-{kernel}"
+        code, _, err = run_cli(capsys, "train", "--config", "tiny", "training.steps=150", f"output_dir={out}",
+                               "training.global_batch_size=4", "training.optimizer.learning_rate.maximum=1e-3",
+                               "training.optimizer.gradient_clipping=0.5", *recipe)
+        assert code == 0, err
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        curves[kernel] = [(r["loss"], r["grad_norm"]) for r in rows if "grad_norm" in r]
+        assert bool(calls) == kernel
+    assert len(curves[True]) == 150 and curves[True] == curves[False]
+    assert curves[True][-1][0] < curves[True][0][0]  # it trains
+    assert any(norm > 0.5 for _, norm in curves[True])  # and clips
 
 
 @needs_kernel
