@@ -341,16 +341,20 @@ def test_the_kernel_runs_on_torchs_openmp_threads():
 @needs_kernel
 def test_a_compiler_without_openmp_builds_threads_of_the_kernels_own(monkeypatch, tmp_path):
     """Where the compiler refuses ``-fopenmp``, the build without it: the same update bit for bit, over threads
-    it starts itself."""
+    it starts itself; the next process takes that build from the cache without asking the compiler again."""
     real = shutil.which(os.environ.get("CC", "cc"))
-    wrapper = tmp_path / "cc"
-    wrapper.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && { echo "cc: error: -fopenmp" >&2; '
-                       f'exit 1; }}; done\nexec {real} "$@"\n')
+    wrapper, calls = tmp_path / "cc", tmp_path / "calls"
+    wrapper.write_text(f'#!/bin/sh\necho x >> {calls}\nfor a in "$@"; do [ "$a" = -fopenmp ] && '
+                       f'{{ echo "cc: error: -fopenmp" >&2; exit 1; }}; done\nexec {real} "$@"\n')
     wrapper.chmod(0o755)
     monkeypatch.setenv("CC", str(wrapper))
     monkeypatch.setenv("IPUFT_KERNEL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(fused, "_state", {})
     assert fused.library().ipuft_openmp() == 0
+    assert len(calls.read_text().splitlines()) == 2  # with -fopenmp, refused; without
+    monkeypatch.setattr(fused, "_state", {})  # a new process
+    assert fused.library().ipuft_openmp() == 0
+    assert len(calls.read_text().splitlines()) == 2
     opt = AdamW(0.9, 0.999, 1e-6, weight_decay=0.1)
     ctx = StepContext(lr=3e-3, step=2, global_norm=1.0, grad_factor=0.5)
     ops, kernel = case(torch.bfloat16, THREADED), case(torch.bfloat16, THREADED)

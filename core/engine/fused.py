@@ -69,6 +69,12 @@ def _machine() -> str:
     return f"{platform.node()}/{platform.machine()}/{model}"
 
 
+def _cached(source: bytes, compiler: str, flags: list[str]) -> Path:
+    """Where the build of ``source`` by ``compiler`` with ``flags`` on this machine is cached."""
+    digest = hashlib.sha256(source + repr((compiler, flags, _machine())).encode()).hexdigest()[:16]
+    return _cache_dir() / f"update-{digest}.so"
+
+
 def _build() -> ctypes.CDLL:
     """The kernel's shared library: the cached build, or a fresh one (written atomically, so that ranks
     starting together never load a half-written file)."""
@@ -76,22 +82,24 @@ def _build() -> ctypes.CDLL:
     if shutil.which(compiler) is None:
         raise OSError(f"no C compiler ({compiler!r} is not on PATH)")
     source = SOURCE.read_bytes()
+    # OpenMP where the compiler has it (torch's threads: see run() in the source), else without; a cached build of
+    # either is taken before compiling, so that a compiler without OpenMP is not asked again at every start
+    builds = [(extra, _cached(source, compiler, FLAGS + extra)) for extra in (["-fopenmp"], [])]
+    target = next((path for _, path in builds if path.exists()), None)
     failed = ""
-    for extra in (["-fopenmp"], []):  # OpenMP where the compiler has it: torch's threads (see run() in the source)
-        digest = hashlib.sha256(source + repr((compiler, FLAGS + extra, _machine())).encode()).hexdigest()[:16]
-        target = _cache_dir() / f"update-{digest}.so"
-        if target.exists():
-            break
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            done = subprocess.run([compiler, *FLAGS, *extra, str(SOURCE), "-o", str(built)], capture_output=True,
-                                  text=True, check=False)
-            if not done.returncode:
-                os.replace(built, target)
-                break
-            failed = (done.stderr.strip().splitlines() or ["?"])[-1]
-    else:
+    if target is None:
+        for extra, path in builds:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+                built = Path(tmp) / path.name
+                done = subprocess.run([compiler, *FLAGS, *extra, str(SOURCE), "-o", str(built)], capture_output=True,
+                                      text=True, check=False)
+                if not done.returncode:
+                    os.replace(built, path)
+                    target = path
+                    break
+                failed = (done.stderr.strip().splitlines() or ["?"])[-1]
+    if target is None:
         raise OSError(f"{compiler} failed: {failed}")
     lib = ctypes.CDLL(str(target))
     p, i64, i32, u32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint32
