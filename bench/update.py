@@ -43,11 +43,10 @@ from ipuft_optim_adamw8bit.adamw8bit import AdamW8bit
 
 def largest_cache_bytes() -> int:
     """The CPU's largest cache (Linux's sysfs; 0 where it does not say)."""
-    sizes = [0]
+    sizes, units = [0], {"K": 2**10, "M": 2**20, "G": 2**30}
     for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        text = f.read_text().strip()
-        units = {"K": 2**10, "M": 2**20, "G": 2**30}
-        with contextlib.suppress(ValueError):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            text = f.read_text().strip()
             sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
     return max(sizes)
 

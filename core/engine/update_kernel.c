@@ -207,6 +207,14 @@ __attribute__((noinline)) static void encode_block(const uint32_t *restrict bits
 
 #define MAX_BLOCK 4096
 
+/* The larger of `most` and |x|'s bits: the block's absmax as the largest bit pattern of a non-negative float (which
+   orders as the floats do, and puts any NaN above +inf: NaN propagates, as amax does); an integer maximum
+   vectorises where a float one that keeps NaN does not. */
+static inline uint32_t larger_bits(uint32_t most, float x) {
+    uint32_t a = as_bits(x) & 0x7FFFFFFFu;
+    return a > most ? a : most;
+}
+
 /* A block of float32 weights: its moments decoded and updated into m and v, the largest bits of |m| and v into
    most (restrict and not inlined, so that it vectorises). */
 __attribute__((noinline)) static void adam8_float32(const hyper_t *restrict hp, float *restrict w,
@@ -221,9 +229,8 @@ __attribute__((noinline)) static void adam8_float32(const hyper_t *restrict hp, 
         float mk = m_values[mi[k]] * ms, vk = v_values[vi[k]] * vs;
         w[k] = adam(&h, w[k], grad[k], &mk, &vk);
         m[k] = mk; v[k] = vk;
-        uint32_t a = as_bits(mk) & 0x7FFFFFFFu, c = as_bits(vk) & 0x7FFFFFFFu;
-        mbits = a > mbits ? a : mbits;
-        vbits = c > vbits ? c : vbits;
+        mbits = larger_bits(mbits, mk);
+        vbits = larger_bits(vbits, vk);
     }
     most[0] = mbits; most[1] = vbits;
 }
@@ -245,9 +252,8 @@ __attribute__((noinline)) static void adam8_bf16(const hyper_t *restrict hp, uin
         float g = grad_mode == W_FLOAT32 ? g32[k] : bf16_value(g16[k]);
         w[k] = sr_bf16(adam(&h, bf16_value(w[k]), g, &mk, &vk), mix32(mix32((low + (uint32_t)k) ^ key) ^ high));
         m[k] = mk; v[k] = vk;
-        uint32_t a = as_bits(mk) & 0x7FFFFFFFu, c = as_bits(vk) & 0x7FFFFFFFu;
-        mbits = a > mbits ? a : mbits;
-        vbits = c > vbits ? c : vbits;
+        mbits = larger_bits(mbits, mk);
+        vbits = larger_bits(vbits, vk);
     }
     most[0] = mbits; most[1] = vbits;
 }
@@ -264,23 +270,16 @@ static void *adamw8bit_range(void *arg) {
     for (int64_t start = j->lo; start < j->hi; start += j->block) {
         int64_t b = start / j->block, count = j->hi - start < j->block ? j->hi - start : j->block;
         float ms = j->m_absmax[b], vs = j->v_absmax[b], mmax, vmax;
-        /* The largest |m| and v as the largest bit patterns of non-negative floats (which order as the floats
-           do, and put any NaN above +inf: NaN propagates, as amax does); an integer maximum vectorises where a
-           float one that keeps NaN does not. v is >= 0 or NaN (a -0 is 0 here too). */
-        uint32_t mbits = 0, vbits = 0;
+        uint32_t most[2] = {0, 0};  /* the bits of the largest |m| and v (larger_bits; v is >= 0 or NaN) */
         if (j->mode == W_FLOAT32 && j->grad_mode == W_FLOAT32) {  /* float32 weights: one loop that vectorises */
-            uint32_t most[2];
             adam8_float32(&h, (float *)j->weight + start, (const float *)j->grad + start, mc + start, vc + start,
                           j->m_values, j->v_values, ms, vs, m, v, most, count);
-            mbits = most[0]; vbits = most[1];
         } else if (bf16_consecutive) {
-            uint32_t most[2];
             adam8_bf16(&h, (uint16_t *)j->weight + start,
                        j->grad_mode == W_FLOAT32 ? (const void *)((const float *)j->grad + start)
                                                  : (const void *)((const uint16_t *)j->grad + start),
                        j->grad_mode, mc + start, vc + start, j->m_values, j->v_values, ms, vs, m, v, most, count,
                        (uint32_t)(j->first + start), j->key, high);
-            mbits = most[0]; vbits = most[1];
         } else {
             for (int64_t k = 0; k < count; k++) {
                 int64_t i = start + k;
@@ -288,12 +287,11 @@ static void *adamw8bit_range(void *arg) {
                 float w = adam(&h, load(j->weight, j->mode, i), load(j->grad, j->grad_mode, i), &mk, &vk);
                 store_weight(j, i, w, high0);
                 m[k] = mk; v[k] = vk;
-                uint32_t a = as_bits(mk) & 0x7FFFFFFFu, c = as_bits(vk) & 0x7FFFFFFFu;
-                mbits = a > mbits ? a : mbits;
-                vbits = c > vbits ? c : vbits;
+                most[0] = larger_bits(most[0], mk);
+                most[1] = larger_bits(most[1], vk);
             }
         }
-        memcpy(&mmax, &mbits, 4); memcpy(&vmax, &vbits, 4);
+        memcpy(&mmax, &most[0], 4); memcpy(&vmax, &most[1], 4);
         j->m_absmax[b] = mmax; j->v_absmax[b] = vmax;
         float md = mmax > 0 ? mmax : 1.0f, vd = vmax > 0 ? vmax : 1.0f;
         for (int64_t k = 0; k < count; k++) { m[k] /= md; v[k] /= vd; }

@@ -88,8 +88,8 @@ def code_words(base: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
         small = torch.arange(LOW_BUCKET + 1) + sign
         if bound[small].isfinite().any() or bool((base[small] != base[small[0]]).any()):
             raise ValueError("a bound of the map lies within 2^-23 of 0")
-        low = bound[buckets].view(torch.int32) & 0x7FFF
-        low = torch.where(bound[buckets].isfinite(), low ^ (0x7FFF if sign else 0), 0x7FFF)
+        inside = bound[buckets]
+        low = torch.where(inside.isfinite(), (inside.view(torch.int32) & 0x7FFF) ^ (0x7FFF if sign else 0), 0x7FFF)
         words.append(base[buckets].to(torch.int32) << 16 | low)
     return torch.cat(words)
 
