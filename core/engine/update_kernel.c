@@ -236,13 +236,14 @@ __attribute__((noinline)) static void adam8_float32(const hyper_t *restrict hp, 
 }
 
 /* adam8_float32 for bfloat16 weights rounded stochastically by consecutive counters from `low` (within one 2^32
-   span, their high half `high`), with a float32 or bfloat16 gradient: the general loop's arithmetic and bits. */
-__attribute__((noinline)) static void adam8_bf16(const hyper_t *restrict hp, uint16_t *restrict w,
-                                                 const void *restrict grad, int grad_mode, const uint8_t *restrict mi,
-                                                 const uint8_t *restrict vi, const float *restrict m_values,
-                                                 const float *restrict v_values, float ms, float vs,
-                                                 float *restrict m, float *restrict v, uint32_t *restrict most,
-                                                 int64_t count, uint32_t low, uint32_t key, uint32_t high) {
+   span, their high half `high`), with a float32 or bfloat16 gradient (grad_mode, a constant where it is inlined:
+   a select between two loads in the loop is control flow that AVX2, without masked loads, does not vectorise):
+   the general loop's arithmetic and bits. */
+__attribute__((always_inline)) static inline void adam8_bf16_loop(
+    const hyper_t *restrict hp, uint16_t *restrict w, const void *restrict grad, int grad_mode,
+    const uint8_t *restrict mi, const uint8_t *restrict vi, const float *restrict m_values,
+    const float *restrict v_values, float ms, float vs, float *restrict m, float *restrict v, uint32_t *restrict most,
+    int64_t count, uint32_t low, uint32_t key, uint32_t high) {
     const hyper_t h = *hp;
     uint32_t mbits = 0, vbits = 0;
     const float *g32 = grad;
@@ -256,6 +257,19 @@ __attribute__((noinline)) static void adam8_bf16(const hyper_t *restrict hp, uin
         vbits = larger_bits(vbits, vk);
     }
     most[0] = mbits; most[1] = vbits;
+}
+
+__attribute__((noinline)) static void adam8_bf16(const hyper_t *restrict hp, uint16_t *restrict w,
+                                                 const void *restrict grad, int grad_mode, const uint8_t *restrict mi,
+                                                 const uint8_t *restrict vi, const float *restrict m_values,
+                                                 const float *restrict v_values, float ms, float vs,
+                                                 float *restrict m, float *restrict v, uint32_t *restrict most,
+                                                 int64_t count, uint32_t low, uint32_t key, uint32_t high) {
+    if (grad_mode == W_FLOAT32)
+        adam8_bf16_loop(hp, w, grad, W_FLOAT32, mi, vi, m_values, v_values, ms, vs, m, v, most, count, low, key, high);
+    else
+        adam8_bf16_loop(hp, w, grad, W_BFLOAT16_SR, mi, vi, m_values, v_values, ms, vs, m, v, most, count, low, key,
+                        high);
 }
 
 static void *adamw8bit_range(void *arg) {
