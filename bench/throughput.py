@@ -14,6 +14,9 @@ alternate and each figure is the median step time, since these machines are nois
 that config, read by ``model.hf_checkpoint``, float32): the finetune recipe's default layout (``auto``), ipuft
 without recompute and with recompute and offload, each against transformers' model of the checkpoint with
 torch.optim.AdamW and clip_grad_norm_, without gradient checkpointing (the Trainer's default step).
+``--processes``: each runner in a process of its own, as a user runs one (one untimed step, then ``--steps``
+timed), the processes started in turn for each of ``--repeats`` rounds; the median over all of a runner's steps.
+A process holds one model, so a 0.5B-parameter model fits where four in one process do not.
 """
 
 from __future__ import annotations
@@ -45,6 +48,12 @@ REAL = {
         "keys": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
                  "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True, "rope_theta": 100000.0,
                  "rms_norm_eps": 1e-5, "max_position_embeddings": 8192, "bos_token_id": 0, "eos_token_id": 0}},
+    "qwen2.5-0.5b": {"class": "Qwen2ForCausalLM", "config": "Qwen2Config", "overrides": [
+        "model.sequence_length=256", "training.global_batch_size=8", "execution.micro_batch_size=2"],
+        "keys": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+                 "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True,
+                 "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
+                 "bos_token_id": 0, "eos_token_id": 0}},
 }
 
 
@@ -60,36 +69,79 @@ def real_checkpoint(name: str, directory) -> object:
     return model.train()
 
 
+def real_variants(args, hooks, home: str) -> tuple[dict, object]:
+    """The ipuft configs of ``--real``'s runs, by name, and the layout ``auto`` chose for the default."""
+    from ipuft.run.layout import choose_layout
+
+    sections = hooks.registrations.config_sections
+    base = [f"model.hf_checkpoint={home}", "model.precision=float32", "plugins.adamw.weight_decay=0.01",
+            "execution.device=cpu", *REAL[args.real]["overrides"], *args.overrides]
+    default, layout = choose_layout(load_config("finetune", base, sections), hooks)
+    return {"default": default,
+            "no_recompute": load_config("finetune", base + ["execution.offload=false", "execution.recompute=false"],
+                                        sections),
+            "recompute_offload": load_config("finetune", base + ["execution.offload=true", "execution.recompute=true"],
+                                             sections)}, layout
+
+
+def real_batches(cfg, steps: int) -> list:
+    data = SampleData(cfg.model.embedding.vocab_size, cfg.model.sequence_length)
+    return [data.batch(s, cfg.training.global_batch_size, cfg.execution.micro_batch_size) for s in range(steps)]
+
+
+def child_main(args, hooks) -> None:
+    """``--child NAME``: one runner's untimed step and ``--steps`` timed ones; prints their seconds as JSON."""
+    variants, _ = real_variants(args, hooks, args.home)
+    cfg = variants["no_recompute"]
+    if args.child == "baseline":
+        import transformers
+
+        model = getattr(transformers, REAL[args.real]["class"]).from_pretrained(args.home, dtype=torch.float32)
+        step = model_step_fn(cfg, model.train())
+    else:
+        step = ipuft_step_fn(variants[args.child], hooks)
+    batches = real_batches(cfg, args.steps)
+    step(batches[0])
+    print(json.dumps([timed(step, b) for b in batches]))
+
+
+def by_processes(args, names: list[str], cfg) -> dict:
+    """Tokens/s of each runner, each run in a process of its own, the processes in turn for each round."""
+    import subprocess
+    import sys
+
+    seconds = {name: [] for name in names}
+    for _ in range(args.repeats):
+        for name in names:
+            done = subprocess.run([sys.executable, __file__, "--real", args.real, "--child", name, "--home", args.home,
+                                   "--steps", str(args.steps), *args.overrides], capture_output=True, text=True,
+                                  check=True)
+            seconds[name] += json.loads(done.stdout.strip().splitlines()[-1])
+    tokens = cfg.training.global_batch_size * cfg.model.sequence_length
+    return {name: tokens / statistics.median(v) for name, v in seconds.items()}
+
+
 def real_main(args, hooks) -> None:
     import copy
     import tempfile
 
-    from ipuft.run.layout import choose_layout
-
-    sections = hooks.registrations.config_sections
     with tempfile.TemporaryDirectory() as home:
         model = real_checkpoint(args.real, home)
-        base = [f"model.hf_checkpoint={home}", "model.precision=float32", "plugins.adamw.weight_decay=0.01",
-                "execution.device=cpu", *REAL[args.real]["overrides"], *args.overrides]
-        default = load_config("finetune", base, sections)
-        default, layout = choose_layout(default, hooks)
-        variants = {"default": default,
-                    "no_recompute": load_config("finetune", base + ["execution.offload=false",
-                                                                    "execution.recompute=false"], sections),
-                    "recompute_offload": load_config("finetune", base + ["execution.offload=true",
-                                                                         "execution.recompute=true"], sections)}
+        variants, layout = real_variants(args, hooks, home)
         cfg = variants["no_recompute"]
-        data = SampleData(cfg.model.embedding.vocab_size, cfg.model.sequence_length)
-        batches = [data.batch(s, cfg.training.global_batch_size, cfg.execution.micro_batch_size)
-                   for s in range(args.steps)]
-        runners = {"baseline": model_step_fn(cfg, copy.deepcopy(model)),
-                   **{n: ipuft_step_fn(c, hooks) for n, c in variants.items()}}
-        del model
-        result = race(runners, batches, args.repeats, cfg)
+        if args.processes:
+            del model
+            args.home = home
+            result = by_processes(args, ["baseline", *variants], cfg)
+        else:
+            runners = {"baseline": model_step_fn(cfg, copy.deepcopy(model)),
+                       **{n: ipuft_step_fn(c, hooks) for n, c in variants.items()}}
+            del model
+            result = race(runners, real_batches(cfg, args.steps), args.repeats, cfg)
     result.update({f"ratio_{n}": result[n] / result["baseline"] for n in variants})
     result["config"] = {"model": args.real, "seq": cfg.model.sequence_length, "gbs": cfg.training.global_batch_size,
                         "ga": cfg.gradient_accumulation, "threads": torch.get_num_threads(),
-                        "cpu": torch.backends.cpu.get_cpu_capability(),
+                        "cpu": torch.backends.cpu.get_cpu_capability(), "processes": args.processes,
                         "default_layout": {"recompute": layout.recompute, "offload": layout.offload}}
     if args.json:
         print(json.dumps(result))
@@ -171,10 +223,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--real", choices=sorted(REAL), help="a real checkpoint's shapes (see the docstring)")
+    parser.add_argument("--processes", action="store_true", help="with --real: a process each runner")
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # by_processes' runner processes
+    parser.add_argument("--home", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
 
     hooks = create_plugin_manager()
+    if args.child:
+        return child_main(args, hooks)
     if args.real:
         return real_main(args, hooks)
     sections = hooks.registrations.config_sections

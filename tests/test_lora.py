@@ -132,10 +132,11 @@ def test_three_adamw_steps_equal_peft_with_torch_adamw(hooks, llama_dir, tmp_pat
     # Adam's m / (sqrt(v) + eps) divides out a gradient's size, so float32's last bits (the order of a sum, a
     # fused AdamW against torch's lerp) come back as whole relative differences where m nearly cancels: peft in
     # float32 is itself 6e-6 to 9e-5 from float64 here, and ipuft 2e-6 to 2.2e-5 from it. The bound is float64's
-    # answer: ipuft's farthest adapter no farther from it than 1.5 times peft-in-float32's (measured 0.81-1.30).
+    # answer: ipuft's farthest adapter no farther from it than 3 times peft-in-float32's (measured 0.81-1.30 on an
+    # AVX-512 Xeon, up to 2.09 on an AVX2 Zen 3, whose matmuls round otherwise; a wrong formula is orders away).
     peft_error = max(max_rel(theirs[n], truth[n]) for n in truth)
     for name, p in truth.items():
-        assert max_rel(ours[name].double(), p) <= 1.5 * peft_error, name
+        assert max_rel(ours[name].double(), p) <= 3 * peft_error, name
         assert max_rel(ours[name].double(), theirs[name]) <= 1e-4, name  # and each near peft's in float32
     after = engine.model.full_weights()
     for unit, tensors in before.items():
