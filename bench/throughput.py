@@ -84,7 +84,8 @@ def real_variants(args, hooks, home: str) -> tuple[dict, object]:
                                              sections)}, layout
 
 
-def real_batches(cfg, steps: int) -> list:
+def bench_batches(cfg, steps: int) -> list:
+    """The bench's synthetic rows: ``steps`` batches of ``cfg``'s shapes, the same for every runner."""
     data = SampleData(cfg.model.embedding.vocab_size, cfg.model.sequence_length)
     return [data.batch(s, cfg.training.global_batch_size, cfg.execution.micro_batch_size) for s in range(steps)]
 
@@ -100,7 +101,7 @@ def child_main(args, hooks) -> None:
         step = model_step_fn(cfg, model.train())
     else:
         step = ipuft_step_fn(variants[args.child], hooks)
-    batches = real_batches(cfg, args.steps)
+    batches = bench_batches(cfg, args.steps)
     step(batches[0])
     print(json.dumps([timed(step, b) for b in batches]))
 
@@ -137,7 +138,7 @@ def real_main(args, hooks) -> None:
             runners = {"baseline": model_step_fn(cfg, copy.deepcopy(model)),
                        **{n: ipuft_step_fn(c, hooks) for n, c in variants.items()}}
             del model
-            result = race(runners, real_batches(cfg, args.steps), args.repeats, cfg)
+            result = race(runners, bench_batches(cfg, args.steps), args.repeats, cfg)
     result.update({f"ratio_{n}": result[n] / result["baseline"] for n in variants})
     result["config"] = {"model": args.real, "seq": cfg.model.sequence_length, "gbs": cfg.training.global_batch_size,
                         "ga": cfg.gradient_accumulation, "threads": torch.get_num_threads(),
@@ -241,8 +242,7 @@ def main() -> None:
     cfgs = {name: load_config("tiny", base + extra, sections) for name, extra in variants.items()}
     bf16 = load_config("tiny", base + ["model.precision=bfloat16", "training.stochastic_rounding=true"], sections)
     cfg = cfgs["offload_off"]
-    data = SampleData(cfg.model.embedding.vocab_size, cfg.model.sequence_length)
-    batches = [data.batch(s, cfg.training.global_batch_size, cfg.execution.micro_batch_size) for s in range(args.steps)]
+    batches = bench_batches(cfg, args.steps)
 
     runners = {"baseline": baseline_step_fn(cfg), "baseline_checkpointed": baseline_step_fn(cfg, checkpointing=True),
                **{n: ipuft_step_fn(c, hooks) for n, c in cfgs.items()},
