@@ -116,7 +116,9 @@ def by_processes(args, names: list[str], cfg) -> dict:
         for name in names:
             done = subprocess.run([sys.executable, __file__, "--real", args.real, "--child", name, "--home", args.home,
                                    "--steps", str(args.steps), *args.overrides], capture_output=True, text=True,
-                                  check=True)
+                                  check=False)
+            if done.returncode:  # the child's own last lines say why
+                raise SystemExit(f"the {name} runner failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
             seconds[name] += json.loads(done.stdout.strip().splitlines()[-1])
     tokens = cfg.training.global_batch_size * cfg.model.sequence_length
     return {name: tokens / statistics.median(v) for name, v in seconds.items()}
