@@ -23,7 +23,7 @@ torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get(
 # The suite tests core and the six shipped plugins. Plugins installed beside them (the examples, which .ci/run
 # installs after this suite; a developer's own) are hidden from it, so that its exact expectations hold in
 # any environment: filtered out of the entry points in process, and disabled by name in the processes a test
-# starts (a test that sets IPUFT_DISABLE_PLUGINS itself replaces the latter).
+# starts (a test that sets IPUFT_DISABLE_PLUGINS for a process it starts adds to that list).
 SHIPPED = {"ipuft-embeddings", "ipuft-decoder", "ipuft-lm-head", "ipuft-optim-adam", "ipuft-optim-adamw8bit",
            "ipuft-llama", "ipuft-lora"}
 
