@@ -142,15 +142,16 @@ def test_the_kernel_encodes_every_float_next_to_a_bound_as_the_codebook(signed):
     """Each of the 255 bounds and the 64 float32 values either side of it, the map's values, zeros, ±1, ±inf, the
     smallest normals and subnormals, floats either side of 2^-23 (below which the kernel's table has one bucket)
     and beyond ±1 (one word a side for all finite ones), the first, middle and last float of each of the 2^17
-    buckets (NaNs included), and 10^5 uniform draws: the kernel's codes are the torch ops' (the count of bounds below
-    each, which test_adamw8bit checks against ``searchsorted``)."""
+    buckets (NaNs included), and 10^5 uniform draws: the kernel's codes are the torch ops' (the count of bounds
+    below each, which test_adamw8bit checks against ``searchsorted``)."""
     book = Codebook(signed)
     near = (book.bounds.view(torch.int32)[:, None] + torch.arange(-64, 65, dtype=torch.int32)).view(torch.float32)
     special = torch.tensor([0.0, -0.0, 1.0, -1.0, math.inf, -math.inf, 1.2e-38, -1.2e-38, 1e-45, -1e-45, 2.0**-23,
                             -(2.0**-23), 2.0**-24, -(2.0**-24), 3e-7, -3e-7, math.nan, -math.nan, 1.0000001,
                             -1.0000001, 1.5, -1.5, 3e38, -3e38])
     ends = (torch.arange(1 << 17, dtype=torch.int64)[:, None] << 15) + torch.tensor([0, 0x3FFF, 0x7FFF])
-    special = torch.cat([special, torch.where(ends >= 1 << 31, ends - (1 << 32), ends).int().view(torch.float32).view(-1)])
+    ends = torch.where(ends >= 1 << 31, ends - (1 << 32), ends).int().view(torch.float32)  # the bit patterns' floats
+    special = torch.cat([special, ends.view(-1)])
     draws = torch.rand(100_000, generator=torch.Generator().manual_seed(0)) * (2 if signed else 1) - (1 if signed else 0)
     x = torch.cat([near.reshape(-1), book.tables(torch.device("cpu"))[0], special, draws])
     expected = book.encode(x)
