@@ -1,4 +1,4 @@
-"""The optimizer update's speed on the CPU, in one process.
+"""The optimizer update's speed on the CPU, in one process (``--device cuda``: on a GPU).
 
 Default (issue #44): one update of a [4096, 4096] and a [4096, 16384] matrix for each recipe, ns a parameter and
 GB/s, against torch's fused AdamW (``torch._fused_adamw_``, float32) run in the same rounds, with a float32
@@ -13,7 +13,14 @@ Each round runs every variant once in turn, each after a write over twice the la
 evicted); each figure is the median over the rounds, and each ratio is against torch's fused AdamW of the same shape.
 
     python bench/update.py [--rounds 7] [--shapes 4096x4096,4096x16384] [--threads N]
+    python bench/update.py --device cuda [--rounds 7]
     python bench/update.py --embedding [--rows 50400] [--touched 512] [--repeats 3]
+
+``--device cuda``: the same shapes on the GPU, in the engine's pieces (2^22 elements): ``adamw``'s torch ops (the
+update before the compiled kernel: a chain of multi-tensor kernels, and for bfloat16 stochastic rounding's int32
+passes) against the compiled one-pass update (:mod:`ipuft.engine.compiled`, one kernel a piece), float32 and
+bfloat16 with stochastic rounding, against torch's fused AdamW (CUDA's ``_fused_adamw_``) and a ``copy_``; each
+variant synchronised, timed by the host's clock; the first round (which compiles) not counted.
 
 ``--embedding``: the Adam update of an embedding ([50400, 4096], float32 state) in the engine's pieces, with and
 without ``adamw``'s floor under ``v`` before its square root (:meth:`ipuft_optim_adam.adamw.AdamW.sqrt_floor`),
@@ -128,6 +135,58 @@ def peers(shape: tuple[int, int], rounds: int) -> dict[str, tuple[float, int]]:
     return {name: (statistics.median(t[1:]), variants[name][1]) for name, t in times.items()}
 
 
+def device_peers(shape: tuple[int, int], rounds: int, device: torch.device) -> dict[str, tuple[float, int]]:
+    """:func:`peers` on a GPU: each variant's median seconds (synchronised) for one update of a ``shape`` matrix
+    in the engine's pieces, and the bytes it moves a parameter."""
+    n = shape[0] * shape[1]
+    g = torch.Generator(device).manual_seed(0)
+    weight = torch.randn(n, generator=g, device=device) * 0.02
+    grad = torch.randn(n, generator=g, device=device) * 1e-3
+    ctx = StepContext(lr=1e-5, step=3, global_norm=1.0, grad_factor=0.5)
+    adamw = AdamW(0.9, 0.999, 1e-8, 0.01)
+    hyper = adamw.scalars("h.0.mlp.weight", ctx, ctx.grad_factor)
+    t = {"w": weight.clone(), "m": grad * 0.1, "v": grad * grad, "half": weight.bfloat16(),
+         "dst": torch.empty_like(weight)}
+    step_t = torch.tensor(3.0, device=device)
+    pieces = [(a, b) for group in update_groups([("w", n)], update_chunk(device)) for _, a, b in group]
+
+    def torch_fused():
+        torch._fused_adamw_([t["w"]], [grad], [t["m"]], [t["v"]], [], [step_t], lr=1e-5, beta1=0.9, beta2=0.999,
+                            weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False, grad_scale=None,
+                            found_inf=None)
+
+    def ops(half: bool):
+        for a, b in pieces:
+            view = t["half"][a:b].float() if half else t["w"][a:b]
+            adamw.step_unit(["h.0.mlp.weight"], [view], [grad[a:b] * ctx.grad_factor],
+                            [{"m": t["m"][a:b], "v": t["v"][a:b]}], ctx)
+            if half:
+                stochastic_round_(t["half"][a:b], view, 12345, lambda first, count, a=a: a + first)
+
+    def one_pass(half: bool):
+        w = t["half"] if half else t["w"]
+        for a, b in pieces:
+            fused.adamw_(w[a:b], grad[a:b], t["m"][a:b], t["v"][a:b], hyper, (12345, a) if half else None)
+
+    variants = {
+        "float32 copy_": (lambda: t["dst"].copy_(weight), 8),
+        "torch fused AdamW": (torch_fused, 28),
+        "ipuft adamw float32, ops": (lambda: ops(False), 28),
+        "ipuft adamw float32": (lambda: one_pass(False), 28),
+        "ipuft adamw bf16 + SR, ops": (lambda: ops(True), 24),
+        "ipuft adamw bf16 + SR": (lambda: one_pass(True), 24),
+    }
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds + 1):  # the first round compiles and warms up, and is not counted
+        for name, (run, _) in variants.items():
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            run()
+            torch.cuda.synchronize(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: (statistics.median(x[1:]), variants[name][1]) for name, x in times.items()}
+
+
 def optional_peers(n: int, grad: torch.Tensor) -> dict:
     """DeepSpeed's CPU Adam and bitsandbytes' 8-bit AdamW, where they are installed (none is required)."""
     import importlib
@@ -193,19 +252,32 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--shapes", default="4096x4096,4096x16384")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.embedding:
         embedding(args)
         return
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("bench/update.py: --device cuda needs a CUDA device; none is available")
+        device = torch.device("cuda")
+        print(f"{time.strftime('%Y-%m-%d')}: {torch.cuda.get_device_name(device)}, torch {torch.__version__}; median "
+              f"of {args.rounds} rounds, in pieces of {update_chunk(device)} elements")
+        report(args, lambda shape: device_peers(shape, args.rounds, device))
+        return
     if fused.library() is None:
         raise SystemExit("bench/update.py: ipuft's one-pass kernel is not built on this machine (no C compiler?)")
     print(f"{time.strftime('%Y-%m-%d')}: CPU capability {torch.backends.cpu.get_cpu_capability()}, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}; median of {args.rounds} rounds")
+    report(args, lambda shape: peers(shape, args.rounds))
+
+
+def report(args, measure) -> None:
     for shape in (tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")):
         n = shape[0] * shape[1]
-        results = peers(shape, args.rounds)
+        results = measure(shape)
         reference = results["torch fused AdamW"][0]
         print(f"[{shape[0]}, {shape[1]}]:")
         for name, (seconds, moved) in results.items():

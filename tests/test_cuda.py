@@ -99,3 +99,55 @@ def test_this_gpu_takes_bfloat16_as_its_capability_says(make_config):
     else:
         with pytest.raises(ConfigError, match="has no bfloat16 arithmetic"):
             require_precision_support(cfg, torch.device("cuda"))
+
+
+@pytest.mark.parametrize(("dtype", "grad16"), [(torch.float32, False), (torch.bfloat16, False),
+                                               (torch.bfloat16, True), (torch.float16, True)],
+                         ids=["float32", "bf16-sr", "bf16-sr-bf16-grad", "fp16-sr-fp16-grad"])
+def test_cuda_compiled_update_is_the_ops_bit_for_bit(dtype, grad16):
+    """The device's one-pass update (``ipuft.engine.compiled``, one Triton kernel a piece) gives the CUDA ops'
+    bits: weight and moments, with the factor, the floor, decay, stochastic rounding; in two pieces."""
+    from test_fused_update import KEY, assert_same_bits, case, ops_update
+
+    from ipuft.engine import compiled, fused
+    from ipuft.optim import StepContext
+    from ipuft_optim_adam.adamw import AdamW
+
+    opt = AdamW(0.9, 0.999, 1e-6, weight_decay=0.1)
+    ctx = StepContext(lr=3e-3, step=2, global_norm=4.0, grad_factor=0.37 / 64)
+    start = {k: t.cuda() for k, t in case(dtype, 1 << 20, grad16=grad16).items()}
+    ops = {k: t.clone() for k, t in start.items()}
+    ops_update(opt, "h.0.mlp.weight", ops, ctx, 1000)
+    got = {k: t.clone() for k, t in start.items()}
+    cut = (1 << 20) // 3
+    for a, b in ((0, cut), (cut, 1 << 20)):
+        piece = {k: t[a:b] for k, t in got.items()}
+        rounding = None if dtype == torch.float32 else (KEY, 1000 + a)
+        assert fused.serves(piece["w"], piece["g"], rounding)
+        fused.adamw_(piece["w"], piece["g"], piece["m"], piece["v"],
+                     opt.scalars("h.0.mlp.weight", ctx, ctx.grad_factor), rounding)
+    assert "failed" not in compiled._state
+    assert_same_bits(got, ops)
+
+
+@pytest.mark.parametrize("recipe", [(), ("model.precision=bfloat16", "training.stochastic_rounding=true")],
+                         ids=["float32", "bf16-sr"])
+def test_cuda_engine_updates_with_the_compiled_kernel(hooks, make_config, monkeypatch, recipe):
+    """``optimizer_placement=device``: every update goes through the compiled kernel, and the run equals the
+    torch ops' run (``IPUFT_COMPILED_UPDATE=0``) bit for bit."""
+    from test_compiled_update import assert_same_runs, counted
+
+    from ipuft.engine.phased import PhasedEngine
+
+    calls = counted(monkeypatch)
+    runs = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv("IPUFT_COMPILED_UPDATE", setting)
+        calls.clear()
+        cfg = make_config(*EQUIVALENCE, *recipe, "execution.optimizer_placement=device", "execution.device=cuda")
+        cpu = make_engine(make_config(*EQUIVALENCE, *recipe, "execution.device=cpu"), hooks)
+        gpu = PhasedEngine(cfg, cpu.parts, cpu.optimizer, torch.device("cuda"))
+        runs[setting] = ([r.loss for r in run_engine(gpu, cfg)], gpu.model.full_weights(),
+                         gpu.model.full_weights("optim"))
+        assert bool(calls) == (setting == "1")
+    assert_same_runs(runs["1"], runs["0"])

@@ -14,7 +14,8 @@ once (no contraction into fused multiply-adds, no fast-math), so its results equ
 
 Recipes: float32 weights; bfloat16 and float16 weights with stochastic rounding (the loss-scaled float16
 recipe included: the loss scale is part of the gradient's factor); float32 moments, or ``adamw8bit``'s
-block-wise 8-bit codes. Anything else (another device, a master copy, rounding to nearest) keeps the ops.
+block-wise 8-bit codes. On CUDA :mod:`ipuft.engine.compiled` does the same without the codes; anything
+else (another device, a master copy, rounding to nearest) keeps the ops.
 
 ``IPUFT_UPDATE_KERNEL=0`` turns the kernel off; ``CC`` names the compiler (default ``cc``).
 """
@@ -33,6 +34,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from ipuft.engine import compiled
 
 SOURCE = Path(__file__).with_name("update_kernel.c")
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fPIC", "-shared", "-pthread"]
@@ -127,9 +130,12 @@ def library() -> ctypes.CDLL | None:
 
 
 def serves(weight: torch.Tensor, grad: torch.Tensor, rounding: object) -> bool:
-    """Whether the kernel can update this piece: on the CPU, contiguous, a float32 weight
+    """Whether the one-pass update can do this piece: on the CPU the kernel (contiguous, a float32 weight
     (``rounding`` None) or a 16-bit one rounded stochastically (``rounding`` given), a float32 or 16-bit
-    gradient."""
+    gradient); on CUDA the compiled update (:mod:`ipuft.engine.compiled`), for the same pieces but those whose
+    counters are not consecutive."""
+    if compiled.routes(weight.device):
+        return compiled.serves(weight, grad, rounding)
     return (weight.device.type == "cpu" and grad.device.type == "cpu" and weight.is_contiguous()
             and grad.is_contiguous() and grad.dtype in MODES and weight.dtype in MODES
             and (weight.dtype == torch.float32) == (rounding is None) and library() is not None)
@@ -157,6 +163,9 @@ def adamw_(weight: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.T
     ``hyper.factor``) and
     float32 ``m``, ``v``; a 16-bit ``weight`` is rounded stochastically with ``rounding`` ``(key, counters)``."""
     n = weight.numel()
+    if weight.device.type != "cpu" or compiled.routes(weight.device):
+        compiled.adamw_(weight, grad, m, v, hyper, rounding)  # type: ignore[arg-type]
+        return
     key, first, idx = _rounding(rounding, n)
     assert grad.numel() == n and grad.is_contiguous()
     for t in (m, v):

@@ -87,9 +87,9 @@ class UnitUpdate:
         the run's recipe (see :mod:`ipuft.precision`). Gradients are consumed: a float32 one is finished
         in place.
 
-        Where the optimizer has a one-pass update (``fused_step``, :mod:`ipuft.engine.fused`) and the recipe is
-        float32 or stochastic rounding, that does it all (the factor, the rule, the rounding) and nothing here
-        runs; it gives these ops' results bit for bit."""
+        Where the optimizer has a one-pass update (``fused_step``, :mod:`ipuft.engine.fused`: the C kernel on the
+        CPU, the compiled one on CUDA) and the recipe is float32 or stochastic rounding, that does it all (the
+        factor, the rule, the rounding) and nothing here runs; it gives these ops' results bit for bit."""
         if self._fused(phase, group, weights, grads, states, ctx):
             return
         wide = self.recipe is not Recipe.exact
@@ -115,8 +115,7 @@ class UnitUpdate:
         """The group's update by the optimizer's one-pass ``fused_step``, where it has one that serves: the
         stored pieces, the gradients before the factor, and each piece's stochastic rounding (its key, and its
         elements' counters in the full variable) when 16-bit."""
-        if (not has_fused_step(self.optimizer) or self.recipe not in (Recipe.exact, Recipe.stochastic) or not weights
-                or weights[0].device.type != "cpu"):
+        if not has_fused_step(self.optimizer) or self.recipe not in (Recipe.exact, Recipe.stochastic) or not weights:
             return False
         roundings = [None] * len(group)
         if self.recipe is Recipe.stochastic:

@@ -88,8 +88,9 @@ class AdamW8bit(AdamW):
         ``adamw``'s arithmetic, the weight stored (rounded stochastically when 16-bit) and the block quantized
         again, bit for bit as the ops do it; the float32-moment pieces (norms, biases) as ``adamw``'s."""
         if self.block_size > fused.MAX_BLOCK or not all(
-                fused.serves(w, g, r) for w, g, r in zip(weights, grads, roundings, strict=True)):
-            return False
+                fused.serves(w, g, r) and (w.device.type == "cpu" or s["m"].dtype != torch.uint8)
+                for w, g, s, r in zip(weights, grads, states, roundings, strict=True)):
+            return False  # the 8-bit pass is the CPU kernel's alone
         for name, w, g, s, r in zip(names, weights, grads, states, roundings, strict=True):
             scalars = self.scalars(name, ctx, ctx.grad_factor)
             if s["m"].dtype != torch.uint8:
