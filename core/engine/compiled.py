@@ -142,6 +142,8 @@ def adamw_(weight: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.T
             with torch.no_grad():  # the mode the engine updates in: one compilation
                 _compiled()(*args)
             return
+        except torch.OutOfMemoryError:
+            raise  # the device's memory, not the compiler: the ops would need more
         except Exception as e:  # noqa: BLE001 - the compiler fails in many ways (before it writes anything)
             _state["failed"] = True
             line = next((x for x in str(e).strip().splitlines() if x.strip()), type(e).__name__)
