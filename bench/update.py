@@ -18,9 +18,9 @@ evicted); each figure is the median over the rounds, and each ratio is against t
 
 ``--device cuda``: the same shapes on the GPU, in the engine's pieces (2^22 elements): ``adamw``'s torch ops (the
 update before the compiled kernel: a chain of multi-tensor kernels, and for bfloat16 stochastic rounding's int32
-passes) against the compiled one-pass update (:mod:`ipuft.engine.compiled`, one kernel a piece), float32 and
-bfloat16 with stochastic rounding, against torch's fused AdamW (CUDA's ``_fused_adamw_``) and a ``copy_``; each
-variant synchronised, timed by the host's clock; the first round (which compiles) not counted.
+passes) against the compiled one-pass update (:mod:`ipuft.engine.compiled`, one kernel a piece), float32,
+bfloat16 with stochastic rounding and ``adamw8bit``, against torch's fused AdamW (CUDA's ``_fused_adamw_``) and a
+``copy_``; each variant synchronised, timed by the host's clock; the first round (which compiles) not counted.
 
 ``--embedding``: the Adam update of an embedding ([50400, 4096], float32 state) in the engine's pieces, with and
 without ``adamw``'s floor under ``v`` before its square root (:meth:`ipuft_optim_adam.adamw.AdamW.sqrt_floor`),
@@ -168,9 +168,23 @@ def device_peers(shape: tuple[int, int], rounds: int, device: torch.device) -> d
         for a, b in pieces:
             fused.adamw_(w[a:b], grad[a:b], t["m"][a:b], t["v"][a:b], hyper, (12345, a) if half else None)
 
+    eight = AdamW8bit(0.9, 0.999, 1e-8, 0.01, BLOCK)
+    codes = {k: torch.zeros(n, dtype=torch.uint8, device=device) for k in ("m", "v")}
+    codes |= {f"{k}_absmax": torch.zeros(-(-n // BLOCK), device=device) for k in ("m", "v")}
+
+    def eight_bit(one_pass: bool):
+        for a, b in pieces:
+            piece = {k: x[a:b] if x.numel() == n else x[a // BLOCK : -(-b // BLOCK)] for k, x in codes.items()}
+            if one_pass:
+                eight.fused_step(["h.0.mlp.weight"], [t["w"][a:b]], [grad[a:b]], [piece], ctx, [None])
+            else:
+                eight.step_unit(["h.0.mlp.weight"], [t["w"][a:b]], [grad[a:b] * ctx.grad_factor], [piece], ctx)
+
     variants = {
         "float32 copy_": (lambda: t["dst"].copy_(weight), 8),
         "torch fused AdamW": (torch_fused, 28),
+        "ipuft adamw8bit, ops": (lambda: eight_bit(False), 16),
+        "ipuft adamw8bit": (lambda: eight_bit(True), 16),
         "ipuft adamw float32, ops": (lambda: ops(False), 28),
         "ipuft adamw float32": (lambda: one_pass(False), 28),
         "ipuft adamw bf16 + SR, ops": (lambda: ops(True), 24),

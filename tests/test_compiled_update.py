@@ -9,13 +9,24 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import test_fused_update
 import torch
 from test_engine import EQUIVALENCE, make_engine, run_engine
-from test_fused_update import KEY, N, assert_same_bits, bits, case, ops_update
+from test_fused_update import (
+    KEY,
+    N,
+    assert_same_bits,
+    bits,
+    case,
+    ops_update,
+    test_the_8bit_kernel_is_the_ops_bit_for_bit,
+    test_the_8bit_kernel_keeps_the_ops_codes_of_a_non_finite_block,
+)
 
 from ipuft.engine import compiled, fused
 from ipuft.optim import StepContext
 from ipuft_optim_adam.adamw import AdamW
+from ipuft_optim_adamw8bit import compiled as compiled8
 
 RECIPES = [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True), (torch.float16, True)]
 RECIPE_IDS = ["float32", "bf16-sr", "bf16-sr-bf16-grad", "fp16-sr-fp16-grad"]
@@ -70,6 +81,34 @@ def test_bfloat16_edges_round_as_the_ops(first):
     assert_same_bits(got, ops)
 
 
+@pytest.mark.parametrize(("dtype", "grad_dtype"), [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)],
+                         ids=["float32", "bf16-sr"])
+def test_the_8bit_update_is_the_ops_bit_for_bit(monkeypatch, dtype, grad_dtype):
+    """``adamw8bit``'s compiled update (``ipuft_optim_adamw8bit.compiled``): codes, absmax and weights as
+    dequantize → ``adamw``'s ops → quantize over three steps, in pieces on block boundaries, a short last block
+    included (the C kernel's test, routed to the compiled kernel); and a block whose moments are not finite."""
+    monkeypatch.setenv("IPUFT_COMPILED_UPDATE", "cpu")
+    calls = []
+    update = compiled8.adamw8bit_
+    monkeypatch.setattr(compiled8, "adamw8bit_", lambda *a, **k: calls.append(1) or update(*a, **k))
+    test_the_8bit_kernel_is_the_ops_bit_for_bit(dtype, grad_dtype, 64)
+    assert len(calls) == 9  # three pieces, three steps
+    if dtype == torch.float32:  # the same bits, but a NaN's, which are the compiler's
+        monkeypatch.setattr(test_fused_update, "assert_same_bits", same_bits_but_nans)
+        for bad in (float("inf"), float("nan")):
+            test_the_8bit_kernel_keeps_the_ops_codes_of_a_non_finite_block(bad)
+
+
+def same_bits_but_nans(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    for k in a:
+        x, y = a[k], b[k]
+        if x.is_floating_point():
+            nan = x.isnan()
+            assert torch.equal(nan, y.isnan()), k
+            x, y = x[~nan], y[~nan]
+        assert torch.equal(bits(x), bits(y)), k
+
+
 def test_the_pieces_it_leaves_to_the_ops():
     """Counters given one by one, or past 2^31; a weight or gradient not contiguous or not float; a float32
     weight given a rounding, a 16-bit one none; a single element."""
@@ -99,10 +138,12 @@ def test_cuda_routes_to_it_and_the_cpu_only_when_asked(monkeypatch):
 
 def test_a_compiler_that_fails_leaves_the_ops_and_one_line_says_so(monkeypatch, capsys):
     """The piece at hand is updated by the same ops uncompiled; from then on nothing routes to the compiler."""
-    def fails(*args):
+    def fails(*args, **kwargs):
         raise RuntimeError("backend compiler failed\nwith a long story")
 
-    monkeypatch.setattr(compiled, "_state", {"fn": fails})
+    monkeypatch.setattr(compiled, "_state", {})
+    monkeypatch.setattr(compiled, "ADAMW", compiled.Exact(compiled._adamw))
+    monkeypatch.setattr(torch, "compile", fails)
     monkeypatch.setenv("IPUFT_COMPILED_UPDATE", "cpu")
     opt = AdamW(0.9, 0.999, 1e-6, weight_decay=0.1)
     ctx = StepContext(lr=3e-3, step=1, global_norm=1.0, grad_factor=1.0)
@@ -138,18 +179,26 @@ def assert_same_runs(got: tuple, want: tuple) -> None:
 
 
 @pytest.mark.parametrize("recipe", [(), ("model.precision=bfloat16", "training.stochastic_rounding=true",
-                                         "execution.optimizer_placement=host")],
-                         ids=["float32", "bf16-sr-host"])
+                                         "execution.optimizer_placement=host"),
+                                    ("training.optimizer.name=adamw8bit",)],
+                         ids=["float32", "bf16-sr-host", "adamw8bit"])
 def test_the_engine_updates_with_it_as_with_the_c_kernel(hooks, make_config, monkeypatch, recipe):
-    """A run whose every update goes through the compiled kernel equals the C kernel's run bit for bit."""
+    """A run whose every update goes through the compiled kernels equals the C kernel's run bit for bit."""
     calls = counted(monkeypatch)
+    update8 = compiled8.adamw8bit_
+    calls8: list[int] = []
+    monkeypatch.setattr(compiled8, "adamw8bit_", lambda *a, **k: calls8.append(1) or update8(*a, **k))
     runs = {}
     for setting in ("cpu", "1"):
         monkeypatch.setenv("IPUFT_COMPILED_UPDATE", setting)
         calls.clear()
-        cfg = make_config(*EQUIVALENCE, *recipe)
+        calls8.clear()
+        common = [o.replace("plugins.adamw.", "plugins.adamw8bit.") if "adamw8bit" in str(recipe) else o
+                  for o in EQUIVALENCE]
+        cfg = make_config(*common, *recipe)
         engine = make_engine(cfg, hooks)
         runs[setting] = ([r.loss for r in run_engine(engine, cfg)], engine.model.full_weights(),
                          engine.model.full_weights("optim"))
         assert bool(calls) == (setting == "cpu")
+        assert bool(calls8) == (setting == "cpu" and "adamw8bit" in str(recipe))
     assert_same_runs(runs["cpu"], runs["1"])

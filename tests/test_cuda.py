@@ -130,11 +130,13 @@ def test_cuda_compiled_update_is_the_ops_bit_for_bit(dtype, grad16):
     assert_same_bits(got, ops)
 
 
-@pytest.mark.parametrize("recipe", [(), ("model.precision=bfloat16", "training.stochastic_rounding=true")],
-                         ids=["float32", "bf16-sr"])
+@pytest.mark.parametrize("recipe", [(), ("model.precision=bfloat16", "training.stochastic_rounding=true"),
+                                    ("training.optimizer.name=adamw8bit", "model.precision=bfloat16",
+                                     "training.stochastic_rounding=true")],
+                         ids=["float32", "bf16-sr", "adamw8bit-bf16-sr"])
 def test_cuda_engine_updates_with_the_compiled_kernel(hooks, make_config, monkeypatch, recipe):
-    """``optimizer_placement=device``: every update goes through the compiled kernel, and the run equals the
-    torch ops' run (``IPUFT_COMPILED_UPDATE=0``) bit for bit."""
+    """``optimizer_placement=device``: every update goes through the compiled kernels (``adamw8bit``'s codes
+    too), and the run equals the torch ops' run (``IPUFT_COMPILED_UPDATE=0``) bit for bit."""
     from test_compiled_update import assert_same_runs, counted
 
     from ipuft.engine.phased import PhasedEngine
@@ -144,8 +146,10 @@ def test_cuda_engine_updates_with_the_compiled_kernel(hooks, make_config, monkey
     for setting in ("1", "0"):
         monkeypatch.setenv("IPUFT_COMPILED_UPDATE", setting)
         calls.clear()
-        cfg = make_config(*EQUIVALENCE, *recipe, "execution.optimizer_placement=device", "execution.device=cuda")
-        cpu = make_engine(make_config(*EQUIVALENCE, *recipe, "execution.device=cpu"), hooks)
+        common = [o.replace("plugins.adamw.", "plugins.adamw8bit.") if "adamw8bit" in str(recipe) else o
+                  for o in EQUIVALENCE]
+        cfg = make_config(*common, *recipe, "execution.optimizer_placement=device", "execution.device=cuda")
+        cpu = make_engine(make_config(*common, *recipe, "execution.device=cpu"), hooks)
         gpu = PhasedEngine(cfg, cpu.parts, cpu.optimizer, torch.device("cuda"))
         runs[setting] = ([r.loss for r in run_engine(gpu, cfg)], gpu.model.full_weights(),
                          gpu.model.full_weights("optim"))

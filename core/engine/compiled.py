@@ -12,11 +12,12 @@ tests/test_cuda.py on CUDA, both run by ``bench/gpu.py``).
 
 The scalars travel as a tensor on the device and the rounding's key and counters as integers the compiler keeps
 symbolic, so one compiled kernel (dynamic in the piece's length) serves every step and variable of a recipe; each
-pair of weight and gradient dtypes is compiled once, on first use (seconds). Recipes: float32 weights, and
-bfloat16 or float16 weights rounded stochastically by consecutive counters under 2^31 (every layout's counters
-but tensor parallelism's padded shards); a float32 or 16-bit gradient; float32 moments (``adamw8bit``'s codes
-keep the torch ops on a device). Where the compiler fails (no Triton, an unsupported GPU) the update says so on
-one line and keeps the torch ops. ``IPUFT_COMPILED_UPDATE=0`` turns it off (:func:`routes`).
+pair of weight and gradient dtypes is compiled once, on first use (seconds). Recipes: float32 weights, and bfloat16
+or float16 weights rounded stochastically by consecutive counters under 2^31 (every layout's counters but tensor
+parallelism's padded shards); a float32 or 16-bit gradient; float32 moments (``adamw8bit``'s codes: its plugin's
+kernel, built from :func:`adam`, :func:`store` and :class:`Exact`). Where the compiler fails (no Triton, an
+unsupported GPU) the update says so on one line and keeps the torch ops. ``IPUFT_COMPILED_UPDATE=0`` turns it off
+(:func:`routes`).
 """
 
 from __future__ import annotations
@@ -68,18 +69,21 @@ def _round(value: torch.Tensor, dtype: torch.dtype, bits: torch.Tensor) -> torch
     return torch.where(magnitude >= 0x477FE000, value, chosen).to(dtype)
 
 
-def _adamw(weight: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: torch.Tensor, key: int,
-           first2: int, high: int) -> None:
-    """One piece's AdamW in place: ``h`` the float32 scalars (:class:`ipuft.engine.fused.Hyper`'s order); for a
-    16-bit weight the int32 rounding ``key``, the first counter plus 2 (``first2``: never 0 or 1, which the
-    compiler would take as constants) and the counters' mixed ``high`` half."""
+def adam(weight: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+         h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One piece's AdamW in float32 (the new weight, ``m`` and ``v``), ``h`` the float32 scalars
+    (:class:`ipuft.engine.fused.Hyper`'s order)."""
     g = grad.float() * h[0]
     mm = m * h[1] + g * h[2]
     vv = v * h[3] + (g * g) * h[4]
     d = torch.sqrt(torch.clamp_min(vv, h[7])) / h[5] + h[6]
-    w = weight.float() * h[8] + (mm / d) * h[9]
-    m.copy_(mm)
-    v.copy_(vv)
+    return weight.float() * h[8] + (mm / d) * h[9], mm, vv
+
+
+def store(weight: torch.Tensor, w: torch.Tensor, key: int, first2: int, high: int) -> None:
+    """The float32 ``w`` into ``weight``: as it is, or rounded stochastically by the int32 rounding ``key``, the
+    first counter plus 2 (``first2``: never 0 or 1, which the compiler would take as constants) and the counters'
+    mixed ``high`` half."""
     if weight.dtype == torch.float32:
         weight.copy_(w)
         return
@@ -87,7 +91,16 @@ def _adamw(weight: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.T
     weight.copy_(_round(w, weight.dtype, _mix(_mix(low ^ key) ^ high)))
 
 
-def _scalars(hyper: ctypes.Structure, device: torch.device) -> torch.Tensor:
+def _adamw(weight: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: torch.Tensor, key: int,
+           first2: int, high: int) -> None:
+    """One piece's AdamW in place (:func:`adam`, :func:`store`)."""
+    w, mm, vv = adam(weight, grad, m, v, h)
+    m.copy_(mm)
+    v.copy_(vv)
+    store(weight, w, key, first2, high)
+
+
+def scalars(hyper: ctypes.Structure, device: torch.device) -> torch.Tensor:
     """``hyper``'s values as a float32 tensor on ``device``, made once for each set of values (one copy to the
     device for all the pieces of every variable that shares them, where a copy a piece would wait for the device
     each time); the last few kept."""
@@ -100,10 +113,42 @@ def _scalars(hyper: ctypes.Structure, device: torch.device) -> torch.Tensor:
     return made[values, device]
 
 
-def _compiled():
-    if "fn" not in _state:
-        _state["fn"] = torch.compile(_adamw, dynamic=True, fullgraph=True, options=_OPTIONS)
-    return _state["fn"]
+def counters(rounding: tuple[int, int] | None, offset: int = 0) -> tuple[int, int, int]:
+    """:func:`store`'s ``(key, first2, high)`` of a piece's rounding ``(key, first counter)`` (None: float32),
+    its elements from ``offset`` on."""
+    key, first = rounding if rounding is not None else (0, 0)
+    return _int32(key), first + offset + 2, _high(key)
+
+
+class Exact:
+    """``fn`` compiled with eager numerics on its first call, under ``no_grad`` (the mode the engine updates in:
+    one compilation); where the compiler fails, said once on one line, ``fn`` itself, uncompiled, from then on
+    (and :func:`routes` False for every device)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.compiled = None
+
+    def __call__(self, *args) -> None:
+        if "failed" not in _state:
+            try:
+                if self.compiled is None:
+                    self.compiled = torch.compile(self.fn, dynamic=True, fullgraph=True, options=_OPTIONS)
+                with torch.no_grad():
+                    self.compiled(*args)
+                return
+            except torch.OutOfMemoryError:
+                raise  # the device's memory, not the compiler: the ops would need more
+            except Exception as e:  # noqa: BLE001 - the compiler fails in many ways (before it writes anything)
+                _state["failed"] = True
+                line = next((x for x in str(e).strip().splitlines() if x.strip()), type(e).__name__)
+                device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "the device")
+                print(f"ipuft: the compiled one-pass update is not available on {device} ({line[:200]}); the "
+                      f"optimizer updates with torch ops instead (the same results, more slowly)", file=sys.stderr)
+        self.fn(*args)
+
+
+ADAMW = Exact(_adamw)
 
 
 def routes(device: torch.device) -> bool:
@@ -134,19 +179,4 @@ def adamw_(weight: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.T
     """:func:`ipuft.engine.fused.adamw_` by the compiled kernel, on ``weight``'s device (a piece :func:`serves`
     takes). Where it cannot compile it says so once and runs the same ops uncompiled (then :func:`routes` is
     False, and the engine keeps its torch-op update from the next group on)."""
-    key, first = rounding if rounding is not None else (0, 0)
-    args = (weight.view(-1), grad.view(-1), m.view(-1), v.view(-1), _scalars(hyper, weight.device), _int32(key),
-            first + 2, _high(key))
-    if "failed" not in _state:
-        try:
-            with torch.no_grad():  # the mode the engine updates in: one compilation
-                _compiled()(*args)
-            return
-        except torch.OutOfMemoryError:
-            raise  # the device's memory, not the compiler: the ops would need more
-        except Exception as e:  # noqa: BLE001 - the compiler fails in many ways (before it writes anything)
-            _state["failed"] = True
-            line = next((x for x in str(e).strip().splitlines() if x.strip()), type(e).__name__)
-            print(f"ipuft: the compiled one-pass update is not available on {weight.device.type} ({line[:200]}); the "
-                  f"optimizer updates with torch ops instead (the same results, more slowly)", file=sys.stderr)
-    _adamw(*args)
+    ADAMW(weight.view(-1), grad.view(-1), m.view(-1), v.view(-1), scalars(hyper, weight.device), *counters(rounding))

@@ -14,7 +14,7 @@ once (no contraction into fused multiply-adds, no fast-math), so its results equ
 
 Recipes: float32 weights; bfloat16 and float16 weights with stochastic rounding (the loss-scaled float16
 recipe included: the loss scale is part of the gradient's factor); float32 moments, or ``adamw8bit``'s
-block-wise 8-bit codes. On CUDA :mod:`ipuft.engine.compiled` does the same without the codes; anything
+block-wise 8-bit codes. On CUDA :mod:`ipuft.engine.compiled` does the same (the codes: the plugin's own); anything
 else (another device, a master copy, rounding to nearest) keeps the ops.
 
 ``IPUFT_UPDATE_KERNEL=0`` turns the kernel off; ``CC`` names the compiler (default ``cc``).

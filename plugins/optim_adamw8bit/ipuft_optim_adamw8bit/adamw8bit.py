@@ -19,9 +19,10 @@ import math
 import torch
 
 from ipuft.components import Init, VariableSpec
-from ipuft.engine import fused
+from ipuft.engine import compiled, fused
 from ipuft.optim import StepContext
 from ipuft_optim_adam.adamw import AdamW, requires_weight_decay
+from ipuft_optim_adamw8bit import compiled as compiled8
 from ipuft_optim_adamw8bit.quantize import Codebook, dequantize, quantize_
 
 ABSMAX = {"m": "m_absmax", "v": "v_absmax"}
@@ -84,18 +85,20 @@ class AdamW8bit(AdamW):
     def fused_step(self, names: list[str], weights: list[torch.Tensor], grads: list[torch.Tensor],
                    states: list[dict[str, torch.Tensor]], ctx: StepContext,
                    roundings: list[tuple[int, int | torch.Tensor] | None]) -> bool:
-        """:meth:`step_unit` in one pass per piece (:mod:`ipuft.engine.fused`): each block's codes decoded,
-        ``adamw``'s arithmetic, the weight stored (rounded stochastically when 16-bit) and the block quantized
-        again, bit for bit as the ops do it; the float32-moment pieces (norms, biases) as ``adamw``'s."""
-        if self.block_size > fused.MAX_BLOCK or not all(
-                fused.serves(w, g, r) and (w.device.type == "cpu" or s["m"].dtype != torch.uint8)
-                for w, g, s, r in zip(weights, grads, states, roundings, strict=True)):
-            return False  # the 8-bit pass is the CPU kernel's alone
+        """:meth:`step_unit` in one pass per piece (:mod:`ipuft.engine.fused`; on CUDA :mod:`.compiled`): each
+        block's codes decoded, ``adamw``'s arithmetic, the weight stored (rounded stochastically when 16-bit) and
+        the block quantized again, bit for bit as the ops do it; the float32-moment pieces (norms, biases) as
+        ``adamw``'s."""
+        if not all(fused.serves(w, g, r) and (compiled.routes(w.device) or self.block_size <= fused.MAX_BLOCK)
+                   for w, g, r in zip(weights, grads, roundings, strict=True)):
+            return False
         for name, w, g, s, r in zip(names, weights, grads, states, roundings, strict=True):
             scalars = self.scalars(name, ctx, ctx.grad_factor)
             if s["m"].dtype != torch.uint8:
                 fused.adamw_(w, g, s["m"], s["v"], scalars, r)
                 continue
-            fused.adamw8bit_(w, g, {k: s[k] for k in ABSMAX}, {k: s[a] for k, a in ABSMAX.items()},
-                             {k: self.books[k].tables(w.device) for k in ABSMAX}, self.block_size, scalars, r)
+            on_device = w.device.type != "cpu" or compiled.routes(w.device)  # (a failed compile runs its ops)
+            update = compiled8.adamw8bit_ if on_device else fused.adamw8bit_
+            update(w, g, {k: s[k] for k in ABSMAX}, {k: s[a] for k, a in ABSMAX.items()},
+                   {k: self.books[k].tables(w.device) for k in ABSMAX}, self.block_size, scalars, r)
         return True
