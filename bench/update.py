@@ -91,6 +91,12 @@ def rounding(value: torch.Tensor, weight: torch.Tensor, step: int, float_formula
     return time.perf_counter() - start_time
 
 
+def torch_fused(w: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: torch.Tensor) -> None:
+    """torch's fused AdamW (``torch._fused_adamw_``) on one float32 variable: the bench's reference."""
+    torch._fused_adamw_([w], [grad], [m], [v], [], [step], lr=1e-5, beta1=0.9, beta2=0.999, weight_decay=0.01,
+                        eps=1e-8, amsgrad=False, maximize=False, grad_scale=None, found_inf=None)
+
+
 def peers(shape: tuple[int, int], rounds: int) -> dict[str, tuple[float, int]]:
     """Each variant's median seconds for one update of a ``shape`` matrix, and the bytes it moves a parameter."""
     n = shape[0] * shape[1]
@@ -107,14 +113,9 @@ def peers(shape: tuple[int, int], rounds: int) -> dict[str, tuple[float, int]]:
     codes |= {f"{k}_absmax": torch.zeros(-(-n // BLOCK)) for k in ("m", "v")}
     step_t = torch.tensor(3.0)
 
-    def torch_fused():
-        torch._fused_adamw_([copies["w"]], [grad], [copies["m"]], [copies["v"]], [], [step_t], lr=1e-5, beta1=0.9,
-                            beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False,
-                            grad_scale=None, found_inf=None)
-
     variants = {
         "float32 copy_": (lambda: copies["dst"].copy_(weight), 8),
-        "torch fused AdamW": (torch_fused, 28),
+        "torch fused AdamW": (lambda: torch_fused(copies["w"], grad, copies["m"], copies["v"], step_t), 28),
         "ipuft adamw float32": (lambda: fused.adamw_(copies["w"], grad, copies["m"], copies["v"], hyper), 28),
         "ipuft adamw bf16 + SR": (lambda: fused.adamw_(copies["half"], grad, copies["m"], copies["v"], hyper,
                                                        (12345, 0)), 24),
@@ -150,11 +151,6 @@ def device_peers(shape: tuple[int, int], rounds: int, device: torch.device) -> d
     step_t = torch.tensor(3.0, device=device)
     pieces = [(a, b) for group in update_groups([("w", n)], update_chunk(device)) for _, a, b in group]
 
-    def torch_fused():
-        torch._fused_adamw_([t["w"]], [grad], [t["m"]], [t["v"]], [], [step_t], lr=1e-5, beta1=0.9, beta2=0.999,
-                            weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False, grad_scale=None,
-                            found_inf=None)
-
     def ops(half: bool):
         for a, b in pieces:
             view = t["half"][a:b].float() if half else t["w"][a:b]
@@ -182,7 +178,7 @@ def device_peers(shape: tuple[int, int], rounds: int, device: torch.device) -> d
 
     variants = {
         "float32 copy_": (lambda: t["dst"].copy_(weight), 8),
-        "torch fused AdamW": (torch_fused, 28),
+        "torch fused AdamW": (lambda: torch_fused(t["w"], grad, t["m"], t["v"], step_t), 28),
         "ipuft adamw8bit, ops": (lambda: eight_bit(False), 16),
         "ipuft adamw8bit": (lambda: eight_bit(True), 16),
         "ipuft adamw float32, ops": (lambda: ops(False), 28),

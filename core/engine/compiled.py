@@ -28,25 +28,20 @@ import sys
 
 import torch
 
-from ipuft.precision import _high, _int32
+from ipuft.precision import _high, _int32, _shr32
 
 INT31 = 1 << 31
 _OPTIONS = {"emulate_precision_casts": True, "eager_numerics.division_rounding": True}
 _state: dict[str, object] = {}
 
 
-def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
-    """The logical right shift of int32 ``x`` read as unsigned."""
-    return (x >> s) & ((1 << (32 - s)) - 1)
-
-
 def _mix(x: torch.Tensor) -> torch.Tensor:
     """MurmurHash3's finaliser on int32 read as unsigned (:func:`ipuft.precision._mix32_`)."""
-    x = x ^ _shr(x, 16)
+    x = x ^ _shr32(x, 16)
     x = x * _int32(0x85EBCA6B)
-    x = x ^ _shr(x, 13)
+    x = x ^ _shr32(x, 13)
     x = x * _int32(0xC2B2AE35)
-    return x ^ _shr(x, 16)
+    return x ^ _shr32(x, 16)
 
 
 def _round(value: torch.Tensor, dtype: torch.dtype, bits: torch.Tensor) -> torch.Tensor:
@@ -56,12 +51,12 @@ def _round(value: torch.Tensor, dtype: torch.dtype, bits: torch.Tensor) -> torch
     u = value.view(torch.int32)
     magnitude = u & 0x7FFFFFFF
     if dtype == torch.bfloat16:
-        summed = ((u + _shr(bits, 16)) & -(1 << 16)).view(torch.float32)
+        summed = ((u + _shr32(bits, 16)) & -(1 << 16)).view(torch.float32)
         return torch.where(magnitude >= 0x7F7F0000, value, summed).to(dtype)
-    summed = ((u + _shr(bits, 19)) & -(1 << 13)).view(torch.float32)
+    summed = ((u + _shr32(bits, 19)) & -(1 << 13)).view(torch.float32)
     scaled = value.abs() * 2.0**24  # float16's subnormals in units of the smallest: exact
     whole = torch.floor(scaled)
-    uniform = _shr(bits, 8).float() * 2.0**-24
+    uniform = _shr32(bits, 8).float() * 2.0**-24
     up = torch.where(uniform >= 1.0 - (scaled - whole), whole + 1.0, whole)
     subnormal = torch.copysign(up * 2.0**-24, value)
     normal = (magnitude >= 0x38800000) | (magnitude == 0)

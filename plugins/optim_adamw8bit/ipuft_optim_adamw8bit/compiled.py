@@ -10,7 +10,7 @@ import ctypes
 import torch
 
 from ipuft.engine import compiled
-from ipuft_optim_adamw8bit.quantize import BUCKET_SHIFT
+from ipuft_optim_adamw8bit.quantize import encode
 
 
 def _decode(codes: torch.Tensor, absmax: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -18,8 +18,7 @@ def _decode(codes: torch.Tensor, absmax: torch.Tensor, values: torch.Tensor) -> 
 
 
 def _encode(x: torch.Tensor, base: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
-    bucket = (x.view(torch.int32) >> BUCKET_SHIFT) & ((1 << (32 - BUCKET_SHIFT)) - 1)
-    return (base[bucket].int() + (x > bound[bucket]).int()).to(torch.uint8)
+    return encode(x.reshape(-1), base, bound).view(x.shape)
 
 
 def _adamw8bit(weight: torch.Tensor, grad: torch.Tensor, mc: torch.Tensor, vc: torch.Tensor, m_absmax: torch.Tensor,

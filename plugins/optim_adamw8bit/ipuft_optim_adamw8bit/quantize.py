@@ -100,6 +100,15 @@ def code_words(base: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
     return torch.cat(words)
 
 
+def encode(x: torch.Tensor, base: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """The uint8 codes of flat float32 ``x`` by a map's bucket tables (:func:`bucket_tables`): ``base + (x >
+    bound)`` of each float's bucket (:meth:`Codebook.encode`; the compiled kernel's too)."""
+    bucket = x.view(torch.int32).bitwise_right_shift(BUCKET_SHIFT).bitwise_and_((1 << (32 - BUCKET_SHIFT)) - 1)
+    code = base.index_select(0, bucket)
+    code += x > bound.index_select(0, bucket)  # base + 1 <= 255: a bound in the bucket is above ``base`` others
+    return code
+
+
 class Codebook:
     """One dynamic data type: its values, and the tables that find each float32's nearest value, per device."""
 
@@ -121,11 +130,7 @@ class Codebook:
         the lower on a tie, i.e. the number of bounds below it (what ``searchsorted`` over the bounds counts,
         several times faster: two gathers by the float's top 17 bits and one comparison)."""
         _, base, bound, _ = self.tables(normalized.device)
-        x = normalized.contiguous().view(-1)
-        bucket = x.view(torch.int32).bitwise_right_shift(BUCKET_SHIFT).bitwise_and_((1 << (32 - BUCKET_SHIFT)) - 1)
-        code = base.index_select(0, bucket)
-        code += x > bound.index_select(0, bucket)  # base + 1 <= 255: a bound in the bucket is above ``base`` others
-        return code.view(normalized.shape)
+        return encode(normalized.contiguous().view(-1), base, bound).view(normalized.shape)
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """The float32 value of each uint8 code."""
