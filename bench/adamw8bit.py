@@ -43,7 +43,7 @@ def update(opt: Optimizer, weight: torch.Tensor, grad: torch.Tensor, state: dict
 
 
 def bench_update(args: argparse.Namespace) -> None:
-    retain_freed_memory()  # as the engine does (execution.retain_host_memory): a piece's temporaries are reused
+    retain_freed_memory(args.hidden)  # as the engine does (execution.retain_host_memory): temporaries reused
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(args.rows, args.hidden, generator=g) * 0.02
     grad = torch.randn(args.rows, args.hidden, generator=g) * 1e-3

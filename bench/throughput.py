@@ -16,6 +16,8 @@ without recompute and with recompute and offload, each against transformers' mod
 torch.optim.AdamW and clip_grad_norm_, without gradient checkpointing (the Trainer's default step).
 ``--processes``: each runner in a process of its own, as a user runs one (one untimed step, then ``--steps``
 timed), the processes started in turn for each of ``--repeats`` rounds; the median over all of a runner's steps.
+ipuft's processes get huge pages, as the ``ipuft`` console script sets them (:mod:`ipuft.hostmem`); the
+baseline's the environment's (torch's default: none).
 A process holds one model, so a 0.5B-parameter model fits where four in one process do not.
 """
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -31,6 +34,7 @@ import torch.nn.functional as F
 
 from ipuft.config import load_config
 from ipuft.data.synthetic import SampleData
+from ipuft.hostmem import HUGE_PAGES_ENV
 from ipuft.plugins import create_plugin_manager
 from ipuft.run.runtime import build_engine
 
@@ -112,11 +116,13 @@ def by_processes(args, names: list[str], cfg) -> dict:
     import sys
 
     seconds = {name: [] for name in names}
+    ours = dict(os.environ)  # ipuft's runners as the console script runs them: huge pages (ipuft.hostmem)
+    ours.setdefault(HUGE_PAGES_ENV, "1")
     for _ in range(args.repeats):
         for name in names:
             done = subprocess.run([sys.executable, __file__, "--real", args.real, "--child", name, "--home", args.home,
                                    "--steps", str(args.steps), *args.overrides], capture_output=True, text=True,
-                                  check=False)
+                                  check=False, env=os.environ if name == "baseline" else ours)
             if done.returncode:  # the child's own last lines say why
                 raise SystemExit(f"the {name} runner failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
             seconds[name] += json.loads(done.stdout.strip().splitlines()[-1])

@@ -11,7 +11,7 @@ graphs kept by ``execution.recompute=false`` grow the heap and shrink it again e
 defaults a ``recompute=false`` step faults in many thousands of pages afresh (docs/performance.md has the
 counts), a few hundred with this.
 
-:func:`retain_freed_memory` sets both thresholds once per process with ``mallopt``: blocks up to the
+:func:`retain_freed_memory` sets both thresholds with ``mallopt`` (each engine, for its model): blocks up to the
 threshold come from the heap, and freed heap memory is kept for reuse, as a caching allocator would. The
 process's resident memory then stays at its peak instead of falling between steps, which is what a step
 needs again anyway. It is process-wide, like the allocator it tunes; elsewhere than glibc it does nothing.
@@ -20,12 +20,17 @@ At GPT-J-6B's width a step also makes and frees many tensors of hundreds of MB (
 0.8 GB), always mapped afresh: faulted in 4 KiB at a time, millions of page faults a step.
 :func:`huge_pages_for_torch` asks torch's CPU allocator to back tensors of 2 MiB and more with transparent
 huge pages (``THP_MEM_ALLOC_ENABLE=1``, which torch reads at its first allocation: the ``ipuft`` console
-script sets it at start unless it is set), one fault per 2 MiB. With huge pages
-the heap keeps only blocks under 2 MiB (:func:`heap_block_limit`): blocks of 2-32 MiB kept in the heap
-fragment it (at micro-batch 4 it held far more than the step's tensors at its peak), while mapped
-afresh in huge pages they cost little. The kernel must allow huge pages
-(``/sys/kernel/mm/transparent_hugepage/enabled``: ``madvise`` or ``always``); without them the heap keeps
-blocks up to 32 MiB, as before.
+script sets it at start unless it is set), one fault per 2 MiB. The kernel must allow huge pages
+(``/sys/kernel/mm/transparent_hugepage/enabled``: ``madvise`` or ``always``).
+
+Which blocks the heap keeps then depends on the model's width (:func:`heap_block_limit`). A block mapped
+afresh is zeroed by the kernel each time, a cost that is the same per byte at any width while the matmuls that
+make and use the block grow with the hidden size. So a model narrower than :data:`WIDE` (hidden 2048) keeps
+blocks up to 32 MiB in the heap, in huge pages still: SmolLM2-135M's no-recompute step (hidden 576, its
+activations 2-5 MiB) ran 4-9% slower with them mapped afresh, and about as fast without huge pages. A wider
+one keeps only blocks under 2 MiB: at GPT-J-6B's width blocks of 2-32 MiB kept in the heap fragment it (at
+micro-batch 4 it held 0.5 GiB more than the step's tensors at its peak), while mapped afresh in huge pages they
+cost little beside the matmuls. docs/performance.md has the figures.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ MMAP_THRESHOLD_MAX = 32 * 1024 * 1024  # glibc's largest accepted M_MMAP_THRESHO
 HUGE_PAGE = 2 * 1024 * 1024  # torch backs tensors from this size with transparent huge pages
 TRIM_NEVER = 2**31 - 1  # an int's largest value: free heap memory is returned to the kernel only beyond 2 GiB
 HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"
+WIDE = 2048  # the hidden size from which, with huge pages, the heap keeps only blocks under 2 MiB
 
 
 def huge_pages_for_torch() -> None:
@@ -53,24 +59,28 @@ def huge_pages_for_torch() -> None:
 def huge_pages() -> bool:
     """Whether torch's large CPU tensors get transparent huge pages in this process: asked for, and allowed by
     the kernel."""
-    if os.environ.get(HUGE_PAGES_ENV) != "1":
-        return False
+    return os.environ.get(HUGE_PAGES_ENV) == "1" and kernel_allows_huge_pages()
+
+
+def kernel_allows_huge_pages() -> bool:
+    """Whether the kernel gives transparent huge pages to memory that asks for them."""
     try:
         return "[never]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
     except OSError:
         return False
 
 
-def heap_block_limit() -> int:
-    """The largest block the heap serves (and keeps, with :func:`retain_freed_memory`): under 2 MiB with huge
-    pages, else up to 32 MiB."""
-    return HUGE_PAGE if huge_pages() else MMAP_THRESHOLD_MAX
+def heap_block_limit(hidden_size: int) -> int:
+    """The largest block the heap serves (and keeps, with :func:`retain_freed_memory`) for a model of
+    ``hidden_size``: up to 32 MiB, or under 2 MiB with huge pages from :data:`WIDE` on."""
+    return HUGE_PAGE if huge_pages() and hidden_size >= WIDE else MMAP_THRESHOLD_MAX
 
 
-@functools.cache  # once per process
-def retain_freed_memory() -> bool:
-    """Keep freed host memory in the process for reuse; True once glibc has taken both settings."""
-    return _mallopt({M_MMAP_THRESHOLD: heap_block_limit(), M_TRIM_THRESHOLD: TRIM_NEVER})
+def retain_freed_memory(hidden_size: int) -> bool:
+    """Keep freed host memory in the process for reuse, the heap serving blocks up to
+    :func:`heap_block_limit` of ``hidden_size`` (process-wide: the last engine built sets it); True once glibc
+    has taken both settings."""
+    return _mallopt({M_MMAP_THRESHOLD: heap_block_limit(hidden_size), M_TRIM_THRESHOLD: TRIM_NEVER})
 
 
 def _mallopt(settings: dict[int, int]) -> bool:

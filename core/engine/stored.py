@@ -66,7 +66,7 @@ class StoredModel:
         self.recipe = recipe(cfg)
         self.host_update = step_shape(cfg).host_update and optimizer is not None
         if cfg.execution.retain_host_memory:
-            retain_freed_memory()
+            retain_freed_memory(cfg.model.hidden_size)
         self.store = VariableStore(self.device, offload=cfg.execution.offload)
         for module in self.modules.values():
             module.train(optimizer is not None)

@@ -108,12 +108,13 @@ def fake_unit(parts: ModelParts, role: str, cfg: DictConfig, device: torch.devic
 class LiveBytes(TorchDispatchMode):
     """Follows every tensor an op makes inside the block until it is freed, by its storage: the peak of the
     bytes alive at once (``peak``), and of those in blocks glibc's heap serves (``heap_peak``: under
-    :func:`ipuft.hostmem.heap_block_limit`; the heap keeps them, ``execution.retain_host_memory``). The
-    storages of ``existing`` tensors (weights, inputs), and views of them, are not counted."""
+    ``heap_limit``, the model's :func:`ipuft.hostmem.heap_block_limit`; the heap keeps them,
+    ``execution.retain_host_memory``). The storages of ``existing`` tensors (weights, inputs), and views of them,
+    are not counted."""
 
-    def __init__(self, existing: list[torch.Tensor]) -> None:
+    def __init__(self, existing: list[torch.Tensor], heap_limit: int) -> None:
         super().__init__()
-        self._heap_limit = heap_block_limit()
+        self._heap_limit = heap_limit
         self._existing = {StorageWeakRef(t.untyped_storage()).cdata for t in existing}
         self._alive: dict[int, tuple[StorageWeakRef, int]] = {}
         self.peak = self.heap_peak = 0
@@ -237,8 +238,10 @@ def _layer_cost(parts: ModelParts, role: str, cfg: DictConfig, device: torch.dev
 def _unit_cost(module, params, args, mode: FakeTensorMode, cfg: DictConfig, tables: set[str]) -> UnitCost:
     existing = [*params.values(), *args]
     leaves = [t for t in existing if t.requires_grad]
+    heap_limit = heap_block_limit(cfg.model.hidden_size)
     with mode:
-        with torch.no_grad(), LiveBytes(existing) as forward_live, FlopCounterMode(display=False) as counted:
+        with (torch.no_grad(), LiveBytes(existing, heap_limit) as forward_live,
+              FlopCounterMode(display=False) as counted):
             functional_call(module, params, args)
         forward = counted.get_total_flops()
         if not leaves:  # a frozen first unit: its backward does nothing
@@ -248,7 +251,7 @@ def _unit_cost(module, params, args, mode: FakeTensorMode, cfg: DictConfig, tabl
         taken = WeightGradients(leaves, slices)
         homes = {id(leaf): torch.empty_like(leaf) for leaf in leaves}  # the stored gradients a take writes into
         chunks = head_chunks(cfg.execution.head_chunk_tokens, 1.0, cfg.execution.head_vocab_slices)
-        with LiveBytes([*existing, *homes.values(), *slices.tables.values()]) as live, chunks:
+        with LiveBytes([*existing, *homes.values(), *slices.tables.values()], heap_limit) as live, chunks:
             with taking_weight_gradients(taken):
                 with recompute(), FlopCounterMode(display=False) as counted:
                     out = functional_call(module, params, args)
