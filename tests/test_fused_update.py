@@ -122,6 +122,38 @@ def test_bfloat16_consecutive_counters_are_the_ops_bit_for_bit(grad16, first):
 
 
 @needs_kernel
+@pytest.mark.parametrize("grad16", [False, True], ids=["float32-grad", "bf16-grad"])
+def test_bfloat16_rounds_its_largest_values_inf_and_nan_as_the_ops_in_any_chunk(grad16):
+    """The consecutive loop rounds chunks of 16 by the plain stochastic sum and takes the branch to nearest only
+    for a chunk holding a value next to bfloat16's largest, an infinity or a NaN: such values at a chunk's start
+    and end, alone or several in one chunk, and in the loop's tail (the last thread's range ends 9 elements past a
+    chunk), round as the ops do; so do their chunks' ordinary neighbours. A NaN stays NaN, with other bits: the
+    ops' float formulation writes 0xFFFF, the kernel bfloat16's quiet NaN 0x7FC0 (as it did before the chunks)."""
+    opt = AdamW(0.9, 0.999, 1e-6, weight_decay=0.0)
+    # a step of about 1e36, bfloat16's largest 3.39e38 a step of 1.3e36: the largest move past it (their float32
+    # values between it and infinity, where the plain sum would carry into infinity) or below it
+    ctx = StepContext(lr=1e36, step=2, global_norm=1.0, grad_factor=0.5)
+    start = case(torch.bfloat16, THREADED, grad16=grad16)
+    largest = torch.finfo(torch.bfloat16).max
+    specials = {0: largest, 15: -largest, 17: math.inf, 18: -math.inf, 19: math.nan, 4096 + 31: largest * 0.999,
+                THREADED - 25: math.nan, THREADED - 9: largest, THREADED - 1: -math.inf}
+    for at, value in specials.items():
+        start["w"][at] = value
+        start["g"][at], start["m"][at] = (-1e-2, -1e-3) if value > 0 else (1e-2, 1e-3)  # a step away from zero
+    assert THREADED % 16 == 9
+    ops = {k: t.clone() for k, t in start.items()}
+    ops_update(opt, "w", ops, ctx, 0)
+    kernel = {k: t.clone() for k, t in start.items()}
+    fused.adamw_(kernel["w"], kernel["g"], kernel["m"], kernel["v"], opt.scalars("w", ctx, ctx.grad_factor),
+                 (KEY, 0))
+    nan = kernel["w"].isnan()
+    assert nan.nonzero().flatten().tolist() == ops["w"].isnan().nonzero().flatten().tolist() == [19, THREADED - 25]
+    kernel["w"][nan] = ops["w"][nan] = 0.0
+    assert_same_bits(kernel, ops)
+    assert bits(kernel["w"][[0, 17, 18]]).tolist() == [0x7F7F, 0x7F80, -128]  # to nearest: unchanged, +inf, -inf
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_kernel_rounds_by_any_counters(dtype):
     """Counters given as every element's index (a TP shard's), some past 2^32 (their high half mixed in)."""
