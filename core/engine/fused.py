@@ -141,6 +141,13 @@ def serves(weight: torch.Tensor, grad: torch.Tensor, rounding: object) -> bool:
             and (weight.dtype == torch.float32) == (rounding is None) and library() is not None)
 
 
+def by_compiled(device: torch.device) -> bool:
+    """Whether a piece :func:`serves` takes on ``device`` is updated by the compiled kernel, not the C one: any
+    device but the CPU (after a failed compile too, whose eager functions run there), and the CPU where
+    :func:`ipuft.engine.compiled.routes` sends it."""
+    return device.type != "cpu" or compiled.routes(device)
+
+
 def _rounding(rounding: tuple[int, int | torch.Tensor] | None, n: int) -> tuple[int, int, int | None]:
     """``(key, first, indices pointer)`` of a piece's stochastic rounding: its key and either the variable-wide
     index of its first element (consecutive) or an int64 tensor of every element's."""
@@ -163,7 +170,7 @@ def adamw_(weight: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.T
     ``hyper.factor``) and
     float32 ``m``, ``v``; a 16-bit ``weight`` is rounded stochastically with ``rounding`` ``(key, counters)``."""
     n = weight.numel()
-    if weight.device.type != "cpu" or compiled.routes(weight.device):
+    if by_compiled(weight.device):
         compiled.adamw_(weight, grad, m, v, hyper, rounding)  # type: ignore[arg-type]
         return
     key, first, idx = _rounding(rounding, n)

@@ -97,8 +97,7 @@ class AdamW8bit(AdamW):
             if s["m"].dtype != torch.uint8:
                 fused.adamw_(w, g, s["m"], s["v"], scalars, r)
                 continue
-            on_device = w.device.type != "cpu" or compiled.routes(w.device)  # (a failed compile runs its ops)
-            update = compiled8.adamw8bit_ if on_device else fused.adamw8bit_
+            update = compiled8.adamw8bit_ if fused.by_compiled(w.device) else fused.adamw8bit_
             update(w, g, {k: s[k] for k in ABSMAX}, {k: s[a] for k, a in ABSMAX.items()},
                    {k: self.books[k].tables(w.device) for k in ABSMAX}, self.block_size, scalars, r)
         return True
