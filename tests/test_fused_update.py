@@ -9,6 +9,7 @@ import itertools
 import json
 import math
 import os
+import platform
 import shutil
 from pathlib import Path
 
@@ -67,6 +68,26 @@ def assert_same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> 
 needs_kernel = pytest.mark.skipif(fused.library() is None, reason="no C compiler: the kernel is not built")
 
 
+@pytest.fixture(scope="module")
+def avx2_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("kernel-without-avx512")
+
+
+@pytest.fixture(params=["native", "without-avx512"])
+def build(request, monkeypatch, avx2_cache) -> str:
+    """The kernel as this machine builds it (``-march=native``), and built without AVX-512, so that on an AVX-512
+    CPU the tests go through both its vector paths: the byte permutes' decoding and the compiler's gathers there,
+    the table reads and the hand-written AVX2 encoding on the rest (on an AVX2 CPU the two builds are the same)."""
+    if request.param != "native":
+        if platform.machine().lower() not in ("x86_64", "amd64"):
+            pytest.skip("-mno-avx512f is an x86-64 compiler's flag")
+        monkeypatch.setattr(fused, "FLAGS", [*fused.FLAGS, "-mno-avx512f"])
+        monkeypatch.setenv("IPUFT_KERNEL_CACHE", str(avx2_cache))
+        monkeypatch.setattr(fused, "_state", {})
+        assert fused.library() is not None
+    return request.param
+
+
 def test_the_kernel_builds_where_there_is_a_compiler():
     if shutil.which("cc"):
         assert fused.library() is not None
@@ -123,7 +144,7 @@ def test_bfloat16_consecutive_counters_are_the_ops_bit_for_bit(grad16, first):
 
 @needs_kernel
 @pytest.mark.parametrize("grad16", [False, True], ids=["float32-grad", "bf16-grad"])
-def test_bfloat16_rounds_its_largest_values_inf_and_nan_as_the_ops_in_any_chunk(grad16):
+def test_bfloat16_rounds_its_largest_values_inf_and_nan_as_the_ops_in_any_chunk(grad16, build):
     """The consecutive loop rounds chunks of 16 by the plain stochastic sum and takes the branch to nearest only
     for a chunk holding a value next to bfloat16's largest, an infinity or a NaN: such values at a chunk's start
     and end, alone or several in one chunk, and in the loop's tail (the last thread's range ends 9 elements past a
@@ -170,7 +191,7 @@ def test_the_kernel_rounds_by_any_counters(dtype):
 
 @needs_kernel
 @pytest.mark.parametrize("signed", [True, False], ids=["m", "v"])
-def test_the_kernel_encodes_every_float_next_to_a_bound_as_the_codebook(signed):
+def test_the_kernel_encodes_every_float_next_to_a_bound_as_the_codebook(signed, build):
     """Each of the 255 bounds and the 64 float32 values either side of it, the map's values, zeros, ±1, ±inf, the
     smallest normals and subnormals, floats either side of 2^-23 (below which the kernel's table has one bucket)
     and beyond ±1 (one word a side for all finite ones), the first, middle and last float of each of the 2^17
@@ -197,7 +218,7 @@ def test_the_kernel_encodes_every_float_next_to_a_bound_as_the_codebook(signed):
                                                    (torch.bfloat16, torch.float32)],
                          ids=["float32", "bf16-sr", "bf16-sr-float32-grad"])
 @pytest.mark.parametrize("block", [64, 256])
-def test_the_8bit_kernel_is_the_ops_bit_for_bit(dtype, grad_dtype, block):
+def test_the_8bit_kernel_is_the_ops_bit_for_bit(dtype, grad_dtype, block, build):
     """Codes, absmax, weights: the same as dequantize → ``adamw``'s ops → quantize, over three steps, a short
     last block included, in pieces cut on block boundaries; norms' float32 moments go through ``adamw_``."""
     opt = AdamW8bit(0.9, 0.999, 1e-6, 0.1, block)
@@ -229,6 +250,40 @@ def test_the_8bit_kernel_is_the_ops_bit_for_bit(dtype, grad_dtype, block):
                      dict(zip("w", [states["ops"][0]])) | states["ops"][1])
     assert int(states["kernel"][1]["m"].ne(0).sum()) > n // 2  # the codes really moved
 
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16-sr"])
+def test_the_8bit_kernel_decodes_every_code_at_every_position_as_the_ops(dtype, build):
+    """Each of the 256 codes of both maps at each of the 64 positions of a group (the byte permutes decode 64
+    codes at a time, their groups of 4 transposed), and a short group at the end: decoded, updated and encoded
+    again, the weights, codes and absmax are the ops' bit for bit."""
+    block, groups = 256, 256
+    n = 64 * groups + 37
+    position, group = torch.arange(n) % 64, torch.arange(n) // 64
+    codes = {"m": ((group + 5 * position) % 256).to(torch.uint8),
+             "v": ((group * 3 + 11 * position) % 256).to(torch.uint8)}
+    assert all(len(set(c[position == p].tolist())) == 256 for c in codes.values() for p in (0, 17, 63))
+    g = torch.Generator().manual_seed(7)
+    absmax = {"m_absmax": torch.rand(-(-n // block), generator=g) * 1e-2 + 1e-4,
+              "v_absmax": torch.rand(-(-n // block), generator=g) * 1e-4 + 1e-6}
+    w, grad = (torch.randn(n, generator=g) * 0.02).to(dtype), torch.randn(n, generator=g) * 1e-2
+    opt = AdamW8bit(0.9, 0.999, 1e-6, 0.1, block)
+    ctx = StepContext(lr=3e-3, step=4, global_norm=1.0, grad_factor=1.0)
+    out = {}
+    for way in ("ops", "kernel"):
+        state = {k: c.clone() for k, c in codes.items()} | {k: a.clone() for k, a in absmax.items()}
+        weight = w.clone()
+        if way == "ops":
+            view = weight if dtype == torch.float32 else weight.float()
+            opt.step_unit(["h.0.mlp.weight"], [view], [grad.clone()], [state], ctx)
+            if view is not weight:
+                stochastic_round_(weight, view, KEY, lambda a, c: a)
+        else:
+            assert opt.fused_step(["h.0.mlp.weight"], [weight], [grad], [state], ctx,
+                                  [None if dtype == torch.float32 else (KEY, 0)])
+        out[way] = {"w": weight} | state
+    assert_same_bits(out["kernel"], out["ops"])
 
 
 @needs_kernel

@@ -289,6 +289,50 @@ __attribute__((noinline)) static void encode_block(const uint32_t *restrict bits
 
 #define MAX_BLOCK 4096
 
+/* A block's moments decoded from their codes. With AVX-512 VBMI (Ice Lake, Zen 4 and later): a pass of byte
+   permutes, a map's 256 values held as 4 planes of bytes (vpermi2b reads 128 of a plane's bytes by each code's low
+   7 bits, its top bit picks the half), then unpacked into floats: 64 codes in 27 instructions, where the table
+   reads that the compiler makes of values[code] are 5 an element (the 8-bit update in 0.88x the time with float32
+   weights, 0.82x with bfloat16 + SR, Zen 4, 2026-12-07); the update's loop then reads the floats. Elsewhere the
+   update's loop reads the table itself (as a pass of its own it cost more than it saved on Zen 3). */
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__) && defined(__x86_64__)
+#define BYTE_DECODE 1
+#include <immintrin.h>
+typedef struct { uint8_t plane[4][256]; } planes_t;  /* plane q: byte q of each value */
+
+static void value_planes(const float *values, planes_t *out) {
+    for (int k = 0; k < 256; k++)
+        for (int q = 0; q < 4; q++) out->plane[q][k] = (uint8_t)(as_bits(values[k]) >> (8 * q));
+}
+
+__attribute__((noinline)) static void decode_block(const uint8_t *restrict codes, const planes_t *restrict p,
+                                                   const float *restrict values, float *restrict out, int64_t count) {
+    /* the codes' groups of 4 transposed, so that the unpacks below (within 128-bit lanes) leave the values in order */
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    int64_t k = 0;
+    for (; k + 64 <= count; k += 64) {
+        __m512i c = _mm512_permutexvar_epi32(order, _mm512_loadu_si512(codes + k)), b[4];
+        __mmask64 upper = _mm512_movepi8_mask(c);  /* codes 128 to 255 */
+        for (int q = 0; q < 4; q++) {
+            const __m512i *t = (const __m512i *)p->plane[q];
+            __m512i lo = _mm512_permutex2var_epi8(_mm512_loadu_si512(t), c, _mm512_loadu_si512(t + 1));
+            __m512i hi = _mm512_permutex2var_epi8(_mm512_loadu_si512(t + 2), c, _mm512_loadu_si512(t + 3));
+            b[q] = _mm512_mask_blend_epi8(upper, lo, hi);
+        }
+        __m512i lo01 = _mm512_unpacklo_epi8(b[0], b[1]), hi01 = _mm512_unpackhi_epi8(b[0], b[1]);
+        __m512i lo23 = _mm512_unpacklo_epi8(b[2], b[3]), hi23 = _mm512_unpackhi_epi8(b[2], b[3]);
+        _mm512_storeu_si512(out + k, _mm512_unpacklo_epi16(lo01, lo23));
+        _mm512_storeu_si512(out + k + 16, _mm512_unpackhi_epi16(lo01, lo23));
+        _mm512_storeu_si512(out + k + 32, _mm512_unpacklo_epi16(hi01, hi23));
+        _mm512_storeu_si512(out + k + 48, _mm512_unpackhi_epi16(hi01, hi23));
+    }
+    for (; k < count; k++) out[k] = values[codes[k]];
+}
+#define DECODED(decoded, codes, values, k) (decoded)[k]
+#else
+#define DECODED(decoded, codes, values, k) (values)[(codes)[k]]
+#endif
+
 /* The larger of `most` and |x|'s bits: the block's absmax as the largest bit pattern of a non-negative float (which
    orders as the floats do, and puts any NaN above +inf: NaN propagates, as amax does); an integer maximum
    vectorises where a float one that keeps NaN does not. */
@@ -308,7 +352,7 @@ __attribute__((noinline)) static void adam8_float32(const hyper_t *restrict hp, 
     const hyper_t h = *hp;
     uint32_t mbits = 0, vbits = 0;
     for (int64_t k = 0; k < count; k++) {
-        float mk = m_values[mi[k]] * ms, vk = v_values[vi[k]] * vs;
+        float mk = DECODED(m, mi, m_values, k) * ms, vk = DECODED(v, vi, v_values, k) * vs;
         w[k] = adam(&h, w[k], grad[k], &mk, &vk);
         m[k] = mk; v[k] = vk;
         mbits = larger_bits(mbits, mk);
@@ -331,7 +375,7 @@ __attribute__((always_inline)) static inline void adam8_bf16_loop(
     const float *g32 = grad;
     const uint16_t *g16 = grad;
     for (int64_t k = 0; k < count; k++) {
-        float mk = m_values[mi[k]] * ms, vk = v_values[vi[k]] * vs;
+        float mk = DECODED(m, mi, m_values, k) * ms, vk = DECODED(v, vi, v_values, k) * vs;
         float g = grad_mode == W_FLOAT32 ? g32[k] : bf16_value(g16[k]);
         w[k] = sr_bf16(adam(&h, bf16_value(w[k]), g, &mk, &vk), mix32(mix32((low + (uint32_t)k) ^ key) ^ high));
         m[k] = mk; v[k] = vk;
@@ -363,10 +407,19 @@ static void *adamw8bit_range(void *arg) {
     float *m = mb.f, *v = vb.f;
     uint32_t high;
     int bf16_consecutive = j->mode == W_BFLOAT16_SR && consecutive_high(j, high0, &high);
+#ifdef BYTE_DECODE
+    planes_t mp, vp;
+    value_planes(j->m_values, &mp);
+    value_planes(j->v_values, &vp);
+#endif
     for (int64_t start = j->lo; start < j->hi; start += j->block) {
         int64_t b = start / j->block, count = j->hi - start < j->block ? j->hi - start : j->block;
         float ms = j->m_absmax[b], vs = j->v_absmax[b], mmax, vmax;
         uint32_t most[2] = {0, 0};  /* the bits of the largest |m| and v (larger_bits; v is >= 0 or NaN) */
+#ifdef BYTE_DECODE
+        decode_block(mc + start, &mp, j->m_values, m, count);
+        decode_block(vc + start, &vp, j->v_values, v, count);
+#endif
         if (j->mode == W_FLOAT32 && j->grad_mode == W_FLOAT32) {  /* float32 weights: one loop that vectorises */
             adam8_float32(&h, (float *)j->weight + start, (const float *)j->grad + start, mc + start, vc + start,
                           j->m_values, j->v_values, ms, vs, m, v, most, count);
@@ -379,7 +432,8 @@ static void *adamw8bit_range(void *arg) {
         } else {
             for (int64_t k = 0; k < count; k++) {
                 int64_t i = start + k;
-                float mk = j->m_values[mc[i]] * ms, vk = j->v_values[vc[i]] * vs;
+                float mk = DECODED(m, mc + start, j->m_values, k) * ms;
+                float vk = DECODED(v, vc + start, j->v_values, k) * vs;
                 float w = adam(&h, load(j->weight, j->mode, i), load(j->grad, j->grad_mode, i), &mk, &vk);
                 store_weight(j, i, w, high0);
                 m[k] = mk; v[k] = vk;
@@ -448,9 +502,14 @@ int ipuft_adamw(int64_t n, void *weight, int mode, const void *grad, int grad_mo
     return run(&job, threads, grain, adamw_range);
 }
 
-/* The codes of n normalized floats by a map's table (for tests). */
+/* The codes of n normalized floats by a map's table, as the 8-bit update encodes a block's (for tests). */
 int ipuft_encode8(int64_t n, const float *x, uint8_t *codes, const uint32_t *table) {
-    for (int64_t k = 0; k < n; k++) codes[k] = encode(as_bits(x[k]), table);
+    uint32_t bits[MAX_BLOCK];
+    for (int64_t start = 0; start < n; start += MAX_BLOCK) {
+        int64_t count = n - start < MAX_BLOCK ? n - start : MAX_BLOCK;
+        memcpy(bits, x + start, (size_t)count * 4);
+        encode_block(bits, table, codes + start, count);
+    }
     return 0;
 }
 
