@@ -145,7 +145,7 @@ def test_bfloat16_consecutive_counters_are_the_ops_bit_for_bit(grad16, first):
 @needs_kernel
 @pytest.mark.parametrize("grad16", [False, True], ids=["float32-grad", "bf16-grad"])
 def test_bfloat16_rounds_its_largest_values_inf_and_nan_as_the_ops_in_any_chunk(grad16, build):
-    """The consecutive loop rounds chunks of 16 by the plain stochastic sum and takes the branch to nearest only
+    """The consecutive loop rounds chunks of 64 by the plain stochastic sum and takes the branch to nearest only
     for a chunk holding a value next to bfloat16's largest, an infinity or a NaN: such values at a chunk's start
     and end, alone or several in one chunk, and in the loop's tail (the last thread's range ends 9 elements past a
     chunk), round as the ops do; so do their chunks' ordinary neighbours. A NaN stays NaN, with other bits: the
@@ -156,22 +156,22 @@ def test_bfloat16_rounds_its_largest_values_inf_and_nan_as_the_ops_in_any_chunk(
     ctx = StepContext(lr=1e36, step=2, global_norm=1.0, grad_factor=0.5)
     start = case(torch.bfloat16, THREADED, grad16=grad16)
     largest = torch.finfo(torch.bfloat16).max
-    specials = {0: largest, 15: -largest, 17: math.inf, 18: -math.inf, 19: math.nan, 4096 + 31: largest * 0.999,
+    specials = {0: largest, 63: -largest, 65: math.inf, 66: -math.inf, 67: math.nan, 4096 + 31: largest * 0.999,
                 THREADED - 25: math.nan, THREADED - 9: largest, THREADED - 1: -math.inf}
     for at, value in specials.items():
         start["w"][at] = value
         start["g"][at], start["m"][at] = (-1e-2, -1e-3) if value > 0 else (1e-2, 1e-3)  # a step away from zero
-    assert THREADED % 16 == 9
+    assert THREADED % 64 == 9
     ops = {k: t.clone() for k, t in start.items()}
     ops_update(opt, "w", ops, ctx, 0)
     kernel = {k: t.clone() for k, t in start.items()}
     fused.adamw_(kernel["w"], kernel["g"], kernel["m"], kernel["v"], opt.scalars("w", ctx, ctx.grad_factor),
                  (KEY, 0))
     nan = kernel["w"].isnan()
-    assert nan.nonzero().flatten().tolist() == ops["w"].isnan().nonzero().flatten().tolist() == [19, THREADED - 25]
+    assert nan.nonzero().flatten().tolist() == ops["w"].isnan().nonzero().flatten().tolist() == [67, THREADED - 25]
     kernel["w"][nan] = ops["w"][nan] = 0.0
     assert_same_bits(kernel, ops)
-    assert bits(kernel["w"][[0, 17, 18]]).tolist() == [0x7F7F, 0x7F80, -128]  # to nearest: unchanged, +inf, -inf
+    assert bits(kernel["w"][[0, 65, 66]]).tolist() == [0x7F7F, 0x7F80, -128]  # to nearest: unchanged, +inf, -inf
 
 
 @needs_kernel
@@ -284,6 +284,39 @@ def test_the_8bit_kernel_decodes_every_code_at_every_position_as_the_ops(dtype, 
                                   [None if dtype == torch.float32 else (KEY, 0)])
         out[way] = {"w": weight} | state
     assert_same_bits(out["kernel"], out["ops"])
+
+
+@needs_kernel
+def test_the_8bit_bfloat16_loop_rounds_its_largest_values_inf_and_nan_as_the_ops_in_any_chunk(build):
+    """The 8-bit update's bfloat16 loop rounds in chunks of 64 as the float32-moment one does: values next to
+    bfloat16's largest, infinities and a NaN at a chunk's ends, several in one chunk, and in a block's short tail,
+    round as the ops do (NaN bits aside, as in the test above); so do their neighbours, and the codes match."""
+    block, n = 256, 3 * 256 + 100
+    opt = AdamW8bit(0.9, 0.999, 1e-6, 0.0, block)
+    ctx = StepContext(lr=1e36, step=2, global_norm=1.0, grad_factor=0.5)
+    g = torch.Generator().manual_seed(9)
+    w, grad = (torch.randn(n, generator=g) * 0.02).bfloat16(), torch.randn(n, generator=g) * 1e-2
+    largest = torch.finfo(torch.bfloat16).max
+    for at, value in {0: largest, 63: -largest, 65: math.inf, 66: -math.inf, 67: math.nan, 256 + 127: largest,
+                      3 * 256 + 70: -largest, n - 1: math.inf}.items():
+        w[at], grad[at] = value, -1e-2 if value > 0 else 1e-2
+    out = {}
+    for way in ("ops", "kernel"):
+        state = {k: torch.zeros(n, dtype=torch.uint8) for k in ("m", "v")}
+        state |= {k: torch.zeros(-(-n // block)) for k in ("m_absmax", "v_absmax")}
+        weight = w.clone()
+        if way == "ops":
+            view = weight.float()
+            opt.step_unit(["h.0.mlp.weight"], [view], [grad * 0.5], [state], ctx)
+            stochastic_round_(weight, view, KEY, lambda a, c: a)
+        else:
+            assert opt.fused_step(["h.0.mlp.weight"], [weight], [grad], [state], ctx, [(KEY, 0)])
+        out[way] = {"w": weight} | state
+    nan = out["kernel"]["w"].isnan()
+    assert nan.nonzero().flatten().tolist() == out["ops"]["w"].isnan().nonzero().flatten().tolist() == [67]
+    out["kernel"]["w"][nan] = out["ops"]["w"][nan] = 0.0
+    assert_same_bits(out["kernel"], out["ops"])
+    assert bits(out["kernel"]["w"][[65, 66]]).tolist() == [0x7F80, -128]
 
 
 @needs_kernel
