@@ -215,8 +215,8 @@ def test_the_kernel_encodes_every_float_next_to_a_bound_as_the_codebook(signed, 
 
 @needs_kernel
 @pytest.mark.parametrize(("dtype", "grad_dtype"), [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                                   (torch.bfloat16, torch.float32)],
-                         ids=["float32", "bf16-sr", "bf16-sr-float32-grad"])
+                                                   (torch.bfloat16, torch.float32), (torch.float16, torch.float16)],
+                         ids=["float32", "bf16-sr", "bf16-sr-float32-grad", "fp16-sr-general-loop"])
 @pytest.mark.parametrize("block", [64, 256])
 def test_the_8bit_kernel_is_the_ops_bit_for_bit(dtype, grad_dtype, block, build):
     """Codes, absmax, weights: the same as dequantize → ``adamw``'s ops → quantize, over three steps, a short
@@ -253,7 +253,8 @@ def test_the_8bit_kernel_is_the_ops_bit_for_bit(dtype, grad_dtype, block, build)
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16-sr"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["float32", "bf16-sr", "fp16-sr-general-loop"])
 def test_the_8bit_kernel_decodes_every_code_at_every_position_as_the_ops(dtype, build):
     """Each of the 256 codes of both maps at each of the 64 positions of a group (the byte permutes decode 64
     codes at a time, their groups of 4 transposed), and a short group at the end: decoded, updated and encoded
