@@ -18,8 +18,8 @@ from test_fused_update import (
     assert_same_bits,
     bits,
     case,
+    check_8bit_update,
     ops_update,
-    test_the_8bit_kernel_is_the_ops_bit_for_bit,
     test_the_8bit_kernel_keeps_the_ops_codes_of_a_non_finite_block,
 )
 
@@ -91,7 +91,7 @@ def test_the_8bit_update_is_the_ops_bit_for_bit(monkeypatch, dtype, grad_dtype):
     calls = []
     update = compiled8.adamw8bit_
     monkeypatch.setattr(compiled8, "adamw8bit_", lambda *a, **k: calls.append(1) or update(*a, **k))
-    test_the_8bit_kernel_is_the_ops_bit_for_bit(dtype, grad_dtype, 64)
+    check_8bit_update(dtype, grad_dtype, 64)
     assert len(calls) == 9  # three pieces, three steps
     if dtype == torch.float32:  # the same bits, but a NaN's, which are the compiler's
         monkeypatch.setattr(test_fused_update, "assert_same_bits", same_bits_but_nans)

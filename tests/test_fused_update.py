@@ -221,6 +221,11 @@ def test_the_kernel_encodes_every_float_next_to_a_bound_as_the_codebook(signed, 
 def test_the_8bit_kernel_is_the_ops_bit_for_bit(dtype, grad_dtype, block, build):
     """Codes, absmax, weights: the same as dequantize → ``adamw``'s ops → quantize, over three steps, a short
     last block included, in pieces cut on block boundaries; norms' float32 moments go through ``adamw_``."""
+    check_8bit_update(dtype, grad_dtype, block)
+
+
+def check_8bit_update(dtype: torch.dtype, grad_dtype: torch.dtype, block: int) -> None:
+    """The 8-bit update of ``fused_step`` (the C kernel, or where routed there the compiled one) against the ops."""
     opt = AdamW8bit(0.9, 0.999, 1e-6, 0.1, block)
     n = 40 * block + block // 3
     start = case(dtype, n)
