@@ -44,10 +44,14 @@ static inline uint32_t mix32(uint32_t x) {
     x ^= x >> 16; x *= 0x85EBCA6Bu; x ^= x >> 13; x *= 0xC2B2AE35u; return x ^ (x >> 16);
 }
 
+/* The rounding's 32 random bits of the element with counter low (its low half) under key, high being the mixed
+   high half of its counter (ipuft.precision._hash_). */
+static inline uint32_t random_bits(uint32_t low, uint32_t key, uint32_t high) { return mix32(mix32(low ^ key) ^ high); }
+
 static inline uint32_t bits_of(const job_t *j, int64_t i, uint32_t high0) {
     uint64_t index = j->idx ? (uint64_t)j->idx[i] : (uint64_t)(j->first + i);
     uint32_t high = (index >> 32) ? mix32((uint32_t)(index >> 32) ^ j->key ^ 0x9E3779B9u) : high0;
-    return mix32(mix32((uint32_t)index ^ j->key) ^ high);
+    return random_bits((uint32_t)index, j->key, high);
 }
 
 static inline uint32_t as_bits(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
@@ -132,11 +136,11 @@ __attribute__((always_inline)) static inline void sr_bf16_chunk(uint16_t *restri
     if (large) {
         for (int k = 0; k < SR_CHUNK; k++) {
             float x; memcpy(&x, &u[k], 4);
-            w[k] = sr_bf16(x, mix32(mix32((low + (uint32_t)k) ^ key) ^ high));
+            w[k] = sr_bf16(x, random_bits(low + (uint32_t)k, key, high));
         }
     } else {
         for (int k = 0; k < SR_CHUNK; k++)
-            w[k] = (uint16_t)((u[k] + (mix32(mix32((low + (uint32_t)k) ^ key) ^ high) >> 16)) >> 16);
+            w[k] = (uint16_t)((u[k] + (random_bits(low + (uint32_t)k, key, high) >> 16)) >> 16);
     }
 }
 
@@ -179,7 +183,7 @@ WIDE_VECTORS __attribute__((noinline)) static void adamw_bf16_consecutive(const 
             sr_bf16_chunk(w + i, u, large, low, key, high);
         }
         for (; i < j->hi; i++, low++)
-            w[i] = sr_bf16(adam(&h, bf16_value(w[i]), grad[i], m + i, v + i), mix32(mix32(low ^ key) ^ high));
+            w[i] = sr_bf16(adam(&h, bf16_value(w[i]), grad[i], m + i, v + i), random_bits(low, key, high));
     } else {
         const uint16_t *grad = j->grad;
         for (; i + SR_CHUNK <= j->hi; i += SR_CHUNK, low += SR_CHUNK) {
@@ -191,8 +195,7 @@ WIDE_VECTORS __attribute__((noinline)) static void adamw_bf16_consecutive(const 
             sr_bf16_chunk(w + i, u, large, low, key, high);
         }
         for (; i < j->hi; i++, low++)
-            w[i] = sr_bf16(adam(&h, bf16_value(w[i]), bf16_value(grad[i]), m + i, v + i),
-                           mix32(mix32(low ^ key) ^ high));
+            w[i] = sr_bf16(adam(&h, bf16_value(w[i]), bf16_value(grad[i]), m + i, v + i), random_bits(low, key, high));
     }
 }
 
@@ -395,7 +398,7 @@ __attribute__((always_inline)) static inline void adam8_bf16_loop(
     for (; k < count; k++) {
         float mk = DECODED(m, mi, m_values, k) * ms, vk = DECODED(v, vi, v_values, k) * vs;
         float g = grad_mode == W_FLOAT32 ? g32[k] : bf16_value(g16[k]);
-        w[k] = sr_bf16(adam(&h, bf16_value(w[k]), g, &mk, &vk), mix32(mix32((low + (uint32_t)k) ^ key) ^ high));
+        w[k] = sr_bf16(adam(&h, bf16_value(w[k]), g, &mk, &vk), random_bits(low + (uint32_t)k, key, high));
         m[k] = mk; v[k] = vk;
         mbits = larger_bits(mbits, mk);
         vbits = larger_bits(vbits, vk);
