@@ -193,10 +193,10 @@ def test_the_kernel_rounds_by_any_counters(dtype):
 @pytest.mark.parametrize("signed", [True, False], ids=["m", "v"])
 def test_the_kernel_encodes_every_float_next_to_a_bound_as_the_codebook(signed, build):
     """Each of the 255 bounds and the 64 float32 values either side of it, the map's values, zeros, ±1, ±inf, the
-    smallest normals and subnormals, floats either side of 2^-23 (below which the kernel's table has one bucket)
-    and beyond ±1 (one word a side for all finite ones), the first, middle and last float of each of the 2^17
-    buckets (NaNs included), and 10^5 uniform draws: the kernel's codes are the torch ops' (the count of bounds
-    below each, which test_adamw8bit checks against ``searchsorted``)."""
+    smallest normals and subnormals, floats either side of 2^-23 and beyond ±1, the first, middle and last float of
+    each of the 2^17 buckets (the kernel's table has a word for each; NaNs included), and 10^5 uniform draws: the
+    kernel's codes are the torch ops' (the count of bounds below each, which test_adamw8bit checks against
+    ``searchsorted``)."""
     book = Codebook(signed)
     near = (book.bounds.view(torch.int32)[:, None] + torch.arange(-64, 65, dtype=torch.int32)).view(torch.float32)
     special = torch.tensor([0.0, -0.0, 1.0, -1.0, math.inf, -math.inf, 1.2e-38, -1.2e-38, 1e-45, -1e-45, 2.0**-23,

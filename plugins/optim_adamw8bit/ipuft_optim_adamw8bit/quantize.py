@@ -72,32 +72,18 @@ def bucket_tables(bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return base.to(torch.uint8), bound.float()  # at most 255 bounds lie below any float
 
 
-LOW_BUCKET = (127 - 23) << 8  # 2^-23's bucket (positive)
-SIDE_BUCKETS = 23 * 256 + 1  # the buckets from 2^-23 up to 1.0's
-INF_BUCKET = 0xFF << 8  # +inf's (the NaNs' follow it)
-
-
 def code_words(base: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
-    """The one-pass kernel's table of buckets (``encode`` in ``ipuft/engine/update_kernel.c``), positive side then
-    negative, ``SIDE_BUCKETS + 2`` int32 words a side: the buckets of magnitude 2^-23 to 1, one word for every
-    finite float beyond 1, one for infinity and NaN. A word is ``base << 15 | (0x7FFF - low)``, ``low`` being the
-    low 15 bits of the bucket's ``bound`` (mirrored in negative buckets, so that a larger value has larger low bits;
-    0x7FFF where there is none), so that adding a float's own low 15 bits carries into bit 15 exactly when it lies
-    above the bound: the code is that sum shifted right by 15. Checked here: below 2^-23's buckets and beyond 1's,
-    the floats of a side all have their bucket's code (46 KiB, where the whole tables are 640)."""
-    words = []
-    for sign in (0, 1 << 16):
-        buckets = torch.arange(SIDE_BUCKETS) + LOW_BUCKET + sign
-        edges = (torch.arange(LOW_BUCKET + 1) + sign, torch.arange(LOW_BUCKET + SIDE_BUCKETS, INF_BUCKET) + sign,
-                 torch.arange(INF_BUCKET, 1 << 16) + sign)
-        for edge in edges:
-            if bound[edge].isfinite().any() or bool((base[edge] != base[edge[0]]).any()):
-                raise ValueError("a bound of the map lies within 2^-23 of 0 or beyond 1")
-        inside = bound[buckets]
-        low = torch.where(inside.isfinite(), (inside.view(torch.int32) & 0x7FFF) ^ (0x7FFF if sign else 0), 0x7FFF)
-        beyond = torch.stack([base[edges[1][0]], base[edges[2][0]]]).to(torch.int32) << 15
-        words += [base[buckets].to(torch.int32) << 15 | (0x7FFF - low), beyond]
-    return torch.cat(words)
+    """The one-pass kernel's table (``encode`` in ``ipuft/engine/update_kernel.c``): an int32 word for each of the
+    2^17 buckets, read by a float's bits shifted right by 15. A word is ``base << 15 | (0x7FFF - low)``, ``low``
+    being the low 15 bits of the bucket's ``bound`` (mirrored in negative buckets, so that a larger value has larger
+    low bits; 0x7FFF where there is none, and in the NaNs' buckets), so that adding a float's own low 15 bits
+    (mirrored likewise) carries into bit 15 exactly when it lies above the bound: the code is that sum shifted
+    right by 15, for every float32, as :func:`encode` gives it. 512 KiB, of which a block's values read the
+    kilobyte of each exponent they have."""
+    negative = torch.arange(1 << (32 - BUCKET_SHIFT)) >= 1 << (31 - BUCKET_SHIFT)
+    own = (bound.view(torch.int32) & 0x7FFF) ^ torch.where(negative, 0x7FFF, 0)
+    low = torch.where(bound.isfinite(), own, 0x7FFF)
+    return (base.to(torch.int32) << 15 | (0x7FFF - low)).to(torch.int32)
 
 
 def encode(x: torch.Tensor, base: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
