@@ -214,6 +214,18 @@ def test_the_kernel_encodes_every_float_next_to_a_bound_as_the_codebook(signed, 
 
 
 @needs_kernel
+def test_the_kernel_refuses_a_table_it_would_read_past():
+    """The kernel reads a map's table at ``bits >> 15``: a shorter one (the 46 KiB layout of before) is refused
+    before any read."""
+    book = Codebook(True)
+    values, base, bound, words = book.tables(torch.device("cpu"))
+    assert words.numel() == 1 << 17 and words.dtype == torch.int32
+    x, codes = torch.zeros(64), torch.empty(64, dtype=torch.uint8)
+    with pytest.raises(AssertionError):
+        fused.encode8_(codes, x, (values, base, bound, words[: 2 * (23 * 256 + 3)].clone()))
+
+
+@needs_kernel
 @pytest.mark.parametrize(("dtype", "grad_dtype"), [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                                    (torch.bfloat16, torch.float32), (torch.float16, torch.float16)],
                          ids=["float32", "bf16-sr", "bf16-sr-float32-grad", "fp16-sr-general-loop"])

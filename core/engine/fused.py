@@ -41,6 +41,7 @@ SOURCE = Path(__file__).with_name("update_kernel.c")
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fPIC", "-shared", "-pthread"]
 MODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the weight's dtype; 16-bit: rounded stochastically
 MAX_BLOCK = 4096  # the kernel's largest 8-bit block
+WORDS = 1 << 17  # an 8-bit map's table: a word for each float32 bucket (bits >> 15)
 MIN_THREAD_ELEMENTS = 1 << 15  # fewer elements a thread than this: fewer threads (starting one costs ~20 µs)
 
 _HYPER = ("factor", "beta1", "one_minus_beta1", "beta2", "one_minus_beta2", "sqrt_bias2", "eps", "floor", "decay",
@@ -187,6 +188,7 @@ def encode8_(codes: torch.Tensor, x: torch.Tensor, tables: tuple[torch.Tensor, .
     (the last of its :class:`~ipuft_optim_adamw8bit.quantize.Codebook`'s ``tables``)."""
     assert x.dtype == torch.float32 and codes.dtype == torch.uint8 and x.is_contiguous() and codes.is_contiguous()
     assert codes.numel() == x.numel()
+    assert tables[3].numel() == WORDS and tables[3].dtype == torch.int32 and tables[3].is_contiguous()
     library().ipuft_encode8(x.numel(), x.data_ptr(), codes.data_ptr(), tables[3].data_ptr())
 
 
@@ -203,6 +205,9 @@ def adamw8bit_(weight: torch.Tensor, grad: torch.Tensor, codes: dict[str, torch.
         assert codes[k].numel() == n and codes[k].dtype == torch.uint8 and codes[k].is_contiguous()
         assert absmax[k].numel() == -(-n // block) and absmax[k].dtype == torch.float32 and absmax[k].is_contiguous()
     (m_values, *_, m_words), (v_values, *_, v_words) = tables["m"], tables["v"]
+    for values, words in ((m_values, m_words), (v_values, v_words)):  # the kernel reads words[bits >> 15]
+        assert values.numel() == 256 and values.dtype == torch.float32 and values.is_contiguous()
+        assert words.numel() == WORDS and words.dtype == torch.int32 and words.is_contiguous()
     done = library().ipuft_adamw8bit(
         n, weight.data_ptr(), MODES[weight.dtype], grad.data_ptr(), MODES[grad.dtype], codes["m"].data_ptr(),
         codes["v"].data_ptr(),

@@ -229,7 +229,7 @@ static void *adamw_range(void *arg) {
    above that bound (see code_words in ipuft_optim_adamw8bit/quantize.py). Every float32, NaN and +-inf included,
    gets the torch ops' code. Branch-free: one read by a shift of the bits. The table is 512 KiB, but a block's
    values read only the kilobyte of each exponent they have; a table of only the buckets from 2^-23 to 1 (46 KiB)
-   took 9 operations to clamp the index, and its encoding 1.25x the time on Zen 3 (2026-12-07). */
+   took 9 operations to clamp the index, and its encoding 1.23x the time on Zen 3 (2026-12-07). */
 static inline uint8_t encode(uint32_t bits, const uint32_t *table) {
     uint32_t neg = (uint32_t)((int32_t)bits >> 31);
     return (uint8_t)((table[bits >> 15] + ((bits ^ neg) & 0x7FFFu)) >> 15);
