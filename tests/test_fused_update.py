@@ -148,8 +148,8 @@ def test_bfloat16_rounds_its_largest_values_inf_and_nan_as_the_ops_in_any_chunk(
     """The consecutive loop rounds chunks of 64 by the plain stochastic sum and takes the branch to nearest only
     for a chunk holding a value next to bfloat16's largest, an infinity or a NaN: such values at a chunk's start
     and end, alone or several in one chunk, and in the loop's tail (the last thread's range ends 9 elements past a
-    chunk), round as the ops do; so do their chunks' ordinary neighbours. A NaN stays NaN, with other bits: the
-    ops' float formulation writes 0xFFFF, the kernel bfloat16's quiet NaN 0x7FC0 (as it did before the chunks)."""
+    chunk), round as the ops do; so do their chunks' ordinary neighbours. A NaN stays NaN with the ops' bits
+    (torch's conversion's, which depend on its CPU capability: 0xFFFF with AVX2 and AVX-512, 0x7FC0 without)."""
     opt = AdamW(0.9, 0.999, 1e-6, weight_decay=0.0)
     # a step of about 1e36, bfloat16's largest 3.39e38 a step of 1.3e36: the largest move past it (their float32
     # values between it and infinity, where the plain sum would carry into infinity) or below it
@@ -167,9 +167,7 @@ def test_bfloat16_rounds_its_largest_values_inf_and_nan_as_the_ops_in_any_chunk(
     kernel = {k: t.clone() for k, t in start.items()}
     fused.adamw_(kernel["w"], kernel["g"], kernel["m"], kernel["v"], opt.scalars("w", ctx, ctx.grad_factor),
                  (KEY, 0))
-    nan = kernel["w"].isnan()
-    assert nan.nonzero().flatten().tolist() == ops["w"].isnan().nonzero().flatten().tolist() == [67, THREADED - 25]
-    kernel["w"][nan] = ops["w"][nan] = 0.0
+    assert ops["w"].isnan().nonzero().flatten().tolist() == [67, THREADED - 25]
     assert_same_bits(kernel, ops)
     assert bits(kernel["w"][[0, 65, 66]]).tolist() == [0x7F7F, 0x7F80, -128]  # to nearest: unchanged, +inf, -inf
 
@@ -308,7 +306,8 @@ def test_the_8bit_kernel_decodes_every_code_at_every_position_as_the_ops(dtype, 
 def test_the_8bit_bfloat16_loop_rounds_its_largest_values_inf_and_nan_as_the_ops_in_any_chunk(build):
     """The 8-bit update's bfloat16 loop rounds in chunks of 64 as the float32-moment one does: values next to
     bfloat16's largest, infinities and a NaN at a chunk's ends, several in one chunk, and in a block's short tail,
-    round as the ops do (NaN bits aside, as in the test above); so do their neighbours, and the codes match."""
+    round as the ops do (a NaN with the ops' bits, as in the test above); so do their neighbours, and the codes
+    match."""
     block, n = 256, 3 * 256 + 100
     opt = AdamW8bit(0.9, 0.999, 1e-6, 0.0, block)
     ctx = StepContext(lr=1e36, step=2, global_norm=1.0, grad_factor=0.5)
@@ -330,9 +329,7 @@ def test_the_8bit_bfloat16_loop_rounds_its_largest_values_inf_and_nan_as_the_ops
         else:
             assert opt.fused_step(["h.0.mlp.weight"], [weight], [grad], [state], ctx, [(KEY, 0)])
         out[way] = {"w": weight} | state
-    nan = out["kernel"]["w"].isnan()
-    assert nan.nonzero().flatten().tolist() == out["ops"]["w"].isnan().nonzero().flatten().tolist() == [67]
-    out["kernel"]["w"][nan] = out["ops"]["w"][nan] = 0.0
+    assert out["ops"]["w"].isnan().nonzero().flatten().tolist() == [67]
     assert_same_bits(out["kernel"], out["ops"])
     assert bits(out["kernel"]["w"][[65, 66]]).tolist() == [0x7F80, -128]
 

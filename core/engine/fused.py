@@ -112,7 +112,11 @@ def _build() -> ctypes.CDLL:
                                     i64, p, i32, i64]
     lib.ipuft_encode8.argtypes = [i64, p, p, p]
     lib.ipuft_openmp.argtypes = []
-    lib.ipuft_adamw.restype = lib.ipuft_adamw8bit.restype = lib.ipuft_encode8.restype = lib.ipuft_openmp.restype = i32
+    lib.ipuft_set_bf16_nan.argtypes = [u32]
+    for name in ("ipuft_adamw", "ipuft_adamw8bit", "ipuft_encode8", "ipuft_openmp", "ipuft_set_bf16_nan"):
+        getattr(lib, name).restype = i32
+    # a NaN weight gets the bits the ops' conversion gives it (torch's own depend on its CPU capability)
+    lib.ipuft_set_bf16_nan(torch.tensor([float("nan")]).bfloat16().view(torch.int16).item() & 0xFFFF)
     return lib
 
 

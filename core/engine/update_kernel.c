@@ -56,8 +56,13 @@ static inline uint32_t bits_of(const job_t *j, int64_t i, uint32_t high0) {
 
 static inline uint32_t as_bits(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
 
+/* The bits torch's CPU conversion writes for any NaN it makes bfloat16, which depend on its CPU capability (0xFFFF
+   with AVX2 and AVX-512, 0x7FC0 in its default build): set once at load by ipuft_set_bf16_nan, so that a NaN weight
+   has the ops' bits too. */
+static uint16_t bf16_nan = 0x7FC0;
+
 static inline uint16_t nearest_bf16(uint32_t u) {
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return bf16_nan;
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
@@ -500,6 +505,12 @@ int ipuft_openmp(void) {
 #else
     return 0;
 #endif
+}
+
+/* The bits of a bfloat16 NaN (see bf16_nan); called before any update. */
+int ipuft_set_bf16_nan(uint32_t bits) {
+    bf16_nan = (uint16_t)bits;
+    return 0;
 }
 
 int ipuft_adamw(int64_t n, void *weight, int mode, const void *grad, int grad_mode, float *m, float *v,
