@@ -8,7 +8,7 @@ import pytest
 from cli_helpers import run_cli
 
 from ipuft.engine.model import build_model
-from ipuft.plan.flops import step_flops, utilisation
+from ipuft.plan.flops import _repeated, step_flops, utilisation
 from ipuft.plan.measure import unit_cost
 
 
@@ -79,3 +79,11 @@ def test_plan_bench_and_metrics_report_them(capsys, hooks, make_config, tmp_path
         record = json.loads(line)
         assert record["model_flops_per_s"] == pytest.approx(expected.model / record["step_time_s"])
         assert record["recompute_flops_per_s"] == pytest.approx(expected.recompute / record["step_time_s"])
+
+
+def test_a_matmul_is_repeated_at_least_three_times_and_for_the_seconds_asked():
+    """Runs until their seconds reach the time asked, and never fewer than three (a run's seconds are exact
+    binary fractions here, so that the total is exact)."""
+    assert _repeated(lambda: 0.25, 1.0) == [0.25] * 4
+    assert _repeated(lambda: 0.125, 1.0 - 2**-10) == [0.125] * 8
+    assert _repeated(lambda: 2.0, 1.0) == [2.0] * 3
