@@ -167,41 +167,34 @@ __attribute__((noinline)) static void adam_float32(const hyper_t *restrict hp, f
     for (int64_t i = 0; i < count; i++) w[i] = adam(&h, w[i], grad[i], m + i, v + i);
 }
 
-/* bfloat16 weights, counters from `first` within one 2^32 span (their high half `high`): the branches hoisted, so
-   that it vectorises (the same arithmetic and bits as adamw_range's general loop); not inlined, which would drop
-   its vector width. */
-WIDE_VECTORS __attribute__((noinline)) static void adamw_bf16_consecutive(const job_t *j, const hyper_t *hp,
-                                                                          uint32_t high) {
+/* bfloat16 weights, counters from `first` within one 2^32 span (their high half `high`), the gradient of
+   grad_mode (a constant where it is inlined): the branches hoisted, so that it vectorises (the same arithmetic and
+   bits as adamw_range's general loop). */
+__attribute__((always_inline)) static inline void adamw_bf16_loop(const job_t *j, const hyper_t *hp, int grad_mode,
+                                                                  uint32_t high) {
     const hyper_t h = *hp;
     float *m = j->m, *v = j->v;
     uint16_t *w = j->weight;
+    const void *grad = j->grad;
     uint32_t low = (uint32_t)(j->first + j->lo), key = j->key;
     int64_t i = j->lo;
-    if (j->grad_mode == W_FLOAT32) {
-        const float *grad = j->grad;
-        for (; i + SR_CHUNK <= j->hi; i += SR_CHUNK, low += SR_CHUNK) {
-            uint32_t u[SR_CHUNK], large = 0;
-            for (int k = 0; k < SR_CHUNK; k++) {
-                u[k] = as_bits(adam(&h, bf16_value(w[i + k]), grad[i + k], m + i + k, v + i + k));
-                large |= to_nearest(u[k]);
-            }
-            sr_bf16_chunk(w + i, u, large, low, key, high);
+    for (; i + SR_CHUNK <= j->hi; i += SR_CHUNK, low += SR_CHUNK) {
+        uint32_t u[SR_CHUNK], large = 0;
+        for (int k = 0; k < SR_CHUNK; k++) {
+            u[k] = as_bits(adam(&h, bf16_value(w[i + k]), load(grad, grad_mode, i + k), m + i + k, v + i + k));
+            large |= to_nearest(u[k]);
         }
-        for (; i < j->hi; i++, low++)
-            w[i] = sr_bf16(adam(&h, bf16_value(w[i]), grad[i], m + i, v + i), random_bits(low, key, high));
-    } else {
-        const uint16_t *grad = j->grad;
-        for (; i + SR_CHUNK <= j->hi; i += SR_CHUNK, low += SR_CHUNK) {
-            uint32_t u[SR_CHUNK], large = 0;
-            for (int k = 0; k < SR_CHUNK; k++) {
-                u[k] = as_bits(adam(&h, bf16_value(w[i + k]), bf16_value(grad[i + k]), m + i + k, v + i + k));
-                large |= to_nearest(u[k]);
-            }
-            sr_bf16_chunk(w + i, u, large, low, key, high);
-        }
-        for (; i < j->hi; i++, low++)
-            w[i] = sr_bf16(adam(&h, bf16_value(w[i]), bf16_value(grad[i]), m + i, v + i), random_bits(low, key, high));
+        sr_bf16_chunk(w + i, u, large, low, key, high);
     }
+    for (; i < j->hi; i++, low++)
+        w[i] = sr_bf16(adam(&h, bf16_value(w[i]), load(grad, grad_mode, i), m + i, v + i), random_bits(low, key, high));
+}
+
+/* adamw_bf16_loop for a float32 or a bfloat16 gradient; not inlined, which would drop its vector width. */
+WIDE_VECTORS __attribute__((noinline)) static void adamw_bf16_consecutive(const job_t *j, const hyper_t *hp,
+                                                                          uint32_t high) {
+    if (j->grad_mode == W_FLOAT32) adamw_bf16_loop(j, hp, W_FLOAT32, high);
+    else adamw_bf16_loop(j, hp, W_BFLOAT16_SR, high);
 }
 
 static void *adamw_range(void *arg) {
