@@ -106,11 +106,13 @@ static inline float adam(const hyper_t *h, float w, float grad, float *m, float 
     return w * h->decay + (mm / d) * h->step;
 }
 
+static inline float bf16_value(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
+
 /* Element i of a float32, bfloat16 or float16 (by mode) tensor, as float32 (exact). */
 static inline float load(const void *p, int mode, int64_t i) {
     if (mode == W_FLOAT32) return ((const float *)p)[i];
     uint32_t u = (uint32_t)((const uint16_t *)p)[i], r;
-    if (mode == W_BFLOAT16_SR) { u <<= 16; float f; memcpy(&f, &u, 4); return f; }
+    if (mode == W_BFLOAT16_SR) return bf16_value((uint16_t)u);
     uint32_t sign = (u & 0x8000u) << 16, e = (u >> 10) & 0x1Fu, man = u & 0x3FFu;
     if (e == 0x1F) r = sign | 0x7F800000u | (man << 13);
     else if (e) r = sign | ((e + 112u) << 23) | (man << 13);
@@ -124,8 +126,6 @@ static inline void store_weight(const job_t *j, int64_t i, float w, uint32_t hig
     else if (j->mode == W_BFLOAT16_SR) ((uint16_t *)j->weight)[i] = sr_bf16(w, bits_of(j, i, high0));
     else ((uint16_t *)j->weight)[i] = sr_fp16(w, bits_of(j, i, high0));
 }
-
-static inline float bf16_value(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
 
 /* SR_CHUNK weights' float32 bits u rounded stochastically into w by consecutive counters from `low` (their high
    half `high`), `large` if any is to_nearest: sr_bf16 element for element, its branch for those values taken
